@@ -1,0 +1,1 @@
+"""pagechat's engine: model, paged KV blocks, scheduler, sampler and speculation."""

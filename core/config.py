@@ -1,0 +1,52 @@
+"""EngineConfig: the settings one engine runs under (device, dtype, KV pool, batch limits)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagechat.core.errors import PagechatError
+
+_UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20, "MB": 2**20,
+          "MIB": 2**20, "G": 2**30, "GB": 2**30, "GIB": 2**30}
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """How the engine runs: device and dtype, KV pool size, and the scheduler's per-step limits."""
+
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    block_size: int = 16
+    kv_blocks: int | None = None  # fixed pool size; wins over kv_memory
+    kv_memory: int | None = None  # bytes for the KV pool; default: see kv.default_kv_bytes
+    max_batch_tokens: int = 2048  # tokens computed per step (prefill chunks + decodes)
+    max_seqs: int = 64
+    prefix_cache: bool = True
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+
+    def validate(self) -> "EngineConfig":
+        """Raise PagechatError naming the first bad setting; return self when all are valid."""
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise PagechatError(f"--device must be auto, cpu or cuda, got {self.device!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise PagechatError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        for name, value in (("--block-size", self.block_size), ("--max-batch-tokens", self.max_batch_tokens),
+                            ("--max-seqs", self.max_seqs), ("--kv-blocks", self.kv_blocks or 1),
+                            ("--kv-memory", self.kv_memory or 1)):
+            if value < 1:
+                raise PagechatError(f"{name} must be >= 1, got {value}")
+        return self
+
+
+def parse_bytes(text: str) -> int:
+    """'2GiB' / '512M' / '1048576' -> bytes; PagechatError on anything else."""
+    s = text.strip().upper().replace(" ", "")
+    num = s.rstrip("KMGIB")
+    unit = s[len(num):]
+    try:
+        value = float(num)
+    except ValueError:
+        value = -1.0
+    if unit not in _UNITS or value <= 0:
+        raise PagechatError(f"cannot read {text!r} as a size; write e.g. 2GiB, 512MiB or 1000000")
+    return int(value * _UNITS[unit])

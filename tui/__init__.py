@@ -1,0 +1,1 @@
+"""pagechat's command line and terminal app."""
