@@ -1,0 +1,240 @@
+"""Sampler: repetition penalty, temperature, top-k / top-p / min-p, seeded draws and candidate records.
+
+Semantics follow transformers' RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
+TopKLogitsWarper, TopPLogitsWarper and MinPLogitsWarper (min_tokens_to_keep=1), applied in that
+order, but vectorised across rows so every row may carry its own settings.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from pagechat.core.params import SamplingParams
+
+_CUT_BY = (None, "top-k", "top-p", "min-p")  # index = the cut code used below
+_NEG_INF = float("-inf")
+
+
+@dataclass(slots=True)
+class SampleRow:
+    """What the sampler needs to know about one row of logits."""
+
+    seq_id: int
+    params: SamplingParams
+    history: list[int]  # prompt + output token ids so far (for the repetition penalty)
+    generator: torch.Generator | None  # on the logits' device; None -> torch's global RNG
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One token in the sampling panel: its logit, probability and which filter (if any) cut it."""
+
+    token_id: int
+    text: str  # the token's text as the tokenizer decodes it alone
+    logit: float  # after repetition penalty, before temperature
+    prob: float  # softmax(logit / T) over the whole vocabulary, before any filter (T = 1 when greedy)
+    cum_prob: float  # cumulative prob down the candidate list (sorted by logit, descending)
+    kept: bool  # survived the filters; a greedy row keeps only its argmax
+    cut_by: str | None  # "top-k" | "top-p" | "min-p": the first filter that cut it; None if kept / greedy
+    chosen: bool
+
+
+@dataclass(frozen=True, slots=True)
+class SampleRecord:
+    """The sampler's own record of one sampled token: what the UI's sampling panel shows."""
+
+    seq_id: int
+    token_id: int
+    candidates: tuple[Candidate, ...]  # top-N by logit; the chosen token is appended if outside it
+    params: SamplingParams  # a copy of the params in force for this token
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
+    """A generator seeded for one request on `device`, or None (global RNG) when there is no seed."""
+    return None if seed is None else torch.Generator(device=device).manual_seed(seed)
+
+
+def _column(values: list, like: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    return torch.tensor(values, dtype=dtype, device=like.device).unsqueeze(1)
+
+
+def penalised_logits(logits: Tensor, rows: Sequence[SampleRow]) -> Tensor:
+    """A float32 copy of `logits` with each row's repetition penalty applied over its history."""
+    out = logits.float().clone()
+    hit = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1 and r.history]
+    if not hit:
+        return out
+    n, vocab = out.shape
+    dev = out.device
+    # One scatter for the whole batch: flat (row, token) pairs mark every token seen in a history.
+    tokens = torch.tensor(list(itertools.chain.from_iterable(rows[i].history for i in hit)), device=dev)
+    lengths = torch.tensor([len(rows[i].history) for i in hit], device=dev)
+    row_ids = torch.repeat_interleave(torch.tensor(hit, device=dev), lengths)
+    valid = (tokens >= 0) & (tokens < vocab)  # ids outside the vocabulary are skipped
+    seen = torch.zeros(n, vocab, dtype=torch.bool, device=dev)
+    seen[row_ids[valid], tokens[valid]] = True
+    pen = _column([r.params.repetition_penalty for r in rows], out)
+    return torch.where(seen, torch.where(out < 0, out * pen, out / pen), out)
+
+
+def _process(logits: Tensor, rows: Sequence[SampleRow]) -> tuple[Tensor, Tensor, list[Tensor | None]]:
+    """(penalised logits, processed logits, [top-k, top-p, min-p] removal masks, None if not applied)."""
+    pen = penalised_logits(logits, rows)
+    vocab = pen.shape[1]
+    # Greedy rows ride along with neutral settings, so their processed logits are the penalised ones.
+    ps = [r.params for r in rows]
+    temps = [1.0 if p.greedy else p.temperature for p in ps]
+    ks = [0 if p.greedy or p.top_k >= vocab else p.top_k for p in ps]
+    tops = [1.0 if p.greedy else p.top_p for p in ps]
+    min_ps = [0.0 if p.greedy else p.min_p for p in ps]
+    x = pen / _column(temps, pen) if any(t != 1 for t in temps) else pen
+    cuts: list[Tensor | None] = [None, None, None]
+    if any(ks):
+        k = torch.tensor(ks, device=pen.device).unsqueeze(1)
+        kth = x.topk(max(ks), dim=-1).values.gather(1, (k - 1).clamp(min=0))
+        removed = (x < kth) & (k > 0)  # ties with the k-th value survive, as in transformers
+        x = x.masked_fill(removed, _NEG_INF)
+        cuts[0] = removed
+    if any(t < 1 for t in tops):
+        # Ascending, with torch's default (unstable) sort, exactly as transformers' TopPLogitsWarper:
+        # the cumulative sums match it bit for bit and tied logits at the boundary break the same way.
+        sorted_x, order = torch.sort(x, dim=-1)
+        cum = sorted_x.softmax(dim=-1).cumsum(dim=-1)
+        # 1 - p in double, then float32: the same threshold transformers compares against.
+        drop = cum <= _column([1 - t for t in tops], pen)
+        drop &= _column([t < 1 for t in tops], pen, torch.bool)  # top_p == 1 is off, as in transformers
+        drop[:, -1] = False  # min_tokens_to_keep=1: the top token always stays
+        removed = torch.zeros_like(drop).scatter_(1, order, drop)
+        x = x.masked_fill(removed, _NEG_INF)
+        cuts[1] = removed
+    if any(m > 0 for m in min_ps):
+        probs = x.softmax(dim=-1)
+        # The top token is never below min_p * max (min_p <= 1), so it always stays.
+        removed = probs < _column(min_ps, pen) * probs.amax(dim=-1, keepdim=True)
+        x = x.masked_fill(removed, _NEG_INF)
+        cuts[2] = removed
+    return pen, x, cuts
+
+
+def processed_logits(logits: Tensor, rows: Sequence[SampleRow]) -> Tensor:
+    """Penalty, temperature and filters applied; cut entries are -inf. (For greedy rows: penalised logits.)"""
+    return _process(logits, rows)[1]
+
+
+def _probs(pen: Tensor, x: Tensor, rows: Sequence[SampleRow]) -> Tensor:
+    probs = x.softmax(dim=-1)
+    greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+    if greedy:
+        g = torch.tensor(greedy, device=pen.device)
+        probs[g] = 0.0
+        probs[g, pen[g].argmax(dim=-1)] = 1.0
+    return probs
+
+
+def target_probs(logits: Tensor, rows: Sequence[SampleRow]) -> Tensor:
+    """The exact distribution each row samples from ([n, V], rows sum to 1); greedy rows are one-hot at the argmax."""
+    pen, x, _ = _process(logits, rows)
+    return _probs(pen, x, rows)
+
+
+def draw_from(probs: Tensor, generators: Sequence[torch.Generator | None]) -> Tensor:
+    """One token per row of `probs` ([n, V], rows sum to ~1) by inverse CDF; row i uses generators[i]."""
+    # One uniform per row from that row's own generator (so a seeded row's tokens do not depend on
+    # the batch), then a batched search of the float64 CDF. torch.multinomial would do the same draw
+    # but costs ~10 ms per 150k-token row on CPU; this is a cumsum and two searchsorted calls.
+    n, dev = probs.shape[0], probs.device
+    u = torch.empty(n, 1, dtype=torch.float64, device=dev)
+    free = [i for i, g in enumerate(generators) if g is None]
+    for i, g in enumerate(generators):
+        if g is not None:
+            u[i] = torch.rand(1, dtype=torch.float64, generator=g, device=dev)
+    if free:
+        u[torch.tensor(free, device=dev)] = torch.rand(len(free), 1, dtype=torch.float64, device=dev)
+    cdf = probs.double().cumsum(dim=-1)
+    total = cdf[:, -1:].contiguous()
+    picked = torch.searchsorted(cdf, u * total, right=True)  # first token whose CDF exceeds the target
+    # u * total can round up to total: fall back to the last token with nonzero probability.
+    last = torch.searchsorted(cdf, total, right=False)
+    return torch.minimum(picked, last).squeeze(1)
+
+
+class Sampler:
+    """Picks one token per row and records the candidates it saw, for the sampling panel."""
+
+    def __init__(self, token_text: Callable[[int], str]) -> None:
+        self._token_text = token_text
+        self._texts: dict[int, str] = {}  # decoding one token at a time is slow; texts never change
+
+    def text(self, token_id: int) -> str:
+        """The token's text as decoded alone (cached)."""
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self._token_text(token_id)
+        return text
+
+    def sample(self, logits: Tensor, rows: Sequence[SampleRow]) -> tuple[list[int], list[SampleRecord]]:
+        """One token per row (argmax for greedy rows, a seeded draw otherwise) and one record per row."""
+        if not rows:
+            return [], []
+        pen, x, cuts = _process(logits, rows)
+        tokens = self._draw(pen, x, rows)
+        chosen = tokens.tolist()
+        return chosen, self._records(pen, x, cuts, tokens, chosen, rows)
+
+    @staticmethod
+    def _draw(pen: Tensor, x: Tensor, rows: Sequence[SampleRow]) -> Tensor:
+        greedy = [r.params.greedy for r in rows]
+        tokens = pen.argmax(dim=-1) if any(greedy) else pen.new_zeros(len(rows), dtype=torch.long)
+        drawn = [i for i, g in enumerate(greedy) if not g]
+        if drawn:
+            idx = torch.tensor(drawn, device=x.device)
+            # Row-wise softmax of the processed logits: the numbers target_probs gives for these rows.
+            tokens[idx] = draw_from(x[idx].softmax(dim=-1), [rows[i].generator for i in drawn])
+        return tokens
+
+    def _records(self, pen: Tensor, x: Tensor, cuts: list[Tensor | None], tokens: Tensor,
+                 chosen: list[int], rows: Sequence[SampleRow]) -> list[SampleRecord]:
+        wants = [r.params.num_candidates for r in rows]
+        top_n = min(max(wants), pen.shape[1])
+        copies: dict[int, SamplingParams] = {}  # one copy per params object in this batch
+
+        def frozen(params: SamplingParams) -> SamplingParams:
+            if id(params) not in copies:
+                copies[id(params)] = copy.copy(params)
+            return copies[id(params)]
+
+        if top_n == 0:
+            return [SampleRecord(r.seq_id, t, (), frozen(r.params)) for r, t in zip(rows, chosen)]
+        # Everything per candidate is computed on an [n, N + 1] block (top N, then the chosen token),
+        # then read back with a few .tolist() calls: no tensor op per candidate.
+        temps = _column([1.0 if r.params.greedy else r.params.temperature for r in rows], pen)
+        ids = torch.cat([pen.topk(top_n, dim=-1).indices, tokens.unsqueeze(1)], dim=1)
+        logit = pen.gather(1, ids)
+        prob = (logit / temps - torch.logsumexp(pen / temps, dim=-1, keepdim=True)).exp()
+        greedy = _column([r.params.greedy for r in rows], pen, torch.bool)
+        kept = torch.where(greedy, ids == tokens.unsqueeze(1), x.gather(1, ids) > _NEG_INF)
+        # Cut code per candidate (index into _CUT_BY): the first filter, in order, whose mask removed it.
+        code = torch.zeros(ids.shape, dtype=torch.long, device=ids.device)
+        for c, removed in reversed(list(enumerate(cuts, 1))):
+            if removed is not None:
+                code.masked_fill_(removed.gather(1, ids), c)
+        code.masked_fill_(greedy, 0)
+        cols = zip(ids.tolist(), logit.tolist(), prob.tolist(), kept.tolist(), code.tolist())
+        records = []
+        for r, want, token, (i_, l_, p_, k_, c_) in zip(rows, wants, chosen, cols):
+            picks = list(range(min(want, top_n)))
+            if want and token not in i_[:want]:
+                picks.append(top_n)  # the chosen token's column
+            cum, cands = 0.0, []
+            for j in picks:
+                cum += p_[j]
+                cands.append(Candidate(i_[j], self.text(i_[j]), l_[j], p_[j], cum, k_[j],
+                                       _CUT_BY[c_[j]], i_[j] == token))
+            records.append(SampleRecord(r.seq_id, token, tuple(cands), frozen(r.params)))
+        return records
