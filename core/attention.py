@@ -1,0 +1,85 @@
+"""Paged attention: K/V are written through a slot mapping and read back only through block tables.
+
+The torch backend pads the step's ragged batch into [seqs, max_query, max_context] once per step (the
+gather index and masks are shared by every layer), then runs scaled_dot_product_attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+# enable_gqa arrived in torch 2.5; older torch repeats the K/V heads instead
+_SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Per-step tensors every layer's attention shares: where to write K/V and what each query reads."""
+
+    slot_mapping: torch.Tensor  # [T] pool slot of each new token
+    gather: torch.Tensor  # [B, max_ctx] pool slots of each sequence's context (padded with slot 0)
+    q_rows: torch.Tensor | None  # [T] row of each token in the padded [B * max_q] layout; None: no padding
+    q_pos: torch.Tensor  # [B, max_q] position of each padded query (-1 for padding)
+    num_seqs: int
+    max_q: int
+    _masks: dict = field(default_factory=dict)
+
+    def mask(self, window: int | None) -> torch.Tensor | None:
+        """[B, 1, max_q, max_ctx] bool: causal, within the context, and within the sliding window if any."""
+        if window not in self._masks:
+            k_pos = torch.arange(self.gather.shape[1], device=self.gather.device)
+            q = self.q_pos.unsqueeze(-1)
+            allowed = k_pos <= q
+            if window is not None:
+                allowed &= q - k_pos < window
+            # padding rows attend to slot 0 only, so softmax never sees an all-masked row (NaN)
+            allowed |= (q < 0) & (k_pos == 0)
+            self._masks[window] = allowed.unsqueeze(1)
+        return self._masks[window]
+
+
+def build_metadata(starts: list[int], counts: list[int], tables: list[list[int]], block_size: int,
+                   device: torch.device) -> AttentionMetadata:
+    """Metadata for sequences that compute `counts[i]` tokens after `starts[i]` already cached ones."""
+    b = len(starts)
+    max_q = max(counts)
+    ctx = [s + c for s, c in zip(starts, counts)]
+    max_ctx = max(ctx)
+    max_blocks = max(len(t) for t in tables)
+    table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long)
+    pos = torch.arange(max_ctx)
+    gather = table[:, pos // block_size] * block_size + pos % block_size
+    gather = torch.where(pos < torch.tensor(ctx).unsqueeze(1), gather, 0)
+    i = torch.arange(max_q)
+    starts_t, counts_t = torch.tensor(starts).unsqueeze(1), torch.tensor(counts).unsqueeze(1)
+    valid = i < counts_t
+    q_pos = torch.where(valid, starts_t + i, -1)
+    slot_mapping = gather.gather(1, torch.where(valid, starts_t + i, 0))[valid]
+    q_rows = None if bool(valid.all()) else valid.flatten().nonzero().squeeze(1).to(device)
+    return AttentionMetadata(slot_mapping=slot_mapping.to(device), gather=gather.to(device), q_rows=q_rows,
+                             q_pos=q_pos.to(device), num_seqs=b, max_q=max_q)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, meta: AttentionMetadata, window: int | None) -> torch.Tensor:
+    """Write this step's k/v [T, KV, D] into the caches [slots, KV, D], then attend q [T, H, D] -> [T, H, D]."""
+    k_cache.index_copy_(0, meta.slot_mapping, k)
+    v_cache.index_copy_(0, meta.slot_mapping, v)
+    t, h, d = q.shape
+    b, mq = meta.num_seqs, meta.max_q
+    if meta.q_rows is None:
+        qp = q.view(b, mq, h, d)
+    else:
+        qp = q.new_zeros(b * mq, h, d).index_copy_(0, meta.q_rows, q).view(b, mq, h, d)
+    keys = k_cache[meta.gather].transpose(1, 2)  # [B, KV, ctx, D]
+    values = v_cache[meta.gather].transpose(1, 2)
+    if not _SDPA_GQA and keys.shape[1] != h:
+        keys = keys.repeat_interleave(h // keys.shape[1], dim=1)
+        values = values.repeat_interleave(h // values.shape[1], dim=1)
+    extra = {"enable_gqa": True} if _SDPA_GQA else {}
+    out = F.scaled_dot_product_attention(qp.transpose(1, 2), keys, values, attn_mask=meta.mask(window), **extra)
+    out = out.transpose(1, 2).reshape(b * mq, h, d)
+    return out if meta.q_rows is None else out[meta.q_rows]

@@ -1,0 +1,194 @@
+"""Read a local Hugging Face checkpoint directory: config, safetensors weights and tokenizer.
+
+Every way a directory can be wrong ends in a one-line PagechatError that names the file.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from pagechat.core.errors import PagechatError
+
+SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """The architecture facts the engine's decoder needs, read from config.json."""
+
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None  # {"rope_type": "linear"|"llama3", ...} or None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    sliding_windows: tuple[int | None, ...]  # per layer
+    eos_token_ids: tuple[int, ...]
+    torch_dtype: str | None
+    quantization: dict | None
+
+
+def check_model_dir(path: Path) -> Path:
+    """The directory must exist and be a directory."""
+    if not path.exists():
+        raise PagechatError(f"model directory {path} does not exist")
+    if not path.is_dir():
+        raise PagechatError(f"{path} is a file, not a model directory (give the folder holding config.json)")
+    return path
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise PagechatError(f"cannot read {path}: {e}") from None
+
+
+def _rope(cfg: dict) -> tuple[float, dict | None]:
+    # transformers 5 keeps rope settings in rope_parameters (with rope_theta inside); 4.x in rope_theta + rope_scaling
+    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise PagechatError(f"config.json: rope type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+    return theta, (None if rope_type == "default" else {**params, "rope_type": rope_type})
+
+
+def _windows(cfg: dict, arch: str, n: int) -> tuple[int | None, ...]:
+    window = cfg.get("sliding_window")
+    layer_types = cfg.get("layer_types")
+    if window is None:
+        return (None,) * n
+    if layer_types:
+        return tuple(window if t == "sliding_attention" else None for t in layer_types)
+    if arch == "MistralForCausalLM":
+        return (window,) * n
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and cfg.get("use_sliding_window"):
+        first = cfg.get("max_window_layers", n)
+        return tuple(window if i >= first else None for i in range(n))
+    return (None,) * n
+
+
+def read_spec(model_dir: Path) -> ModelSpec:
+    """Parse config.json into a ModelSpec; refuse architectures and settings the engine does not run."""
+    path = check_model_dir(model_dir) / "config.json"
+    if not path.is_file():
+        raise PagechatError(f"{model_dir} has no config.json: is it a Hugging Face model directory?")
+    cfg = _read_json(path)
+    arch = (cfg.get("architectures") or ["?"])[0]
+    if arch not in SUPPORTED_ARCHS:
+        raise PagechatError(f"{path}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHS)})")
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise PagechatError(f"{path}: hidden_act {act!r} is not supported (only silu)")
+    try:
+        heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        n = int(cfg["num_hidden_layers"])
+        theta, scaling = _rope(cfg)
+        eos = cfg.get("eos_token_id")
+        gen = model_dir / "generation_config.json"
+        if gen.is_file():
+            eos = _read_json(gen).get("eos_token_id", eos)
+        is_qwen2 = arch == "Qwen2ForCausalLM"
+        return ModelSpec(
+            arch=arch, vocab_size=int(cfg["vocab_size"]), hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]), num_layers=n, num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=is_qwen2 or bool(cfg.get("attention_bias", False)),
+            o_bias=(not is_qwen2) and bool(cfg.get("attention_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)), qk_norm=arch == "Qwen3ForCausalLM",
+            sliding_windows=_windows(cfg, arch, n),
+            eos_token_ids=tuple([eos] if isinstance(eos, int) else (eos or [])),
+            torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+            quantization=cfg.get("quantization_config"),
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        raise PagechatError(f"{path}: missing or bad field {e}") from None
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a checkpoint (single or sharded); refuse pickle-only checkpoints."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(_read_json(index).get("weight_map", {}).values()))
+        missing = [n for n in names if not (model_dir / n).is_file()]
+        if missing:
+            raise PagechatError(f"{index} names {missing[0]}, which is not in {model_dir}")
+        return [model_dir / n for n in names]
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    pickles = sorted(p.name for p in model_dir.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
+    if pickles:
+        raise PagechatError(
+            f"{model_dir} holds only pickle weights ({pickles[0]}); pagechat loads safetensors only, because "
+            "unpickling can run arbitrary code. Convert once in a trusted environment: "
+            "AutoModelForCausalLM.from_pretrained(dir).save_pretrained(out, safe_serialization=True)")
+    raise PagechatError(f"{model_dir} has no model.safetensors (nor a sharded model.safetensors.index.json)")
+
+
+class WeightReader:
+    """Reads named tensors from a checkpoint's safetensors files, checking each name and shape."""
+
+    def __init__(self, model_dir: Path) -> None:
+        self.files = weight_files(model_dir)
+        self.where: dict[str, Path] = {}
+        self._handles = {}
+        for f in self.files:
+            try:
+                h = safe_open(str(f), framework="pt")
+            except Exception as e:  # safetensors raises its own error types for truncated / bad headers
+                raise PagechatError(f"{f} is truncated or not a safetensors file ({e})") from None
+            self._handles[f] = h
+            for k in h.keys():
+                self.where[k] = f
+
+    def has(self, name: str) -> bool:
+        return name in self.where
+
+    def get(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        """The tensor `name`; PagechatError if it is missing, unreadable or not of `shape`."""
+        f = self.where.get(name)
+        if f is None:
+            raise PagechatError(f"tensor {name} is missing from the checkpoint ({', '.join(p.name for p in self.files)})")
+        try:
+            t = self._handles[f].get_tensor(name)
+        except Exception as e:
+            raise PagechatError(f"{f.name}: cannot read tensor {name} ({e}); the file may be truncated") from None
+        if shape is not None and tuple(t.shape) != tuple(shape):
+            raise PagechatError(f"{f.name}: tensor {name} has shape {tuple(t.shape)}, config.json implies {tuple(shape)}")
+        return t
+
+
+def load_tokenizer(model_dir: Path):
+    """The checkpoint's own tokenizer, from local files only, never remote code."""
+    from transformers import AutoTokenizer  # slow import: only when a model is loaded
+
+    if not any((model_dir / n).is_file() for n in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        raise PagechatError(f"{model_dir} has no tokenizer (tokenizer.json, tokenizer.model or vocab.json)")
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True, trust_remote_code=False)
+    except Exception as e:
+        raise PagechatError(f"cannot load the tokenizer in {model_dir}: {str(e).splitlines()[0]}") from None

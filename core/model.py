@@ -1,0 +1,176 @@
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) in plain torch, over the paged KV pool.
+
+q/k/v and gate/up are fused into one matmul each at load time; weights come from safetensors.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagechat.core.attention import AttentionMetadata, paged_attention
+from pagechat.core.loader import ModelSpec, WeightReader
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in float32 like the reference implementation."""
+
+    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Linear:
+    """An nn.Linear holding the given (already loaded) weight; quant/ swaps these for its own layers."""
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    layer.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        layer.bias = nn.Parameter(bias, requires_grad=False)
+    return layer
+
+
+def dense_linear(w: WeightReader, names: list[str], out_sizes: tuple[int, ...], in_size: int, bias: bool,
+                 dtype: torch.dtype) -> nn.Linear:
+    """One nn.Linear whose output rows are the named checkpoint linears stacked in order (fused qkv, gate/up)."""
+    weight = torch.cat([w.get(f"{n}.weight", (o, in_size)).to(dtype) for n, o in zip(names, out_sizes)])
+    b = torch.cat([w.get(f"{n}.bias", (o,)).to(dtype) for n, o in zip(names, out_sizes)]) if bias else None
+    return linear(weight, b)
+
+
+# How decoder linears are built from the checkpoint: dense_linear here; quant/ provides loaders for
+# quantised checkpoints with the same signature, so fused layers stay fused whatever the format.
+LinearLoader = Callable[[WeightReader, list[str], tuple[int, ...], int, bool, torch.dtype], nn.Module]
+
+
+def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
+    """Inverse frequencies of the rotary embedding, with linear or llama3 scaling applied."""
+    d = spec.head_dim
+    inv = 1.0 / (spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    s = spec.rope_scaling
+    if s is None:
+        return inv
+    if s["rope_type"] == "linear":
+        return inv / s["factor"]
+    # llama3: keep high frequencies, divide low ones by factor, interpolate smoothly between them
+    factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+    smooth = (old / wavelen - lo) / (hi - lo)
+    medium = (wavelen >= old / hi) & (wavelen <= old / lo)
+    return torch.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Apply rotary position embedding (half-split layout) to x [T, heads, D]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    """Self-attention with fused qkv, optional q/k norm, rotary embedding and a sliding window."""
+
+    def __init__(self, spec: ModelSpec, w: WeightReader, p: str, dtype: torch.dtype, window: int | None,
+                 load: LinearLoader) -> None:
+        super().__init__()
+        h, kv, d, hid = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.hidden_size
+        self.sizes = (h * d, kv * d, kv * d)
+        self.heads, self.kv_heads, self.head_dim, self.window = h, kv, d, window
+        self.qkv_proj = load(w, [f"{p}.q_proj", f"{p}.k_proj", f"{p}.v_proj"], self.sizes, hid, spec.qkv_bias, dtype)
+        self.o_proj = load(w, [f"{p}.o_proj"], (hid,), h * d, spec.o_bias, dtype)
+        self.q_norm = self.k_norm = None
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(w.get(f"{p}.q_norm.weight", (d,)).to(dtype), spec.rms_norm_eps)
+            self.k_norm = RMSNorm(w.get(f"{p}.k_norm.weight", (d,)).to(dtype), spec.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        q = q.view(t, self.heads, self.head_dim)
+        k = k.view(t, self.kv_heads, self.head_dim)
+        v = v.view(t, self.kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        shape = (-1, self.kv_heads, self.head_dim)
+        out = paged_attention(q, k, v, kv[0].view(shape), kv[1].view(shape), meta, self.window)
+        return self.o_proj(out.reshape(t, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward with gate and up fused into one matmul."""
+
+    def __init__(self, spec: ModelSpec, w: WeightReader, p: str, dtype: torch.dtype, load: LinearLoader) -> None:
+        super().__init__()
+        hid, inter = spec.hidden_size, spec.intermediate_size
+        self.gate_up_proj = load(w, [f"{p}.gate_proj", f"{p}.up_proj"], (inter, inter), hid, spec.mlp_bias, dtype)
+        self.down_proj = load(w, [f"{p}.down_proj"], (hid,), inter, spec.mlp_bias, dtype)
+        self.inter = inter
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention and MLP blocks with residual connections."""
+
+    def __init__(self, spec: ModelSpec, w: WeightReader, i: int, dtype: torch.dtype, load: LinearLoader) -> None:
+        super().__init__()
+        p = f"model.layers.{i}"
+        norm = lambda name: RMSNorm(w.get(f"{p}.{name}.weight", (spec.hidden_size,)).to(dtype), spec.rms_norm_eps)  # noqa: E731
+        self.input_layernorm = norm("input_layernorm")
+        self.post_attention_layernorm = norm("post_attention_layernorm")
+        self.self_attn = Attention(spec, w, f"{p}.self_attn", dtype, spec.sliding_windows[i], load)
+        self.mlp = MLP(spec, w, f"{p}.mlp", dtype, load)
+
+    def forward(self, x, cos, sin, kv, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    """Embeddings, decoder layers, final norm and LM head; forward works on one flat ragged batch."""
+
+    def __init__(self, spec: ModelSpec, w: WeightReader, dtype: torch.dtype, max_len: int,
+                 load: LinearLoader = dense_linear) -> None:
+        super().__init__()
+        self.spec = spec
+        vh = (spec.vocab_size, spec.hidden_size)
+        self.embed_tokens = nn.Embedding(*vh, device="meta")
+        self.embed_tokens.weight = nn.Parameter(w.get("model.embed_tokens.weight", vh).to(dtype), requires_grad=False)
+        self.layers = nn.ModuleList(DecoderLayer(spec, w, i, dtype, load) for i in range(spec.num_layers))
+        self.norm = RMSNorm(w.get("model.norm.weight", (spec.hidden_size,)).to(dtype), spec.rms_norm_eps)
+        if spec.tie_word_embeddings or not w.has("lm_head.weight"):
+            self.lm_head = linear(self.embed_tokens.weight)
+        else:
+            self.lm_head = linear(w.get("lm_head.weight", vh).to(dtype))
+        freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), rope_inv_freq(spec))
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_pool: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm, for tokens input_ids [T] at positions [T]."""
+        x = self.embed_tokens(input_ids)
+        cos = self.cos[positions].to(x.dtype).unsqueeze(1)
+        sin = self.sin[positions].to(x.dtype).unsqueeze(1)
+        for layer, kv in zip(self.layers, kv_pool):
+            x = layer(x, cos, sin, kv, meta)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [n, vocab] for the given hidden rows."""
+        return self.lm_head(hidden).float()

@@ -1,0 +1,38 @@
+"""What one engine step tells the outside world: StepReport and the per-request TokenOutput inside it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagechat.core.blocks import BlockSnapshot
+from pagechat.core.sampler import SampleRecord
+
+
+@dataclass(frozen=True, slots=True)
+class TokenOutput:
+    """New output of one request in a step: the token ids added and the text they completed."""
+
+    request_id: int
+    token_ids: tuple[int, ...]
+    text_delta: str
+    finished: bool
+    finish_reason: str | None
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StepReport:
+    """Immutable record of one engine step: work done, time taken, outputs, and the engine's own state."""
+
+    step: int
+    kind: str  # "prefill" | "decode" | "mixed" | "idle"
+    num_seqs: int
+    prefill_tokens: int  # tokens computed from prompts (or recomputed after preemption)
+    decode_tokens: int  # single-token decodes
+    prefix_hit_tokens: int  # prompt tokens served from the prefix cache by admissions in this step
+    elapsed_s: float
+    outputs: tuple[TokenOutput, ...]
+    samples: tuple[SampleRecord, ...]
+    blocks: BlockSnapshot
+    preempted: tuple[int, ...]
+    attention_backend: str

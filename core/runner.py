@@ -1,0 +1,35 @@
+"""ModelRunner: turns a scheduled batch into one flat ragged forward pass and returns the logits that sample."""
+
+from __future__ import annotations
+
+import torch
+
+from pagechat.core.attention import build_metadata
+from pagechat.core.blocks import BlockManager
+from pagechat.core.model import DecoderModel
+from pagechat.core.scheduler import ScheduledSeq
+
+
+class ModelRunner:
+    """Runs the model over the KV pool for a list of scheduled chunks."""
+
+    def __init__(self, model: DecoderModel, pool: torch.Tensor, blocks: BlockManager, device: torch.device) -> None:
+        self.model, self.pool, self.blocks, self.device = model, pool, blocks, device
+
+    @torch.inference_mode()
+    def run(self, items: list[ScheduledSeq], logits_per_item: list[int]) -> torch.Tensor:
+        """Compute every item's chunk; return float32 logits for the last logits_per_item[i] tokens of each item."""
+        ids: list[int] = []
+        positions: list[int] = []
+        rows: list[int] = []
+        for it, n in zip(items, logits_per_item):
+            ids += it.seq.token_ids[it.start:it.start + it.count]
+            positions += range(it.start, it.start + it.count)
+            rows += range(len(ids) - n, len(ids))
+        meta = build_metadata([it.start for it in items], [it.count for it in items],
+                              [self.blocks.table(it.seq.seq_id) for it in items], self.blocks.block_size, self.device)
+        hidden = self.model(torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device),
+                            self.pool, meta)
+        if not rows:
+            return hidden.new_empty((0, self.model.spec.vocab_size), dtype=torch.float32)
+        return self.model.logits(hidden[torch.tensor(rows, device=self.device)])

@@ -1,0 +1,125 @@
+"""Continuous batching under a per-step token budget, with chunked prefill and preemption by recompute."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from pagechat.core.blocks import BlockManager
+from pagechat.core.sequence import Sequence, Status
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    """One sequence's share of a step: compute tokens [start, start + count) of its token_ids."""
+
+    seq: Sequence
+    start: int
+    count: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the end of the sequence, so its last logits pick a token."""
+        return self.start + self.count == len(self.seq.token_ids)
+
+
+@dataclass(slots=True)
+class Batch:
+    """What one engine step runs, and what the scheduler did to make room for it."""
+
+    items: list[ScheduledSeq] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write block pairs
+    preempted: list[Sequence] = field(default_factory=list)
+    failed: list[Sequence] = field(default_factory=list)  # can never fit the pool; error set
+    prefix_hit_tokens: int = 0  # prompt tokens that admissions found in the prefix cache
+
+
+class Scheduler:
+    """Admits waiting sequences and advances running ones, oldest first, within the step's limits."""
+
+    def __init__(self, blocks: BlockManager, max_batch_tokens: int, max_seqs: int) -> None:
+        self.blocks = blocks
+        self.max_batch_tokens = max_batch_tokens
+        self.max_seqs = max_seqs
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> Batch:
+        """Pick this step's chunks: running sequences first (decodes, unfinished prefills), then new ones."""
+        batch, budget = Batch(), self.max_batch_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            if not self._make_room(seq, batch):
+                continue  # seq itself was preempted or failed; the list shifted under i
+            count = min(len(seq.token_ids) - seq.num_computed, budget)
+            batch.items.append(ScheduledSeq(seq, seq.num_computed, count))
+            budget -= count
+            i += 1
+        # Admit new work only when nothing had to be preempted: memory is tight otherwise.
+        while self.waiting and budget > 0 and len(self.running) < self.max_seqs and not batch.preempted:
+            seq = self.waiting[0]
+            if self.blocks.blocks_needed(len(seq.token_ids) + 1) > self.blocks.num_blocks:
+                self.waiting.popleft()
+                self._fail(seq, batch, f"the request needs {len(seq.token_ids) + 1} tokens of KV but the whole pool "
+                                       f"holds {self.blocks.num_blocks * self.blocks.block_size}; raise --kv-blocks "
+                                       "or --kv-memory")
+                continue
+            if not self.blocks.can_allocate(seq.token_ids):
+                break
+            self.waiting.popleft()
+            hit = self.blocks.allocate(seq.seq_id, seq.token_ids)
+            seq.num_computed, seq.status = hit, Status.RUNNING
+            seq.num_cached_tokens += hit
+            batch.prefix_hit_tokens += hit
+            self.running.append(seq)
+            count = min(len(seq.token_ids) - hit, budget)
+            batch.items.append(ScheduledSeq(seq, hit, count))
+            budget -= count
+        return batch
+
+    def _make_room(self, seq: Sequence, batch: Batch) -> bool:
+        """Reserve slots for seq's new tokens, preempting the newest sequences if blocks run out."""
+        missing = len(seq.token_ids) - self.blocks.length(seq.seq_id)
+        if missing <= 0:
+            return True
+        while not self.blocks.can_append(seq.seq_id, missing):
+            if self.running == [seq]:
+                self._fail(seq, batch, f"the KV pool ({self.blocks.num_blocks} blocks of {self.blocks.block_size} "
+                                       "tokens) is full with this request alone; raise --kv-blocks or --kv-memory")
+                return False
+            victim = self.running[-1]
+            self.preempt(victim)
+            batch.preempted.append(victim)
+            if victim is seq:
+                return False
+        batch.copies += self.blocks.append(seq.seq_id, missing)
+        return True
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free seq's blocks and put it at the front of the queue; it is recomputed when readmitted."""
+        self.running.remove(seq)
+        self.blocks.free(seq.seq_id)
+        seq.status, seq.num_computed = Status.WAITING, 0
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Release a finished or aborted sequence wherever it is."""
+        if seq in self.running:
+            self.running.remove(seq)
+            self.blocks.free(seq.seq_id)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = Status.FINISHED
+
+    def _fail(self, seq: Sequence, batch: Batch, message: str) -> None:
+        self.finish(seq)
+        seq.finish_reason, seq.error = "error", message
+        batch.failed.append(seq)

@@ -1,0 +1,51 @@
+"""Sequence: one request's tokens, progress through the KV pool, and its output text."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from pagechat.core.params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """A request as the scheduler sees it: prompt + generated ids and how many have KV in the pool."""
+
+    seq_id: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    arrival: float
+    generator: torch.Generator | None = None
+    status: Status = Status.WAITING
+    num_computed: int = 0  # tokens whose K/V are in the pool
+    num_cached_tokens: int = 0  # tokens served from the prefix cache (over all admissions)
+    num_preemptions: int = 0
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    text: str = ""  # detokenised output so far (stop strings already cut)
+    emitted: int = 0  # chars of text handed out as stream deltas
+    detok: list[int] = field(default_factory=lambda: [0, 0])  # prefix / read offsets of incremental decode
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED

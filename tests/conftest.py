@@ -1,0 +1,21 @@
+"""Shared fixtures: tiny random checkpoints of every supported architecture, made once per test session."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagechat.core.make_model import make_model
+
+ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict:
+    """arch -> directory of a tiny random checkpoint (transformers' own classes, fp32)."""
+    root = tmp_path_factory.mktemp("models")
+    return {arch: make_model(root / arch, arch, "tiny", seed=1) for arch in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_models):
+    return tiny_models["llama"]

@@ -1,0 +1,126 @@
+"""The engine against transformers: same checkpoint, fp32, greedy tokens equal and prefill logits close.
+
+Every scenario that changes how the engine computes (continuous batch, 7-token prefill chunks, a pool so
+small that sequences are preempted, a prefix served from the cache) must still produce transformers' tokens.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from pagechat.core.config import EngineConfig
+from pagechat.core.engine import Engine
+from pagechat.core.params import SamplingParams
+from pagechat.core.scheduler import ScheduledSeq
+from pagechat.core.sequence import Sequence
+
+from conftest import ARCHS
+
+NEW_TOKENS = 32
+PROMPTS = [
+    "Hi",
+    "The KV cache keeps keys and values of every token, block by block.",
+    "Continuous batching lets new requests join the running batch at the next step, while long prompts are "
+    "prefilled in chunks so that decoding sequences are not starved; preemption frees blocks when they run out.",
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+def fp32(**kw) -> EngineConfig:
+    return EngineConfig(device="cpu", dtype="float32", **kw)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_models):
+    """arch -> (hf model, prompt ids, greedy continuations from transformers' generate)."""
+    out = {}
+    for arch, path in tiny_models.items():
+        hf = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32).eval()
+        engine = Engine(path, fp32())
+        prompts = [engine.tokenizer(p).input_ids for p in PROMPTS]
+        gen = copy.deepcopy(hf.generation_config)
+        gen.eos_token_id = None  # like --ignore-eos: always NEW_TOKENS tokens
+        conts = []
+        for ids in prompts:
+            with torch.no_grad():
+                res = hf.generate(torch.tensor([ids]), generation_config=gen, max_new_tokens=NEW_TOKENS,
+                                  do_sample=False, attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+            conts.append(res[0, len(ids):].tolist())
+        out[arch] = (hf, prompts, conts)
+    return out
+
+
+def run(path, prompts, **cfg):
+    engine = Engine(path, fp32(**cfg))
+    seqs = engine.generate(prompts, GREEDY)
+    return engine, [s.output_ids for s in seqs]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_single_requests_match(arch, tiny_models, reference):
+    _, prompts, conts = reference[arch]
+    for ids, expected in zip(prompts, conts):
+        assert run(tiny_models[arch], [ids])[1] == [expected]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefill_logits_match(arch, tiny_models, reference):
+    hf, prompts, _ = reference[arch]
+    engine = Engine(tiny_models[arch], fp32(max_batch_tokens=7))
+    for i, ids in enumerate(prompts):
+        with torch.no_grad():
+            want = hf(torch.tensor([ids])).logits[0]
+        seq = Sequence(100 + i, list(ids), len(ids), GREEDY, 0.0)
+        engine.blocks.allocate(seq.seq_id, ids)
+        got = []
+        for start in range(0, len(ids), 7):  # the engine's 7-token chunks, each reading earlier chunks' KV
+            item = ScheduledSeq(seq, start, min(7, len(ids) - start))
+            got.append(engine.runner.run([item], [item.count]))
+        torch.testing.assert_close(torch.cat(got), want, atol=1e-4, rtol=0)
+        engine.blocks.free(seq.seq_id)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_continuous_batch_matches(arch, tiny_models, reference):
+    _, prompts, conts = reference[arch]
+    assert run(tiny_models[arch], prompts)[1] == conts
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_chunked_prefill_matches(arch, tiny_models, reference):
+    _, prompts, conts = reference[arch]
+    engine, outs = run(tiny_models[arch], prompts, max_batch_tokens=7)
+    assert outs == conts
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_preemption_matches(arch, tiny_models, reference):
+    _, prompts, conts = reference[arch]
+    engine = Engine(tiny_models[arch], fp32(block_size=4, kv_blocks=32))
+    preempted = []
+    seqs = engine.generate(prompts, GREEDY, on_report=lambda r: preempted.extend(r.preempted))
+    assert preempted, "the pool was meant to be too small for all three at once"
+    assert [s.output_ids for s in seqs] == conts
+    assert engine.blocks.snapshot().num_used == 0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefix_cache_hit_matches(arch, tiny_models, reference):
+    hf, prompts, _ = reference[arch]
+    engine = Engine(tiny_models[arch], fp32(block_size=4))
+    long_ids = prompts[2]
+    engine.generate([long_ids], GREEDY)
+    shared = long_ids[:40] + prompts[1]  # repeats the first 40 tokens of the finished request
+    hits = []
+    [seq] = engine.generate([shared], GREEDY, on_report=lambda r: hits.append(r.prefix_hit_tokens))
+    assert sum(hits) == seq.num_cached_tokens > 0
+    gen = copy.deepcopy(hf.generation_config)
+    gen.eos_token_id = None
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([shared]), generation_config=gen, max_new_tokens=NEW_TOKENS, do_sample=False,
+                           attention_mask=torch.ones(1, len(shared), dtype=torch.long))[0, len(shared):].tolist()
+    assert seq.output_ids == want
