@@ -1,0 +1,86 @@
+"""The `pagechat` command: make-model, generate (and the app's commands as they arrive)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from pagechat.core.errors import PagechatError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Chat with a local LLM through a paged-KV engine you can watch.")
+
+Dtype = Annotated[str, typer.Option(help="auto | float32 | bfloat16 | float16 (auto: bf16 on a CPU with native bf16, "
+                                         "the checkpoint's dtype on CUDA, else float32)")]
+Device = Annotated[str, typer.Option(help="auto | cpu | cuda")]
+
+
+@app.command("make-model")
+def make_model_cmd(
+    out_dir: Annotated[Path, typer.Argument(help="new directory for the checkpoint")],
+    arch: Annotated[str, typer.Option(help="llama | mistral | qwen2 | qwen3")] = "llama",
+    size: Annotated[str, typer.Option(help="tiny (runs in well under a second) | small (SmolLM2-135M shape)")] = "tiny",
+    seed: Annotated[int, typer.Option(help="weights are identical for the same seed")] = 0,
+) -> None:
+    """Write a random-initialised checkpoint (transformers' own classes) with a locally trained tokenizer."""
+    from pagechat.core.make_model import make_model
+
+    path = make_model(out_dir, arch, size, seed)
+    typer.echo(f"wrote {arch} {size} checkpoint to {path}", err=True)
+
+
+@app.command()
+def generate(
+    model_dir: Annotated[Path, typer.Argument(help="local Hugging Face model directory (safetensors)")],
+    prompt: Annotated[list[str], typer.Option("--prompt", "-p", help="prompt text; repeat to run a continuous batch")],
+    chat: Annotated[bool, typer.Option(help="wrap each prompt in the model's chat template")] = False,
+    system: Annotated[Optional[str], typer.Option(help="system message (with --chat)")] = None,
+    max_tokens: Annotated[int, typer.Option(help="new tokens at most")] = 128,
+    temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
+    top_p: Annotated[float, typer.Option(help="nucleus: keep the smallest set with this probability, in (0, 1]")] = 1.0,
+    top_k: Annotated[int, typer.Option(help="keep the k most likely tokens (0 = off)")] = 0,
+    min_p: Annotated[float, typer.Option(help="drop tokens below min-p x the top probability")] = 0.0,
+    repetition_penalty: Annotated[float, typer.Option(help="> 1 discourages repeating earlier tokens")] = 1.0,
+    seed: Annotated[Optional[int], typer.Option(help="sampling seed (same seed, same tokens)")] = None,
+    stop: Annotated[Optional[list[str]], typer.Option(help="stop string; repeatable")] = None,
+    ignore_eos: Annotated[bool, typer.Option(help="keep generating past end-of-sequence")] = False,
+    dtype: Dtype = "auto",
+    device: Device = "auto",
+    block_size: Annotated[int, typer.Option(help="tokens per KV block")] = 16,
+    kv_blocks: Annotated[Optional[int], typer.Option(help="KV pool size in blocks")] = None,
+    kv_memory: Annotated[Optional[str], typer.Option(help="KV pool budget, e.g. 2GiB")] = None,
+    max_batch_tokens: Annotated[int, typer.Option(help="tokens computed per step (longer prompts are chunked)")] = 2048,
+    max_seqs: Annotated[int, typer.Option(help="sequences running at once")] = 64,
+    prefix_cache: Annotated[bool, typer.Option(help="reuse KV blocks of repeated prefixes")] = True,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object (results and stats) instead")] = False,
+) -> None:
+    """Generate from one or more prompts; text streams to stdout, a stats line goes to stderr."""
+    from pagechat.core.config import EngineConfig, parse_bytes
+    from pagechat.core.params import SamplingParams
+    from pagechat.tui.generate import run_generate
+
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                            repetition_penalty=repetition_penalty, max_tokens=max_tokens, seed=seed,
+                            stop=tuple(stop or ()), ignore_eos=ignore_eos).validate()
+    config = EngineConfig(device=device, dtype=dtype, block_size=block_size, kv_blocks=kv_blocks,
+                          kv_memory=parse_bytes(kv_memory) if kv_memory else None,
+                          max_batch_tokens=max_batch_tokens, max_seqs=max_seqs, prefix_cache=prefix_cache).validate()
+    code = run_generate(model_dir, prompt, params, config, chat=chat, system=system, as_json=as_json)
+    raise typer.Exit(code)
+
+
+ModelDir = Annotated[Path, typer.Argument(help="local Hugging Face model directory (safetensors)")]
+
+
+def main() -> None:
+    """Console entry point: user errors become one line on stderr and exit code 2."""
+    try:
+        app()
+    except PagechatError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)
