@@ -23,6 +23,9 @@ class EngineConfig:
     max_seqs: int = 64
     prefix_cache: bool = True
     max_model_len: int | None = None  # None: the model's max_position_embeddings
+    draft: str | None = None  # draft model directory for speculative decoding
+    ngram: bool = False  # prompt-lookup speculation
+    num_draft: int = 4  # tokens drafted per step
 
     def validate(self) -> "EngineConfig":
         """Raise PagechatError naming the first bad setting; return self when all are valid."""
@@ -30,7 +33,9 @@ class EngineConfig:
             raise PagechatError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise PagechatError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        for name, value in (("--block-size", self.block_size), ("--max-batch-tokens", self.max_batch_tokens),
+        if self.draft and self.ngram:
+            raise PagechatError("choose one proposer: --draft DIR or --ngram, not both")
+        for name, value in (("--num-draft", self.num_draft), ("--block-size", self.block_size), ("--max-batch-tokens", self.max_batch_tokens),
                             ("--max-seqs", self.max_seqs), ("--kv-blocks", self.kv_blocks or 1),
                             ("--kv-memory", self.kv_memory or 1)):
             if value < 1:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -14,14 +15,15 @@ from pagechat.core.config import EngineConfig
 from pagechat.core.detok import update_text
 from pagechat.core.errors import PagechatError
 from pagechat.core.kv import allocate_pool, copy_blocks, pool_blocks
-from pagechat.core.loader import WeightReader, load_tokenizer, read_spec
+from pagechat.core.loader import ModelSpec, WeightReader, load_tokenizer, read_spec
 from pagechat.core.model import DecoderModel
 from pagechat.core.params import SamplingParams
-from pagechat.core.report import StepReport, TokenOutput
+from pagechat.core.report import DraftRecord, StepReport, TokenOutput
 from pagechat.core.runner import ModelRunner
-from pagechat.core.sampler import Sampler, SampleRow
-from pagechat.core.scheduler import Scheduler
+from pagechat.core.sampler import Sampler, SampleRow, target_probs
+from pagechat.core.scheduler import ScheduledSeq, Scheduler
 from pagechat.core.sequence import Sequence, Status
+from pagechat.core.spec import DraftModelProposer, NgramProposer, verify
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -52,22 +54,41 @@ def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str | None)
     return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
 
 
+@dataclass(slots=True)
+class LoadedModel:
+    """A checkpoint ready to run: its spec, tokenizer and decoder on the device."""
+
+    spec: ModelSpec
+    tokenizer: object
+    model: DecoderModel
+    dtype: torch.dtype
+    max_len: int
+
+
+def load_checkpoint(model_dir: Path, cfg: EngineConfig, device: torch.device) -> LoadedModel:
+    """Read, check and load one checkpoint directory (the target model, or a speculative draft)."""
+    spec = read_spec(model_dir)
+    if spec.quantization is not None:
+        method = spec.quantization.get("quant_method", "?")
+        raise PagechatError(f"{model_dir}/config.json: quantization_config {method!r} is not supported yet")
+    dtype = resolve_dtype(cfg.dtype, device, spec.torch_dtype)
+    tokenizer = load_tokenizer(model_dir)
+    max_len = min(cfg.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
+    model = DecoderModel(spec, WeightReader(model_dir), dtype, max_len, )
+    return LoadedModel(spec, tokenizer, model.to(device).eval(), dtype, max_len)
+
+
 class Engine:
     """Paged-KV inference engine over one local checkpoint."""
 
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
         self.config = cfg = (config or EngineConfig()).validate()
         self.model_dir = Path(model_dir)
-        self.spec = spec = read_spec(self.model_dir)
-        if spec.quantization is not None:
-            method = spec.quantization.get("quant_method", "?")
-            raise PagechatError(f"{self.model_dir}/config.json: quantization_config {method!r} is not supported yet")
         self.device = resolve_device(cfg.device)
-        self.dtype = resolve_dtype(cfg.dtype, self.device, spec.torch_dtype)
-        self.tokenizer = load_tokenizer(self.model_dir)
-        self.max_model_len = min(cfg.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
-        weights = WeightReader(self.model_dir)
-        self.model = DecoderModel(spec, weights, self.dtype, self.max_model_len).to(self.device).eval()
+        target = load_checkpoint(self.model_dir, cfg, self.device)
+        self.spec = spec = target.spec
+        self.tokenizer, self.model = target.tokenizer, target.model
+        self.dtype, self.max_model_len = target.dtype, target.max_len
         num_blocks = pool_blocks(spec, cfg, self.dtype, self.device, self.max_model_len)
         self.pool = allocate_pool(spec, num_blocks, cfg.block_size, self.dtype, self.device)
         self.blocks = BlockManager(num_blocks, cfg.block_size, enable_prefix_cache=cfg.prefix_cache)
@@ -79,9 +100,24 @@ class Engine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_ids = frozenset(eos)
         self.attention_backend = "torch-sdpa"
+        self.proposer = self._proposer(cfg, num_blocks)
+        self.speculate, self.num_draft = self.proposer is not None, cfg.num_draft
+        self._q: dict[int, torch.Tensor | None] = {}  # draft distributions between _draft and _verify
         self.requests: dict[int, Sequence] = {}
         self._next_id = 0
         self._steps = 0
+
+    def _proposer(self, cfg: EngineConfig, num_blocks: int):
+        """The speculative proposer the config asks for, or None."""
+        if cfg.ngram:
+            return NgramProposer()
+        if not cfg.draft:
+            return None
+        draft = load_checkpoint(Path(cfg.draft), cfg, self.device)
+        if draft.tokenizer.get_vocab() != self.tokenizer.get_vocab():
+            raise PagechatError(f"the draft model's tokenizer ({cfg.draft}) differs from the target's "
+                                f"({self.model_dir}); a draft must share the target's vocabulary")
+        return DraftModelProposer(draft, num_blocks, cfg.block_size, self.device, self.spec.vocab_size)
 
     # -- requests -------------------------------------------------------------------------------
     def encode(self, prompt: str, chat: bool = False, system: str | None = None) -> list[int]:
@@ -147,33 +183,85 @@ class Engine:
 
     # -- stepping -------------------------------------------------------------------------------
     def step(self) -> StepReport:
-        """Schedule, run one forward pass over the flat batch, sample, and report what happened."""
+        """Schedule, run one forward pass over the flat batch, sample (or verify drafts), and report."""
         t0 = time.perf_counter()
         self._steps += 1
-        batch = self.scheduler.schedule()
+        k = self.num_draft if self.proposer is not None and self.speculate else 0
+        batch = self.scheduler.schedule(lookahead=k)
         copy_blocks(self.pool, batch.copies)
         outputs = [self._output(seq, []) for seq in batch.failed]
-        samples = []
+        samples, drafts = [], []
         prefill = decode = 0
         if batch.items:
-            sampling = [it for it in batch.items if it.samples]
-            logits = self.runner.run(batch.items, [int(it.samples) for it in batch.items])
-            rows = [SampleRow(it.seq.seq_id, it.seq.params, it.seq.token_ids, it.seq.generator) for it in sampling]
-            tokens, samples = self.sampler.sample(logits, rows)
+            spec = [it for it in batch.items if it.lookahead]
+            if spec:
+                self._draft(spec)
+            sizes = [1 + len(it.draft) if it.samples else 0 for it in batch.items]
+            logits = self.runner.run(batch.items, sizes).split(sizes)
+            plain = [(it, lg) for it, lg in zip(batch.items, logits) if it.samples and not it.lookahead]
+            rows = [SampleRow(it.seq.seq_id, it.seq.params, it.seq.token_ids, it.seq.generator) for it, _ in plain]
+            tokens, samples = self.sampler.sample(torch.cat([lg for _, lg in plain]) if plain else logits[0][:0], rows)
+            emitted = {id(it): [t] for (it, _), t in zip(plain, tokens)}
+            for it, lg in zip(batch.items, logits):
+                if it.lookahead:
+                    record, recs = self._verify(it, lg)
+                    drafts.append(record)
+                    samples += recs
+                    emitted[id(it)] = list(record.emitted)
             for it in batch.items:
-                is_decode = it.count == 1 and it.seq.num_output_tokens > 0
-                decode += is_decode
+                seq, new = it.seq, emitted.get(id(it), [])
+                is_decode = len(seq.token_ids) - it.start == 1 and seq.num_output_tokens > 0
+                decode += len(new) if is_decode else 0
                 prefill += 0 if is_decode else it.count
-                it.seq.num_computed += it.count
-                self.blocks.commit(it.seq.seq_id, it.seq.token_ids, it.seq.num_computed)
-            for it, token in zip(sampling, tokens):
-                outputs.append(self._append_token(it.seq, token))
+                seq.target_forwards += 1
+                seq.num_computed += it.count + max(len(new) - 1, 0) * bool(it.draft)
+                if it.lookahead:  # give back the slots of rejected (or never drafted) tokens
+                    self.blocks.rollback(seq.seq_id, self.blocks.length(seq.seq_id) - seq.num_computed)
+                self.blocks.commit(seq.seq_id, seq.token_ids, seq.num_computed)
+                for token in new:
+                    outputs.append(self._append_token(seq, token))
+                    if seq.finished:
+                        break
+        if self.proposer is not None:
+            self.proposer.release_missing({s.seq_id for s in self.scheduler.running})
         kind = "idle" if not batch.items else "prefill" if not decode else "decode" if not prefill else "mixed"
         return StepReport(step=self._steps, kind=kind, num_seqs=len(batch.items), prefill_tokens=prefill,
                           decode_tokens=decode, prefix_hit_tokens=batch.prefix_hit_tokens,
                           elapsed_s=time.perf_counter() - t0, outputs=tuple(outputs), samples=tuple(samples),
                           blocks=self.blocks.snapshot(), preempted=tuple(s.seq_id for s in batch.preempted),
-                          attention_backend=self.attention_backend)
+                          attention_backend=self.attention_backend, drafts=tuple(drafts))
+
+    def _draft(self, items: list[ScheduledSeq]) -> None:
+        """Ask the proposer for drafts, at most as many as each item's reserved slots and limits allow."""
+        limit = min(self.max_model_len, self.proposer.max_len)
+        ks = [min(it.lookahead, limit - len(it.seq.token_ids),
+                  it.seq.params.max_tokens - it.seq.num_output_tokens - 1) for it in items]
+        drafts, qs = self.proposer.propose([it.seq for it in items], [max(k, 0) for k in ks])
+        for it, d, q in zip(items, drafts, qs):
+            it.draft, self._q[it.seq.seq_id] = d, q
+
+    def _verify(self, it: ScheduledSeq, logits: torch.Tensor) -> tuple[DraftRecord, list]:
+        """Rejection-sample it.draft against the target logits [len(draft) + 1, V]."""
+        seq, draft = it.seq, it.draft
+        rows = [SampleRow(seq.seq_id, seq.params, seq.token_ids + draft[:i], seq.generator)
+                for i in range(len(draft) + 1)]
+        p = target_probs(logits, rows)
+        accepted, nxt = verify(p, self._q.pop(seq.seq_id, None), draft, seq.params.greedy, seq.generator)
+        emitted = draft[:accepted] + [nxt]
+        self.proposer.accept(seq, len(seq.token_ids), len(draft), accepted)
+        seq.num_drafted += len(draft)
+        seq.num_accepted += accepted
+        records = self.sampler.record(logits[:len(emitted)], rows[:len(emitted)], emitted)
+        return DraftRecord(seq.seq_id, self.proposer.name, tuple(draft), accepted, tuple(emitted)), records
+
+    def set_speculation(self, enabled: bool, num_draft: int | None = None) -> None:
+        """Turn speculation on or off and change the draft length; applies from the next step."""
+        if enabled and self.proposer is None:
+            raise PagechatError("speculation needs a proposer: start with --draft DIR or --ngram")
+        if num_draft is not None and num_draft < 1:
+            raise PagechatError(f"draft length must be >= 1, got {num_draft}")
+        self.speculate = enabled
+        self.num_draft = num_draft or self.num_draft
 
     def _append_token(self, seq: Sequence, token: int) -> TokenOutput:
         """Add a sampled token to seq, update its text, and finish it if a stop condition holds."""

@@ -21,6 +21,22 @@ class TokenOutput:
 
 
 @dataclass(frozen=True, slots=True)
+class DraftRecord:
+    """One sequence's speculation in one step: what was drafted, how much the target accepted."""
+
+    seq_id: int
+    proposer: str  # "draft" | "ngram"
+    drafted: tuple[int, ...]
+    accepted: int  # leading drafted tokens the target accepted
+    emitted: tuple[int, ...]  # tokens added to the sequence: the accepted ones, then a correction or bonus
+
+    @property
+    def bonus(self) -> bool:
+        """True when every drafted token was accepted and the target added one more."""
+        return bool(self.drafted) and len(self.emitted) > self.accepted == len(self.drafted)
+
+
+@dataclass(frozen=True, slots=True)
 class StepReport:
     """Immutable record of one engine step: work done, time taken, outputs, and the engine's own state."""
 
@@ -36,3 +52,4 @@ class StepReport:
     blocks: BlockSnapshot
     preempted: tuple[int, ...]
     attention_backend: str
+    drafts: tuple[DraftRecord, ...] = ()

@@ -18,15 +18,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, items: list[ScheduledSeq], logits_per_item: list[int]) -> torch.Tensor:
-        """Compute every item's chunk; return float32 logits for the last logits_per_item[i] tokens of each item."""
+        """Compute every item's chunk (+ its draft tokens); return float32 logits for the last logits_per_item[i]
+        tokens of each item."""
         ids: list[int] = []
         positions: list[int] = []
         rows: list[int] = []
         for it, n in zip(items, logits_per_item):
-            ids += it.seq.token_ids[it.start:it.start + it.count]
-            positions += range(it.start, it.start + it.count)
+            ids += it.seq.token_ids[it.start:it.start + it.count] + it.draft
+            positions += range(it.start, it.start + it.count + len(it.draft))
             rows += range(len(ids) - n, len(ids))
-        meta = build_metadata([it.start for it in items], [it.count for it in items],
+        meta = build_metadata([it.start for it in items], [it.count + len(it.draft) for it in items],
                               [self.blocks.table(it.seq.seq_id) for it in items], self.blocks.block_size, self.device)
         hidden = self.model(torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device),
                             self.pool, meta)

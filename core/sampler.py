@@ -187,6 +187,13 @@ class Sampler:
         chosen = tokens.tolist()
         return chosen, self._records(pen, x, cuts, tokens, chosen, rows)
 
+    def record(self, logits: Tensor, rows: Sequence[SampleRow], chosen: list[int]) -> list[SampleRecord]:
+        """Records for tokens picked elsewhere (speculative verification) from the logits they were judged by."""
+        if not rows:
+            return []
+        pen, x, cuts = _process(logits, rows)
+        return self._records(pen, x, cuts, torch.tensor(chosen, device=logits.device), chosen, rows)
+
     @staticmethod
     def _draw(pen: Tensor, x: Tensor, rows: Sequence[SampleRow]) -> Tensor:
         greedy = [r.params.greedy for r in rows]

@@ -16,6 +16,8 @@ class ScheduledSeq:
     seq: Sequence
     start: int
     count: int
+    draft: list[int] = field(default_factory=list)  # speculative tokens fed after the chunk (not in token_ids)
+    lookahead: int = 0  # extra slots reserved for drafted tokens
 
     @property
     def samples(self) -> bool:
@@ -50,17 +52,26 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> Batch:
-        """Pick this step's chunks: running sequences first (decodes, unfinished prefills), then new ones."""
+    def schedule(self, lookahead: int = 0) -> Batch:
+        """Pick this step's chunks: running sequences first (decodes, unfinished prefills), then new ones.
+
+        lookahead > 0 (speculation) reserves that many extra slots for each decoding sequence, where blocks
+        allow without preempting anyone.
+        """
         batch, budget = Batch(), self.max_batch_tokens
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if not self._make_room(seq, batch):
+            decoding = len(seq.token_ids) - seq.num_computed == 1
+            extra = min(lookahead, budget - 1) if decoding else 0
+            need = len(seq.token_ids) + extra - self.blocks.length(seq.seq_id)
+            if extra and need > 0 and not self.blocks.can_append(seq.seq_id, need):
+                extra = 0  # speculation never preempts anyone: decode this one plainly
+            if not self._make_room(seq, batch, extra):
                 continue  # seq itself was preempted or failed; the list shifted under i
             count = min(len(seq.token_ids) - seq.num_computed, budget)
-            batch.items.append(ScheduledSeq(seq, seq.num_computed, count))
-            budget -= count
+            batch.items.append(ScheduledSeq(seq, seq.num_computed, count, lookahead=extra))
+            budget -= count + extra
             i += 1
         # Admit new work only when nothing had to be preempted: memory is tight otherwise.
         while self.waiting and budget > 0 and len(self.running) < self.max_seqs and not batch.preempted:
@@ -84,9 +95,9 @@ class Scheduler:
             budget -= count
         return batch
 
-    def _make_room(self, seq: Sequence, batch: Batch) -> bool:
-        """Reserve slots for seq's new tokens, preempting the newest sequences if blocks run out."""
-        missing = len(seq.token_ids) - self.blocks.length(seq.seq_id)
+    def _make_room(self, seq: Sequence, batch: Batch, extra: int = 0) -> bool:
+        """Reserve slots for seq's new tokens (+ extra), preempting the newest sequences if blocks run out."""
+        missing = len(seq.token_ids) + extra - self.blocks.length(seq.seq_id)
         if missing <= 0:
             return True
         while not self.blocks.can_append(seq.seq_id, missing):

@@ -30,6 +30,9 @@ class Sequence:
     num_computed: int = 0  # tokens whose K/V are in the pool
     num_cached_tokens: int = 0  # tokens served from the prefix cache (over all admissions)
     num_preemptions: int = 0
+    target_forwards: int = 0  # target model passes this sequence took part in
+    num_drafted: int = 0
+    num_accepted: int = 0
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
     first_token_time: float | None = None

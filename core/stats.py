@@ -2,7 +2,40 @@
 
 from __future__ import annotations
 
-from pagechat.core.report import StepReport
+from pagechat.core.report import DraftRecord, StepReport
+
+
+class SpecStats:
+    """Speculation totals recounted from DraftRecords: acceptance rate, mean acceptance length, per position."""
+
+    def __init__(self) -> None:
+        self.steps = self.drafted = self.accepted = self.bonus = 0
+        self.by_position: list[list[int]] = []  # [accepted, drafted] for draft position i
+
+    def add(self, r: DraftRecord) -> None:
+        if not r.drafted:
+            return
+        self.steps += 1
+        self.drafted += len(r.drafted)
+        self.accepted += r.accepted
+        self.bonus += r.bonus
+        while len(self.by_position) < len(r.drafted):
+            self.by_position.append([0, 0])
+        for i in range(len(r.drafted)):
+            self.by_position[i][0] += i < r.accepted
+            self.by_position[i][1] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a verify step yields on average: accepted drafts + the target's own token."""
+        return self.accepted / self.steps + 1 if self.steps else 0.0
+
+    def per_position(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in self.by_position]
 
 
 class RunStats:
@@ -13,6 +46,7 @@ class RunStats:
         self.prefill_tokens = self.decode_tokens = self.hit_tokens = self.preemptions = self.steps = 0
         self.prefill_s = self.decode_s = self.wall_s = 0.0
         self.peak_blocks = 0
+        self.spec = SpecStats()
 
     def add(self, r: StepReport) -> None:
         self.steps += 1
@@ -21,6 +55,8 @@ class RunStats:
         self.hit_tokens += r.prefix_hit_tokens
         self.preemptions += len(r.preempted)
         self.peak_blocks = max(self.peak_blocks, r.blocks.num_used)
+        for d in r.drafts:
+            self.spec.add(d)
         if r.kind == "decode":
             self.decode_tokens += r.decode_tokens
             self.decode_s += r.elapsed_s
@@ -49,11 +85,32 @@ class RunStats:
             "dtype": str(e.dtype).removeprefix("torch."),
             "device": str(e.device),
             "attention_backend": e.attention_backend,
+            **self._spec_dict(),
         }
+
+    def _spec_dict(self) -> dict:
+        e, sp = self.engine, self.spec
+        if e.proposer is None:
+            return {}
+        seqs = list(e.requests.values())
+        outputs = sum(s.num_output_tokens for s in seqs)
+        return {"proposer": e.proposer.name, "num_draft": e.num_draft, "drafted_tokens": sp.drafted,
+                "accepted_tokens": sp.accepted, "acceptance_rate": round(sp.acceptance_rate, 4),
+                "mean_acceptance_length": round(sp.mean_acceptance_length, 4),
+                "per_position_acceptance": [round(x, 4) for x in sp.per_position()],
+                "target_forwards_per_token": round(sum(s.target_forwards for s in seqs) / outputs, 4) if outputs else 0.0}
 
     def line(self) -> str:
         d = self.as_dict()
         return (f"TTFT {d['ttft_ms']:.1f} ms | prefill {d['prefill_tokens']} tok at {d['prefill_tok_s']:.1f} tok/s | "
                 f"decode {d['decode_tokens']} tok at {d['decode_tok_s']:.1f} tok/s | KV blocks {d['kv_blocks_used']}/"
                 f"{d['kv_blocks_total']} peak | prefix-cache hits {d['prefix_hit_tokens']} tok | "
-                f"{d['dtype']} on {d['device']}")
+                f"{d['dtype']} on {d['device']}" + self._spec_line(d))
+
+    @staticmethod
+    def _spec_line(d: dict) -> str:
+        if "proposer" not in d:
+            return ""
+        return (f" | {d['proposer']} k={d['num_draft']}: accepted {d['accepted_tokens']}/{d['drafted_tokens']} "
+                f"({100 * d['acceptance_rate']:.0f}%), {d['mean_acceptance_length']:.2f} tok/verify, "
+                f"{d['target_forwards_per_token']:.2f} target forwards/tok")

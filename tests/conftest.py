@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pagechat.core.make_model import make_model
+
+# Tiny models run fastest on one thread, and a shared 2-core machine makes extra threads spin-wait.
+torch.set_num_threads(1)
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 

@@ -16,6 +16,14 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 Dtype = Annotated[str, typer.Option(help="auto | float32 | bfloat16 | float16 (auto: bf16 on a CPU with native bf16, "
                                          "the checkpoint's dtype on CUDA, else float32)")]
 Device = Annotated[str, typer.Option(help="auto | cpu | cuda")]
+Draft = Annotated[Optional[Path], typer.Option(help="draft model directory (same tokenizer) for speculative decoding")]
+Ngram = Annotated[bool, typer.Option("--ngram", help="speculate by prompt lookup (n-gram match in the context)")]
+NumDraft = Annotated[int, typer.Option(help="tokens drafted per speculative step")]
+Draft = Annotated[Optional[Path], typer.Option(help="draft model directory (same tokenizer) for speculative decoding")]
+Ngram = Annotated[bool, typer.Option("--ngram", help="speculate by prompt lookup (n-gram match in the context)")]
+NumDraft = Annotated[int, typer.Option(help="tokens drafted per speculative step")]
+Quant = Annotated[Optional[str], typer.Option(help="int8 (bitsandbytes LLM.int8) | int8-wo (torch int8 weight-only) | "
+                                                   "awq (AWQ checkpoints are detected without it)")]
 
 
 @app.command("make-model")
@@ -49,6 +57,9 @@ def generate(
     ignore_eos: Annotated[bool, typer.Option(help="keep generating past end-of-sequence")] = False,
     dtype: Dtype = "auto",
     device: Device = "auto",
+    draft: Draft = None,
+    ngram: Ngram = False,
+    num_draft: NumDraft = 4,
     block_size: Annotated[int, typer.Option(help="tokens per KV block")] = 16,
     kv_blocks: Annotated[Optional[int], typer.Option(help="KV pool size in blocks")] = None,
     kv_memory: Annotated[Optional[str], typer.Option(help="KV pool budget, e.g. 2GiB")] = None,
@@ -67,7 +78,8 @@ def generate(
                             stop=tuple(stop or ()), ignore_eos=ignore_eos).validate()
     config = EngineConfig(device=device, dtype=dtype, block_size=block_size, kv_blocks=kv_blocks,
                           kv_memory=parse_bytes(kv_memory) if kv_memory else None,
-                          max_batch_tokens=max_batch_tokens, max_seqs=max_seqs, prefix_cache=prefix_cache).validate()
+                          max_batch_tokens=max_batch_tokens, max_seqs=max_seqs, prefix_cache=prefix_cache,
+                          draft=str(draft) if draft else None, ngram=ngram, num_draft=num_draft).validate()
     code = run_generate(model_dir, prompt, params, config, chat=chat, system=system, as_json=as_json)
     raise typer.Exit(code)
 
