@@ -5,10 +5,11 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-# A block's prefix-cache key is (chained hash of the blocks before it, its tokens). Keying the
-# registry by the whole key, not by the hash alone, makes the dict compare the tokens on every
-# lookup, so two different blocks whose hashes collide can never be mistaken for each other.
-Key = tuple[int, tuple[int, ...]]
+# A block's prefix-cache key is (chained hash of the blocks before it, its tokens); the next
+# block chains on hash(key). Keying the registry by the whole key, not by hash(key) alone, makes
+# the dict compare the tokens on every lookup, so colliding hashes never alias two blocks.
+# Python's hash of ints and tuples is unsalted, so keys are stable across processes too.
+_Key = tuple[int, tuple[int, ...]]
 _ROOT = 0  # the "previous hash" of a sequence's first block
 
 
@@ -60,13 +61,15 @@ class BlockManager:
         self._ref = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
         self._cached: OrderedDict[int, None] = OrderedDict()  # ref-0 registered blocks, LRU first
-        self._registry: dict[Key, int] = {}  # prefix key -> block
-        self._block_key: dict[int, Key] = {}  # block -> its prefix key (the inverse)
+        self._registry: dict[_Key, int] = {}  # prefix key -> block
+        self._block_key: dict[int, _Key] = {}  # block -> its prefix key (the inverse)
         self._tables: dict[int, list[int]] = {}
         self._lengths: dict[int, int] = {}
         self._hashes: dict[int, list[int]] = {}  # chained hashes of each seq's committed full blocks
         self._queried = self._hit = 0
         self._snap: BlockSnapshot | None = None  # cached until the next mutation
+        self._info_keys: list = [None] * num_blocks  # the fields each block's BlockInfo was built from
+        self._snap_blocks: tuple = (None,) * num_blocks  # the BlockInfo objects last handed out
 
     # ---- queries -------------------------------------------------------------------------
 
@@ -276,7 +279,12 @@ class BlockManager:
         for b in self._cached:
             filled[b] = bs
         states = ["used" if r else "cached" if b in self._cached else "free" for b, r in enumerate(ref)]
-        blocks = tuple(map(BlockInfo, range(n), states, ref, map(tuple, owners), filled))
+        keys = list(zip(range(n), states, ref, map(tuple, owners), filled))
+        # A step changes few blocks: reuse the previous BlockInfo wherever its fields are unchanged,
+        # since building a frozen dataclass costs several times more than comparing a tuple.
+        blocks = tuple([o if k == p else BlockInfo(*k)
+                        for k, p, o in zip(keys, self._info_keys, self._snap_blocks)])
+        self._info_keys, self._snap_blocks = keys, blocks
         num_cached, num_free = len(self._cached), len(self._free)
         num_used = n - num_cached - num_free
         return BlockSnapshot(

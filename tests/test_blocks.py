@@ -218,7 +218,9 @@ def test_snapshot_totals():
     assert sum(b.state == "cached" and b.filled == 4 for b in snap.blocks) == 1
     assert bm.snapshot() is snap  # unchanged pool: the UI's polling gets the same object
     bm.append(1, 1)
-    assert bm.snapshot() is not snap and bm.snapshot().tokens_stored == 9
+    new = bm.snapshot()
+    assert new is not snap and new.tokens_stored == 9
+    assert new.blocks[t1[1]].filled == 2 and new.blocks[t1[0]] is snap.blocks[t1[0]]
 
 
 # ---- stateful property test -----------------------------------------------------------------
@@ -244,6 +246,7 @@ class BlockMachine(RuleBasedStateMachine):
         self.next_id = 0
 
     def pick(self, i: int) -> int:
+        """A live sequence id chosen by a drawn integer."""
         return sorted(self.tokens)[i % len(self.tokens)]
 
     def start(self, tokens: list[int], prefill: bool) -> None:
@@ -283,10 +286,9 @@ class BlockMachine(RuleBasedStateMachine):
     def allocate_sharing_prefix(self, i, cut, extra, prefill):
         self.start(self.tokens[self.pick(i)][:cut] + extra, prefill)
 
-    @precondition(lambda self: self.tokens)
-    @rule(i=PICK, new=st.lists(TOKENS, min_size=1, max_size=4))
-    def append(self, i, new):
-        bm, sid = self.bm, self.pick(i)
+    def extend(self, sid: int, new: list[int], step: bool) -> None:
+        """Reserve slots for new tokens, doing the engine's KV copies; with step, also compute them."""
+        bm = self.bm
         if not bm.can_append(sid, len(new)):
             with pytest.raises(ValueError):
                 bm.append(sid, len(new))
@@ -294,12 +296,20 @@ class BlockMachine(RuleBasedStateMachine):
         pairs = bm.append(sid, len(new))
         assert len(pairs) <= 1
         bs = bm.block_size
-        for old, fresh in pairs:  # the engine's KV copy
+        for old, fresh in pairs:
             assert bm.table(sid)[(bm.length(sid) - len(new)) // bs] == fresh
             for j in range(bs):
                 if old * bs + j in self.pool:
                     self.pool[fresh * bs + j] = self.pool[old * bs + j]
         self.tokens[sid] += new
+        if step:
+            self.compute(sid, len(self.tokens[sid]))
+
+    @precondition(lambda self: self.tokens)
+    @rule(i=PICK, new=st.lists(TOKENS, min_size=1, max_size=4), step=st.booleans())
+    def append(self, i, new, step):
+        """Decode (1 slot) or speculative verify (k+1 slots) on one sequence."""
+        self.extend(self.pick(i), new, step)
 
     @precondition(lambda self: self.tokens)
     @rule(i=PICK, k=st.integers(1, 8))
@@ -308,12 +318,16 @@ class BlockMachine(RuleBasedStateMachine):
         self.compute(self.pick(i), k)
 
     @precondition(lambda self: self.tokens)
-    @rule(i=PICK)
-    def fork(self, i):
+    @rule(i=PICK, sample=st.booleans())
+    def fork(self, i, sample):
+        """Fork a sequence (n > 1 samples); with sample, each side then decodes its own token."""
         parent, child = self.pick(i), self.next_id
         self.next_id += 1
         self.bm.fork(parent, child)
         self.tokens[child], self.computed[child] = list(self.tokens[parent]), self.computed[parent]
+        if sample:  # different tokens into the same slot: only copy-on-write keeps both intact
+            self.extend(parent, [0], step=True)
+            self.extend(child, [1], step=True)
 
     @precondition(lambda self: self.tokens)
     @rule(i=PICK)
@@ -353,6 +367,7 @@ class BlockMachine(RuleBasedStateMachine):
             assert bm.length(sid) == len(toks)
             assert len(bm.table(sid)) == bm.blocks_needed(len(toks))
             assert len(set(bm.table(sid))) == len(bm.table(sid))
+            assert len(bm._hashes[sid]) <= self.computed[sid] // bm.block_size  # only computed blocks
         assert len(bm._registry) == len(bm._block_key)
         for key, b in bm._registry.items():
             assert bm._block_key[b] == key and (bm._ref[b] > 0 or b in bm._cached)
@@ -369,6 +384,9 @@ class BlockMachine(RuleBasedStateMachine):
         assert [states["used"], states["cached"], states["free"]] == [
             snap.num_used, snap.num_cached, snap.num_free]
         assert sum(b.ref_count > 1 for b in snap.blocks) == snap.num_shared
+        assert [b.ref_count for b in snap.blocks] == self.bm._ref
+        holders = {b: sorted(s for s in self.tokens if b in self.bm.table(s)) for b in range(n)}
+        assert all(info.owners == tuple(holders[info.block_id]) for info in snap.blocks)
         assert snap.prefix_hit_tokens <= snap.prefix_queried_tokens
 
     @invariant()
