@@ -146,12 +146,15 @@ class Engine:
         bad = [t for t in ids if not 0 <= t < self.spec.vocab_size]
         if bad:
             raise PagechatError(f"token id {bad[0]} is outside the model's vocabulary (0..{self.spec.vocab_size - 1})")
-        seq_id = self._next_id
-        self._next_id += 1
+        seq_id = self._new_id()
         seq = Sequence(seq_id, ids, len(ids), params, time.perf_counter(), self._generator(params.seed))
         self.requests[seq_id] = seq
         self.scheduler.add(seq)
         return seq_id
+
+    def _new_id(self) -> int:
+        self._next_id += 1
+        return self._next_id - 1
 
     def _generator(self, seed: int | None) -> torch.Generator:
         g = torch.Generator(device=self.device)
@@ -199,6 +202,8 @@ class Engine:
             sizes = [1 + len(it.draft) if it.samples else 0 for it in batch.items]
             logits = self.runner.run(batch.items, sizes).split(sizes)
             plain = [(it, lg) for it, lg in zip(batch.items, logits) if it.samples and not it.lookahead]
+            forks = [(ScheduledSeq(kid, it.start, it.count), lg) for it, lg in plain for kid in self._fork(it)]
+            plain += forks
             rows = [SampleRow(it.seq.seq_id, it.seq.params, it.seq.token_ids, it.seq.generator) for it, _ in plain]
             tokens, samples = self.sampler.sample(torch.cat([lg for _, lg in plain]) if plain else logits[0][:0], rows)
             emitted = {id(it): [t] for (it, _), t in zip(plain, tokens)}
@@ -208,11 +213,11 @@ class Engine:
                     drafts.append(record)
                     samples += recs
                     emitted[id(it)] = list(record.emitted)
-            for it in batch.items:
+            for it in batch.items + [it for it, _ in forks]:
                 seq, new = it.seq, emitted.get(id(it), [])
                 is_decode = len(seq.token_ids) - it.start == 1 and seq.num_output_tokens > 0
                 decode += len(new) if is_decode else 0
-                prefill += 0 if is_decode else it.count
+                prefill += 0 if is_decode or seq.parent is not None and not seq.output_ids else it.count
                 seq.target_forwards += 1
                 seq.num_computed += it.count + max(len(new) - 1, 0) * bool(it.draft)
                 if it.lookahead:  # give back the slots of rejected (or never drafted) tokens
@@ -229,7 +234,26 @@ class Engine:
                           decode_tokens=decode, prefix_hit_tokens=batch.prefix_hit_tokens,
                           elapsed_s=time.perf_counter() - t0, outputs=tuple(outputs), samples=tuple(samples),
                           blocks=self.blocks.snapshot(), preempted=tuple(s.seq_id for s in batch.preempted),
-                          attention_backend=self.attention_backend, drafts=tuple(drafts))
+                          attention_backend=self.attention_backend, drafts=tuple(drafts),
+                          cow_copies=len(batch.copies))
+
+    def _fork(self, it: ScheduledSeq) -> list[Sequence]:
+        """At the end of a prompt with n > 1, fork n - 1 samples that share its blocks (copy-on-write)."""
+        parent = it.seq
+        if parent.params.n == 1 or parent.children or parent.parent is not None or parent.output_ids:
+            return []
+        kids = []
+        for j in range(1, parent.params.n):
+            seed = None if parent.params.seed is None else parent.params.seed + j
+            kid = Sequence(self._new_id(), list(parent.token_ids), parent.num_prompt_tokens, parent.params,
+                           parent.arrival, self._generator(seed), status=Status.RUNNING, num_computed=it.start,
+                           parent=parent.seq_id)
+            self.blocks.fork(parent.seq_id, kid.seq_id)
+            self.scheduler.running.append(kid)
+            self.requests[kid.seq_id] = kid
+            parent.children.append(kid.seq_id)
+            kids.append(kid)
+        return kids
 
     def _draft(self, items: list[ScheduledSeq]) -> None:
         """Ask the proposer for drafts, at most as many as each item's reserved slots and limits allow."""
@@ -307,11 +331,12 @@ class Engine:
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
                  on_report=None) -> list[Sequence]:
-        """Run prompts as one continuous batch to completion; returns their sequences in order."""
+        """Run prompts as one continuous batch to completion; returns their sequences in order (with n > 1,
+        each prompt's samples one after another)."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
         while self.has_unfinished():
             report = self.step()
             if on_report is not None:
                 on_report(report)
-        return [self.requests[i] for i in ids]
+        return [self.requests[j] for i in ids for j in (i, *self.requests[i].children)]

@@ -22,6 +22,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     num_candidates: int = 8  # top-N candidates recorded per sampled token
+    n: int = 1  # samples per prompt: forks sharing the prompt's KV blocks (copy-on-write)
 
     def validate(self) -> "SamplingParams":
         """Raise PagechatError naming the first out-of-range field; return self when all are valid."""
@@ -34,6 +35,7 @@ class SamplingParams:
              self.repetition_penalty > 0),
             ("max-tokens", self.max_tokens, "must be >= 1", self.max_tokens >= 1),
             ("num-candidates", self.num_candidates, "must be >= 0", self.num_candidates >= 0),
+            ("n", self.n, "must be >= 1", self.n >= 1),
         ]
         for name, value, rule, ok in checks:
             if not ok or (isinstance(value, float) and not math.isfinite(value)):

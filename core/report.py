@@ -53,3 +53,4 @@ class StepReport:
     preempted: tuple[int, ...]
     attention_backend: str
     drafts: tuple[DraftRecord, ...] = ()
+    cow_copies: int = 0  # blocks copied because a shared partial block was written (forked samples)

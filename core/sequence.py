@@ -33,6 +33,8 @@ class Sequence:
     target_forwards: int = 0  # target model passes this sequence took part in
     num_drafted: int = 0
     num_accepted: int = 0
+    parent: int | None = None  # the sequence this sample was forked from
+    children: list[int] = field(default_factory=list)  # ids of the samples forked from this one (n > 1)
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
     first_token_time: float | None = None

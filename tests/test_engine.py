@@ -115,3 +115,19 @@ def test_step_report_counts(engine):
     assert second.blocks.num_used == 6  # 21 tokens in blocks of 4
     while engine.has_unfinished():
         engine.step()
+
+
+def test_n_samples_fork_and_copy_on_write(tiny_llama):
+    """n = 3 samples share the prompt's blocks; each equals an independent run with its seed (seed + j)."""
+    engine = Engine(tiny_llama, EngineConfig(device="cpu", dtype="float32", block_size=4))
+    prompt = list(range(5, 15))  # 10 tokens: the third block is shared and partial, so writes must copy it
+    copies = []
+    seqs = engine.generate([prompt], SamplingParams(temperature=1.0, max_tokens=12, seed=5, n=3, ignore_eos=True),
+                           on_report=lambda r: copies.append(r.cow_copies))
+    assert len(seqs) == 3 and sum(copies) >= 2
+    assert len({tuple(s.output_ids) for s in seqs}) == 3
+    alone = Engine(tiny_llama, EngineConfig(device="cpu", dtype="float32", block_size=4, prefix_cache=False))
+    for j, seq in enumerate(seqs):
+        [ref] = alone.generate([prompt], SamplingParams(temperature=1.0, max_tokens=12, seed=5 + j, ignore_eos=True))
+        assert seq.output_ids == ref.output_ids
+    assert engine.blocks.snapshot().num_used == 0
