@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -24,6 +24,7 @@ from pagechat.core.sampler import Sampler, SampleRow, target_probs
 from pagechat.core.scheduler import ScheduledSeq, Scheduler
 from pagechat.core.sequence import Sequence, Status
 from pagechat.core.spec import DraftModelProposer, NgramProposer, verify
+from pagechat.quant.loaders import resolve_quant
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -56,9 +57,10 @@ def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str | None)
 
 @dataclass(slots=True)
 class LoadedModel:
-    """A checkpoint ready to run: its spec, tokenizer and decoder on the device."""
+    """A checkpoint ready to run: its spec, tokenizer, quantisation mode and decoder on the device."""
 
     spec: ModelSpec
+    quant: object  # pagechat.quant.loaders' resolved mode
     tokenizer: object
     model: DecoderModel
     dtype: torch.dtype
@@ -68,14 +70,12 @@ class LoadedModel:
 def load_checkpoint(model_dir: Path, cfg: EngineConfig, device: torch.device) -> LoadedModel:
     """Read, check and load one checkpoint directory (the target model, or a speculative draft)."""
     spec = read_spec(model_dir)
-    if spec.quantization is not None:
-        method = spec.quantization.get("quant_method", "?")
-        raise PagechatError(f"{model_dir}/config.json: quantization_config {method!r} is not supported yet")
+    quant = resolve_quant(spec, cfg.quant, model_dir)  # refuses what cannot run, in one line
     dtype = resolve_dtype(cfg.dtype, device, spec.torch_dtype)
     tokenizer = load_tokenizer(model_dir)
     max_len = min(cfg.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
-    model = DecoderModel(spec, WeightReader(model_dir), dtype, max_len, )
-    return LoadedModel(spec, tokenizer, model.to(device).eval(), dtype, max_len)
+    model = DecoderModel(spec, WeightReader(model_dir), dtype, max_len, load=quant.loader(device))
+    return LoadedModel(spec, quant, tokenizer, model.to(device).eval(), dtype, max_len)
 
 
 class Engine:
@@ -87,7 +87,7 @@ class Engine:
         self.device = resolve_device(cfg.device)
         target = load_checkpoint(self.model_dir, cfg, self.device)
         self.spec = spec = target.spec
-        self.tokenizer, self.model = target.tokenizer, target.model
+        self.quant, self.tokenizer, self.model = target.quant, target.tokenizer, target.model
         self.dtype, self.max_model_len = target.dtype, target.max_len
         num_blocks = pool_blocks(spec, cfg, self.dtype, self.device, self.max_model_len)
         self.pool = allocate_pool(spec, num_blocks, cfg.block_size, self.dtype, self.device)
@@ -113,7 +113,8 @@ class Engine:
             return NgramProposer()
         if not cfg.draft:
             return None
-        draft = load_checkpoint(Path(cfg.draft), cfg, self.device)
+        # --quant names the target's mode; a draft is quantised only if its own checkpoint is
+        draft = load_checkpoint(Path(cfg.draft), replace(cfg, quant=None), self.device)
         if draft.tokenizer.get_vocab() != self.tokenizer.get_vocab():
             raise PagechatError(f"the draft model's tokenizer ({cfg.draft}) differs from the target's "
                                 f"({self.model_dir}); a draft must share the target's vocabulary")

@@ -19,9 +19,6 @@ Device = Annotated[str, typer.Option(help="auto | cpu | cuda")]
 Draft = Annotated[Optional[Path], typer.Option(help="draft model directory (same tokenizer) for speculative decoding")]
 Ngram = Annotated[bool, typer.Option("--ngram", help="speculate by prompt lookup (n-gram match in the context)")]
 NumDraft = Annotated[int, typer.Option(help="tokens drafted per speculative step")]
-Draft = Annotated[Optional[Path], typer.Option(help="draft model directory (same tokenizer) for speculative decoding")]
-Ngram = Annotated[bool, typer.Option("--ngram", help="speculate by prompt lookup (n-gram match in the context)")]
-NumDraft = Annotated[int, typer.Option(help="tokens drafted per speculative step")]
 Quant = Annotated[Optional[str], typer.Option(help="int8 (bitsandbytes LLM.int8) | int8-wo (torch int8 weight-only) | "
                                                    "awq (AWQ checkpoints are detected without it)")]
 
@@ -57,6 +54,7 @@ def generate(
     ignore_eos: Annotated[bool, typer.Option(help="keep generating past end-of-sequence")] = False,
     dtype: Dtype = "auto",
     device: Device = "auto",
+    quant: Quant = None,
     draft: Draft = None,
     ngram: Ngram = False,
     num_draft: NumDraft = 4,
@@ -79,12 +77,77 @@ def generate(
     config = EngineConfig(device=device, dtype=dtype, block_size=block_size, kv_blocks=kv_blocks,
                           kv_memory=parse_bytes(kv_memory) if kv_memory else None,
                           max_batch_tokens=max_batch_tokens, max_seqs=max_seqs, prefix_cache=prefix_cache,
-                          draft=str(draft) if draft else None, ngram=ngram, num_draft=num_draft).validate()
+                          draft=str(draft) if draft else None, ngram=ngram, num_draft=num_draft,
+                          quant=quant).validate()
     code = run_generate(model_dir, prompt, params, config, chat=chat, system=system, as_json=as_json)
     raise typer.Exit(code)
 
 
 ModelDir = Annotated[Path, typer.Argument(help="local Hugging Face model directory (safetensors)")]
+
+
+@app.command()
+def quantize(
+    model_dir: ModelDir,
+    out_dir: Annotated[Path, typer.Argument(help="new directory for the 4-bit AutoAWQ GEMM checkpoint")],
+    method: Annotated[str, typer.Option(help="awq (activation-aware search) | rtn (round-to-nearest baseline)")] = "awq",
+    group_size: Annotated[int, typer.Option(help="inputs per quantisation group")] = 128,
+    calib: Annotated[Optional[Path], typer.Option(help="calibration text file (default: the demo corpus)")] = None,
+    samples: Annotated[int, typer.Option(help="calibration windows")] = 128,
+    seqlen: Annotated[int, typer.Option(help="tokens per calibration window")] = 512,
+) -> None:
+    """Write a 4-bit AutoAWQ GEMM checkpoint (safetensors + config + tokenizer) that vLLM / transformers read."""
+    from pagechat.tui.quant_cmds import quantize_command
+
+    quantize_command(model_dir, out_dir, method, group_size, calib, samples, seqlen)
+
+
+@app.command("eval")
+def eval_cmd(
+    model_dir: ModelDir,
+    text: Annotated[Path, typer.Option(help="text file to score")],
+    quant: Quant = None,
+    seqlen: Annotated[Optional[int], typer.Option(help="tokens per window (default: the context, at most 2048)")] = None,
+    dtype: Dtype = "auto",
+    device: Device = "auto",
+) -> None:
+    """Perplexity of a text through pagechat's engine."""
+    from pagechat.tui.quant_cmds import eval_command
+
+    eval_command(model_dir, text, quant, seqlen, dtype, device)
+
+
+@app.command()
+def plan(
+    model_dir: ModelDir,
+    quant: Annotated[Optional[str], typer.Option(help="int8 | int8-wo | awq (awq on a float model: after quantize)")] = None,
+    gpu_memory: Annotated[str, typer.Option(help="memory budget, e.g. 24GiB")] = "24GiB",
+    context: Annotated[Optional[int], typer.Option(help="tokens per request (default: the model's context)")] = None,
+    dtype: Annotated[str, typer.Option(help="activation / KV dtype (auto: what the engine picks on CUDA)")] = "auto",
+    block_size: Annotated[int, typer.Option(help="tokens per KV block")] = 16,
+    group_size: Annotated[int, typer.Option(help="AWQ group size when planning a quantisation")] = 128,
+) -> None:
+    """Weights, KV bytes per token and block, and how many blocks and sequences fit a budget (config.json only)."""
+    from pagechat.tui.quant_cmds import plan_command
+
+    plan_command(model_dir, quant, gpu_memory, context, dtype, block_size, group_size)
+
+
+@app.command("bench-quant")
+def bench_quant(
+    model_dir: ModelDir,
+    awq_dir: Annotated[Optional[Path], typer.Option(help="its AWQ checkpoint (default: a temporary RTN one)")] = None,
+    modes: Annotated[str, typer.Option(help="comma-separated: fp32,bf16,int8,int8-wo,awq")] = "fp32,bf16,int8,int8-wo,awq",
+    tokens: Annotated[int, typer.Option(help="new tokens per round")] = 64,
+    prompt_tokens: Annotated[int, typer.Option(help="prompt length")] = 32,
+    batch: Annotated[int, typer.Option(help="sequences decoding together")] = 1,
+    rounds: Annotated[int, typer.Option(help="interleaved rounds (the median counts)")] = 3,
+    device: Device = "auto",
+) -> None:
+    """Decode tok/s and weight memory of fp / int8 / AWQ side by side, on one model in one run."""
+    from pagechat.tui.quant_cmds import bench_quant_command
+
+    bench_quant_command(model_dir, awq_dir, modes, tokens, prompt_tokens, batch, rounds, device)
 
 
 def main() -> None:

@@ -1,0 +1,188 @@
+"""Memory accounting: weight bytes by module kind and format, KV bytes, and the capacity planner (`pagechat plan`).
+
+`weight_report(model)` sums the bytes of the tensors a loaded model really holds; `estimate_weights(...)`
+computes the same figures from config.json alone (they agree exactly, see tests/test_memory.py), so
+`plan` answers "does it fit?" before anything heavy is loaded.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pagechat.core.kv import CUDA_FREE_FRACTION, block_bytes
+from pagechat.core.loader import ModelSpec
+from pagechat.quant.layers import INT4_GROUPS, quant_tensors
+
+KINDS = ("embedding", "attention", "mlp", "norm", "lm_head")
+
+
+@dataclass(frozen=True, slots=True)
+class WeightRow:
+    """Bytes of one module kind in one format (dtype, or quantisation and its kernel path)."""
+
+    kind: str
+    fmt: str
+    path: str
+    params: int  # logical weights (a 4-bit value counts as one)
+    bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class WeightReport:
+    """A model's weight memory, row per (kind, format); tied weights are counted once, under embedding."""
+
+    rows: tuple[WeightRow, ...]
+
+    @property
+    def total(self) -> int:
+        return sum(r.bytes for r in self.rows)
+
+    def by_kind(self) -> dict[str, int]:
+        """kind -> bytes, in KINDS order."""
+        out = dict.fromkeys(KINDS, 0)
+        for r in self.rows:
+            out[r.kind] += r.bytes
+        return out
+
+
+def module_kind(name: str) -> str:
+    """The kind of a module of the engine's DecoderModel, from its qualified name."""
+    if name.startswith("embed_tokens"):
+        return "embedding"
+    if name.startswith("lm_head"):
+        return "lm_head"
+    if name.endswith("norm") or "layernorm" in name:
+        return "norm"
+    return "mlp" if ".mlp." in name else "attention"
+
+
+def weight_report(model: nn.Module) -> WeightReport:
+    """The bytes of every weight tensor the model holds, grouped by kind and format (shared storage once)."""
+    acc: dict[tuple[str, str, str], list[int]] = defaultdict(lambda: [0, 0])
+    seen: set[int] = set()
+    for name, mod in model.named_modules():
+        if not name:
+            continue  # the root holds only the rope tables (non-persistent buffers), not weights
+        info = quant_tensors(mod)
+        if info is not None:
+            fmt, path, tensors = info
+            params = mod.in_features * mod.out_features + (mod.out_features if mod.bias is not None else 0)
+        else:
+            tensors = list(mod.parameters(recurse=False))
+            fmt, path = (str(tensors[0].dtype).removeprefix("torch."), "dense") if tensors else ("", "")
+            params = sum(t.numel() for t in tensors)
+        fresh = [t for t in tensors if t.data_ptr() not in seen]
+        if tensors and not fresh:
+            acc[(module_kind(name), "tied to embedding", "-")][1] += 0  # a row of 0 bytes that says why
+            continue
+        seen.update(t.data_ptr() for t in fresh)
+        if fresh:
+            row = acc[(module_kind(name), fmt, path)]
+            row[0] += params
+            row[1] += sum(t.nbytes for t in fresh)
+    rows = [WeightRow(k, f, p, v[0], v[1]) for (k, f, p), v in acc.items()]
+    return WeightReport(tuple(sorted(rows, key=lambda r: KINDS.index(r.kind))))
+
+
+def _linear_bytes(n: int, k: int, bias: bool, mode: str | None, elem: int, group: int | None,
+                  device_type: str) -> tuple[str, str, int]:
+    """(format, path, bytes) of one decoder linear out=n, in=k as quant/layers.py stores it."""
+    b = n * elem if bias else 0
+    if mode is None:
+        return "", "dense", n * k * elem + b
+    if mode == "int8":
+        return "int8", "bnb-llm.int8", n * k + 4 * n + b  # int8 rows + fp32 row absmax (SCB)
+    if mode == "int8-wo":
+        return "int8-wo", f"int8pack-{device_type}", n * k + 2 * n + b  # int8 + bf16 scales
+    g = group or 128
+    fast = g in INT4_GROUPS and (n % 16 == 0 if device_type == "cpu" else n % 8 == 0 and k % 32 == 0)
+    if fast:  # packed int4 [n, k/2] bytes + bf16 (scale, zero) per group and column
+        return f"awq-int4 g{g}", f"int4pack-{device_type}", n * k // 2 + 4 * n * (k // g) + b
+    # the checkpoint's tensors as they are: qweight, qzeros, fp16 scales
+    return f"awq-int4 g{g}", "dequant", n * k // 2 + n * (k // g) // 2 + 2 * n * (k // g) + b
+
+
+def estimate_weights(spec: ModelSpec, mode: str | None, dtype: torch.dtype, group: int | None = None,
+                     device_type: str = "cuda") -> WeightReport:
+    """What weight_report would say for this config loaded with `mode` on device_type, from config alone."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    name = str(dtype).removeprefix("torch.")
+    h, d, kv, hid, inter = spec.num_heads, spec.head_dim, spec.num_kv_heads, spec.hidden_size, spec.intermediate_size
+    acc: dict[tuple[str, str, str], list[int]] = defaultdict(lambda: [0, 0])
+    linears = (("attention", (h + 2 * kv) * d, hid, spec.qkv_bias), ("attention", hid, h * d, spec.o_bias),
+               ("mlp", 2 * inter, hid, spec.mlp_bias), ("mlp", hid, inter, spec.mlp_bias))
+    for kind, n, k, bias in linears:
+        fmt, path, nbytes = _linear_bytes(n, k, bias, mode, elem, group, device_type)
+        row = acc[(kind, fmt or name, path)]
+        row[0] += (n * k + (n if bias else 0)) * spec.num_layers
+        row[1] += nbytes * spec.num_layers
+    norm = spec.num_layers * (2 * hid + (2 * d if spec.qk_norm else 0)) + hid
+    acc[("norm", name, "dense")] = [norm, norm * elem]
+    vocab = spec.vocab_size * hid
+    acc[("embedding", name, "dense")] = [vocab, vocab * elem]
+    # the engine ties lm_head to the embedding also when a checkpoint simply lacks lm_head.weight
+    acc[("lm_head", "tied to embedding", "-") if spec.tie_word_embeddings else ("lm_head", name, "dense")] = \
+        [0, 0] if spec.tie_word_embeddings else [vocab, vocab * elem]
+    rows = [WeightRow(k, f, p, v[0], v[1]) for (k, f, p), v in acc.items()]
+    return WeightReport(tuple(sorted(rows, key=lambda r: KINDS.index(r.kind))))
+
+
+def kv_bytes_per_token(spec: ModelSpec, dtype: torch.dtype) -> int:
+    """K and V of one token across all layers."""
+    return block_bytes(spec, 1, dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class CapacityPlan:
+    """What fits in a memory budget: the weights, then KV blocks in what is left (vLLM's startup figures)."""
+
+    budget: int
+    weights: WeightReport
+    kv_dtype: str
+    kv_per_token: int
+    block_size: int
+    kv_budget: int
+    num_blocks: int
+    context: int
+
+    @property
+    def kv_per_block(self) -> int:
+        return self.kv_per_token * self.block_size
+
+    @property
+    def fits(self) -> bool:
+        return self.num_blocks >= math.ceil(self.context / self.block_size)
+
+    @property
+    def max_seqs(self) -> int:
+        """Sequences that can each hold a full context at once."""
+        return self.num_blocks // math.ceil(self.context / self.block_size)
+
+    @property
+    def concurrency(self) -> float:
+        """vLLM's 'maximum concurrency': pool tokens / context."""
+        return self.num_blocks * self.block_size / self.context
+
+
+def plan_capacity(spec: ModelSpec, weights: WeightReport, kv_dtype: torch.dtype, budget: int, context: int,
+                  block_size: int = 16) -> CapacityPlan:
+    """Blocks that fit when the KV pool takes CUDA_FREE_FRACTION of the budget left after the weights."""
+    per_token = kv_bytes_per_token(spec, kv_dtype)
+    kv_budget = max(0, int((budget - weights.total) * CUDA_FREE_FRACTION))
+    return CapacityPlan(budget=budget, weights=weights, kv_dtype=str(kv_dtype).removeprefix("torch."),
+                        kv_per_token=per_token, block_size=block_size, kv_budget=kv_budget,
+                        num_blocks=kv_budget // (per_token * block_size), context=context)
+
+
+def fmt_bytes(n: float) -> str:
+    """1536 -> '1.50 KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"

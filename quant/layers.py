@@ -1,0 +1,181 @@
+"""Quantised linear layers the engine's model swaps in: AWQ int4, torch int8 weight-only, bitsandbytes LLM.int8.
+
+Each layer picks its kernel ("path") once, from the device and the shapes, and says which in `path`:
+torch's int4 / int8 weight-only matmuls want bf16 activations (other dtypes hit a slow scalar loop), so
+activations are cast to bf16 around the call and back; where the op is missing or the shapes don't fit it,
+the weights are dequantised on every call (exact in fp32, memory stays quantised).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagechat.quant.pack import dequantize, pack_awq, unpack_awq
+
+INT4_GROUPS = (32, 64, 128, 256)  # group sizes torch's int4 kernels take
+LLM_INT8_THRESHOLD = 6.0  # activation magnitude above which a column goes through the fp16 outlier matmul
+_BF16 = torch.bfloat16
+
+
+def _has_kernel(op: str, device: torch.device) -> bool:
+    key = "CPU" if device.type == "cpu" else "CUDA"
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{op}", key)
+    except RuntimeError:  # the op does not exist in this torch
+        return False
+
+
+def _sm80(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def awq_path(n: int, k: int, group: int, device: torch.device) -> str:
+    """Which kernel an AWQ layer of out=n, in=k runs on device: int4pack-cpu, int4pack-cuda or dequant."""
+    if group in INT4_GROUPS and k % group == 0:
+        if device.type == "cpu" and n % 16 == 0 and _has_kernel("_weight_int4pack_mm_for_cpu", device):
+            return "int4pack-cpu"
+        # tensor-core tiles: n in 8s, k in 2 x 16 at least; the kernel needs sm80+ (read from torch's source)
+        if device.type == "cuda" and n % 8 == 0 and k % 32 == 0 and _sm80(device) \
+                and _has_kernel("_weight_int4pack_mm", device):
+            return "int4pack-cuda"
+    return "dequant"
+
+
+def int8_wo_path(device: torch.device) -> str:
+    """Which kernel an int8 weight-only layer runs on device: int8pack-cpu, int8pack-cuda or dequant."""
+    if _has_kernel("_weight_int8pack_mm", device):
+        return f"int8pack-{device.type}"
+    return "dequant"
+
+
+def _scales_and_zeros(zeros: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    # torch's int4 kernels compute w = (q - 8) * scale + zero; AWQ's w = (q - z) * scale, so zero = (8 - z) * scale
+    s = scales.float()
+    return torch.stack([s, (8 - zeros.float()) * s], dim=-1).to(_BF16).contiguous()
+
+
+class AWQLinear(nn.Module):
+    """4-bit AWQ linear (asymmetric, group-wise) over one or more stacked checkpoint linears."""
+
+    quant_format = "awq-int4"
+
+    def __init__(self, q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                 group: int, device: torch.device, path: str | None = None) -> None:
+        """q [K, N] values 0..15, zeros [K/g, N], scales [K/g, N] (AWQ layout, unpacked)."""
+        super().__init__()
+        k, n = q.shape
+        self.in_features, self.out_features, self.group = k, n, group
+        self.path = path or awq_path(n, k, group, device)
+        if self.path == "int4pack-cpu":
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.t().contiguous().to(torch.int32), 2)
+            self.register_buffer("weight_packed", packed.to(device))
+            self.register_buffer("scales_zeros", _scales_and_zeros(zeros, scales).to(device))
+        elif self.path == "int4pack-cuda":
+            qt = q.t().contiguous().to(device=device, dtype=torch.uint8)
+            inner = 8 if k % 128 == 0 else 4 if k % 64 == 0 else 2
+            self.register_buffer("weight_packed", torch.ops.aten._convert_weight_to_int4pack(
+                (qt[:, 0::2] << 4) | qt[:, 1::2], inner))  # byte i = q[2i] high nibble, q[2i+1] low
+            self.register_buffer("scales_zeros", _scales_and_zeros(zeros, scales).to(device))
+        else:  # keep the checkpoint's packed tensors; dequantise per call
+            self.register_buffer("qweight", pack_awq(q).to(device))
+            self.register_buffer("qzeros", pack_awq(zeros).to(device))
+            self.register_buffer("scales", scales.to(device))
+        self.register_buffer("bias", None if bias is None else bias.to(device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        if self.path == "dequant":
+            y = x2 @ dequantize(unpack_awq(self.qweight), unpack_awq(self.qzeros), self.scales, self.group, x.dtype)
+        elif self.path == "int4pack-cpu":
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(_BF16).contiguous(), self.weight_packed,
+                                                           self.group, self.scales_zeros).to(x.dtype)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm(x2.to(_BF16).contiguous(), self.weight_packed, self.group,
+                                                   self.scales_zeros).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, group={self.group}, path={self.path}"
+
+
+class Int8WOLinear(nn.Module):
+    """int8 weight-only linear: per-output-channel symmetric int8 weights, activations stay floating point."""
+
+    quant_format = "int8-wo"
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, device: torch.device,
+                 path: str | None = None) -> None:
+        """q int8 [N, K], scales [N] (w = q * scale)."""
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        self.path = path or int8_wo_path(device)
+        self.register_buffer("weight", q.to(device=device, dtype=torch.int8).contiguous())
+        # the int8pack kernels take scales in the activations' dtype (bf16); the fallback keeps fp32
+        dtype = torch.float32 if self.path == "dequant" else _BF16
+        self.register_buffer("scales", scales.to(device=device, dtype=dtype))
+        self.register_buffer("bias", None if bias is None else bias.to(device))
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor, bias: torch.Tensor | None, device: torch.device) -> "Int8WOLinear":
+        """Quantise an nn.Linear weight [N, K]: scale = row absmax / 127, q = round(w / scale)."""
+        scales = w.float().abs().amax(1).clamp(min=1e-8) / 127
+        q = torch.round(w.float() / scales.unsqueeze(1)).clamp(-127, 127).to(torch.int8)
+        return cls(q, scales, bias, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        if self.path == "dequant":  # x @ (q * s)^T == (x @ q^T) * s: scale the output, not the weight
+            y = F.linear(x2, self.weight.to(x.dtype)) * self.scales.to(x.dtype)
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(x2.to(_BF16).contiguous(), self.weight, self.scales).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, path={self.path}"
+
+
+def bnb_int8_linear(bias: torch.Tensor | None, device: torch.device, weight: torch.Tensor | None = None,
+                    int8: torch.Tensor | None = None, scb: torch.Tensor | None = None) -> nn.Module:
+    """A bitsandbytes Linear8bitLt (LLM.int8, threshold 6.0, eval mode) from a float weight or from int8 + SCB."""
+    import bitsandbytes as bnb
+
+    # bnb logs a warning on every call whose activations are not fp16; it casts them itself, so say it once here
+    logging.getLogger("bitsandbytes.autograd._functions").setLevel(logging.ERROR)
+    n, k = (weight if weight is not None else int8).shape
+    layer = bnb.nn.Linear8bitLt(k, n, bias=bias is not None, has_fp16_weights=False, threshold=LLM_INT8_THRESHOLD,
+                                device="meta")
+    if weight is not None:
+        layer.weight = bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=False)
+    else:
+        # CB must be set too: without it bnb takes the int8 rows for float weights and quantises them again
+        layer.weight = bnb.nn.Int8Params(int8, requires_grad=False, has_fp16_weights=False, CB=int8, SCB=scb.float())
+    layer.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+    layer = layer.to(device)  # bnb quantises a float weight in .to(device): row absmax -> SCB, int8 rows -> CB
+    layer.quant_format, layer.path = "int8", "bnb-llm.int8"
+    return layer.eval()  # training mode dequantises on CPU (~7x slower)
+
+
+def quant_tensors(module: nn.Module) -> tuple[str, str, list[torch.Tensor]] | None:
+    """(format, kernel path, every tensor it holds) for a quantised layer; None for any other module."""
+    fmt = getattr(module, "quant_format", None)
+    if fmt is None:
+        return None
+    tensors = list(module.buffers(recurse=False)) + list(module.parameters(recurse=False))
+    if fmt == "int8":  # bnb keeps the row scales (SCB) outside the module's parameters: on the weight or its state
+        w, st = module.weight, module.state
+        tensors += [t for t in (getattr(w, "SCB", None), st.SCB, st.CB) if t is not None]
+    seen, unique = set(), []
+    for t in tensors:
+        if t is not None and t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            unique.append(t)
+    label = f"awq-int4 g{module.group}" if fmt == "awq-int4" else fmt
+    return label, module.path, unique

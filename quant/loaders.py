@@ -1,0 +1,168 @@
+"""Decide how a checkpoint's decoder linears load (dense, int8, int8-wo, AWQ) and build them.
+
+`resolve_quant` reads config.json's quantization_config and the --quant request and refuses every
+combination it cannot run with one line; `QuantPlan.loader(device)` is the LinearLoader the engine's
+DecoderModel builds each (possibly fused) decoder linear with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pagechat.core.errors import PagechatError
+from pagechat.core.loader import ModelSpec, WeightReader
+from pagechat.core.model import LinearLoader, dense_linear
+from pagechat.quant.layers import AWQLinear, Int8WOLinear, bnb_int8_linear
+from pagechat.quant.pack import unpack_awq
+
+QUANT_MODES = ("int8", "int8-wo", "awq")
+MODE_LABELS = {
+    None: "none (weights in the model dtype)",
+    "int8": "int8 LLM.int8 (bitsandbytes Linear8bitLt, outlier threshold 6.0)",
+    "int8-wo": "int8 weight-only (torch _weight_int8pack_mm, bf16 activations)",
+    "awq": "AWQ 4-bit (torch int4 weight-only matmul, bf16 activations)",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class QuantPlan:
+    """How the decoder linears load: the mode, what the checkpoint holds, and the AWQ group size."""
+
+    mode: str | None  # None | "int8" | "int8-wo" | "awq"
+    checkpoint: str  # "float" | "bnb-int8" | "awq"
+    group_size: int | None = None
+
+    @property
+    def label(self) -> str:
+        return MODE_LABELS[self.mode]
+
+    def loader(self, device: torch.device) -> LinearLoader:
+        """The LinearLoader that builds each decoder linear directly on device, quantised as planned."""
+        if self.mode is None:
+            return dense_linear
+        if self.mode == "awq":
+            return _awq_loader(self.group_size, device)
+        return _int8_loader(self.mode, self.checkpoint == "bnb-int8", device)
+
+
+def resolve_quant(spec: ModelSpec, requested: str | None, model_dir: Path) -> QuantPlan:
+    """The plan for this checkpoint and --quant request; PagechatError (one line) for what cannot run."""
+    where = f"{model_dir}/config.json"
+    if requested is not None and requested not in QUANT_MODES:
+        raise PagechatError(f"--quant must be one of {', '.join(QUANT_MODES)}, got {requested!r}")
+    qc = spec.quantization
+    if qc is None:
+        if requested == "awq":
+            raise PagechatError(f"--quant awq needs an AWQ checkpoint, but {where} has no quantization_config; "
+                                f"make one with `pagechat quantize {model_dir} OUT_DIR --method awq`")
+        return QuantPlan(requested, "float")
+    if not isinstance(qc, dict):
+        raise PagechatError(f"{where}: quantization_config must be an object, got {type(qc).__name__}")
+    method = str(qc.get("quant_method", "?")).lower()
+    if method == "awq":
+        group = _check_awq(qc, spec, where)
+        if requested in ("int8", "int8-wo"):
+            raise PagechatError(f"--quant {requested} cannot apply to {model_dir}: it is already an AWQ 4-bit "
+                                "checkpoint (run it without --quant, or with --quant awq)")
+        return QuantPlan("awq", "awq", group)
+    if method == "bitsandbytes":
+        if qc.get("load_in_4bit") or qc.get("_load_in_4bit"):
+            raise PagechatError(f"{where}: bitsandbytes 4-bit checkpoints (load_in_4bit) are not supported; "
+                                "pagechat loads bitsandbytes 8-bit (load_in_8bit) and AWQ GEMM 4-bit")
+        if not (qc.get("load_in_8bit") or qc.get("_load_in_8bit")):
+            raise PagechatError(f"{where}: bitsandbytes quantization_config sets neither load_in_8bit nor load_in_4bit")
+        if requested == "awq":
+            raise PagechatError(f"--quant awq cannot apply to {model_dir}: it is a bitsandbytes int8 checkpoint "
+                                "(run it without --quant, or with --quant int8 / int8-wo)")
+        return QuantPlan(requested or "int8", "bnb-int8")
+    raise PagechatError(f"{where}: quantization_config quant_method {method!r} is not supported "
+                        "(supported: awq with version gemm, bitsandbytes with load_in_8bit)")
+
+
+def _check_awq(qc: dict, spec: ModelSpec, where: str) -> int:
+    """Validate an AWQ quantization_config against what pagechat runs; return the group size."""
+    version = str(qc.get("version", qc.get("format", "gemm"))).lower()
+    if str(qc.get("backend", "")).lower() == "llm-awq" or version == "llm-awq":
+        raise PagechatError(f"{where}: checkpoints in the original llm-awq format are not supported; "
+                            "pagechat loads AutoAWQ GEMM checkpoints (version 'gemm')")
+    if version != "gemm":
+        raise PagechatError(f"{where}: AWQ version {version!r} is not supported: its weights are packed for "
+                            "its own CUDA kernels; pagechat loads AutoAWQ GEMM checkpoints (version 'gemm')")
+    bits = qc.get("bits", qc.get("w_bit"))
+    if bits != 4:
+        raise PagechatError(f"{where}: AWQ bits={bits!r} is not supported (only 4)")
+    if qc.get("zero_point", True) is not True:
+        raise PagechatError(f"{where}: AWQ without zero points (zero_point false) is not supported")
+    group = qc.get("group_size", qc.get("q_group_size"))
+    if not isinstance(group, int) or group <= 0:
+        raise PagechatError(f"{where}: AWQ group_size must be a positive integer, got {group!r} "
+                            "(per-channel group_size -1 is not supported)")
+    for name, k in (("hidden_size", spec.hidden_size), ("intermediate_size", spec.intermediate_size),
+                    ("num_attention_heads x head_dim", spec.num_heads * spec.head_dim)):
+        if k % group:
+            raise PagechatError(f"{where}: AWQ group_size {group} does not divide in_features {k} ({name})")
+    return group
+
+
+def _stacked(w: WeightReader, names: list[str], suffix: str, shapes: list[tuple[int, ...]], what: str) -> torch.Tensor:
+    """The named tensors concatenated along the last dim, each checked against its expected shape."""
+    parts = []
+    for n, shape in zip(names, shapes):
+        try:
+            parts.append(w.get(f"{n}.{suffix}", shape))
+        except PagechatError as e:
+            raise PagechatError(f"{e} ({what})") from None
+    return torch.cat(parts, dim=-1)
+
+
+def _bias(w: WeightReader, names: list[str], out_sizes: tuple[int, ...], bias: bool, dtype: torch.dtype):
+    return torch.cat([w.get(f"{n}.bias", (o,)).to(dtype) for n, o in zip(names, out_sizes)]) if bias else None
+
+
+def _unquantised(w: WeightReader, names: list[str], marker: str) -> bool:
+    """True when none of names is quantised (modules_to_not_convert / llm_int8_skip_modules); mixed is an error."""
+    have = [w.has(f"{n}.{marker}") for n in names]
+    if any(have) and not all(have):
+        raise PagechatError(f"checkpoint mixes quantised and float weights within {', '.join(names)}")
+    return not any(have)
+
+
+def _awq_loader(group: int, device: torch.device) -> LinearLoader:
+    def load(w, names, out_sizes, in_size, bias, dtype):
+        if _unquantised(w, names, "qweight"):
+            return dense_linear(w, names, out_sizes, in_size, bias, dtype)
+        what = f"AWQ 4-bit, group_size {group}, in_features {in_size}"
+        qw = _stacked(w, names, "qweight", [(in_size, o // 8) for o in out_sizes], what)
+        qz = _stacked(w, names, "qzeros", [(in_size // group, o // 8) for o in out_sizes], what)
+        sc = _stacked(w, names, "scales", [(in_size // group, o) for o in out_sizes], what)
+        if qw.dtype != torch.int32 or qz.dtype != torch.int32:
+            raise PagechatError(f"{names[0]}.qweight / .qzeros must be int32, got {qw.dtype} / {qz.dtype}")
+        # fused qkv / gate-up: the checkpoint linears are stacked along the output dim, as in dense_linear
+        return AWQLinear(unpack_awq(qw), unpack_awq(qz), sc, _bias(w, names, out_sizes, bias, dtype), group, device)
+    return load
+
+
+def _int8_loader(mode: str, prequantised: bool, device: torch.device) -> LinearLoader:
+    def load(w, names, out_sizes, in_size, bias, dtype):
+        b = _bias(w, names, out_sizes, bias, dtype)
+        if prequantised and _unquantised(w, names, "SCB"):  # llm_int8_skip_modules: left in float
+            return dense_linear(w, names, out_sizes, in_size, bias, dtype)
+        if prequantised:
+            # transformers' load_in_8bit checkpoints: int8 rows `weight` [out, in] + row absmax `SCB` [out]
+            q = torch.cat([w.get(f"{n}.weight", (o, in_size)) for n, o in zip(names, out_sizes)])
+            scb = torch.cat([w.get(f"{n}.SCB", (o,)) for n, o in zip(names, out_sizes)]).float()
+            if q.dtype != torch.int8:
+                raise PagechatError(f"{names[0]}.weight of a bitsandbytes int8 checkpoint must be int8, got {q.dtype}")
+            if mode == "int8-wo":
+                return Int8WOLinear(q, scb / 127, b, device)
+            return bnb_int8_linear(b, device, int8=q, scb=scb)
+        weight = torch.cat([w.get(f"{n}.weight", (o, in_size)) for n, o in zip(names, out_sizes)])
+        if weight.dtype == torch.int8:
+            raise PagechatError(f"{names[0]}.weight is int8 but config.json has no bitsandbytes quantization_config")
+        if mode == "int8-wo":
+            return Int8WOLinear.from_float(weight.float(), b, device)
+        return bnb_int8_linear(b, device, weight=weight.float())
+    return load

@@ -1,0 +1,119 @@
+"""Memory accounting: the engine's weight report equals the real tensors' bytes, config-only estimates equal
+the report, and `plan` turns a budget into KV blocks and concurrent sequences."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from pagechat.core.config import EngineConfig
+from pagechat.core.engine import Engine
+from pagechat.core.kv import block_bytes
+from pagechat.core.memory import estimate_weights, kv_bytes_per_token, plan_capacity, weight_report
+from pagechat.quant.checkpoint import quantize_checkpoint
+from pagechat.tui.cli import main
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny tensors: one thread avoids OpenMP spin-waits on a shared 2-core machine (restored after)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def cli(argv: list[str], capsys) -> tuple[int | None, str, str]:
+    old = sys.argv
+    sys.argv = ["pagechat", *argv]
+    try:
+        main()
+        code = None
+    except SystemExit as e:
+        code = e.code
+    finally:
+        sys.argv = old
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def unique_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every parameter and buffer storage the model holds (each once), rope tables excluded."""
+    seen, total = set(), 0
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if name in ("cos", "sin") or t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        total += t.nbytes
+    return total
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # untied; tied with qkv bias; tied with q/k norm
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_weight_report_equals_the_tensors_and_the_estimate(tiny_models, arch, dtype):
+    e = Engine(tiny_models[arch], EngineConfig(dtype=dtype, kv_blocks=8))
+    rep = weight_report(e.model)
+    assert rep.total == unique_bytes(e.model)
+    assert rep == estimate_weights(e.spec, None, e.dtype, device_type="cpu")
+    lm = [r for r in rep.rows if r.kind == "lm_head"]
+    assert (lm[0].fmt == "tied to embedding" and lm[0].bytes == 0) == e.spec.tie_word_embeddings
+    assert sum(rep.by_kind().values()) == rep.total
+
+
+@pytest.mark.parametrize("mode", ["int8", "int8-wo"])
+def test_quantised_reports_count_scales_too(tiny_llama, mode):
+    e = Engine(tiny_llama, EngineConfig(dtype="float32", kv_blocks=8, quant=mode))
+    e.generate([[5, 6, 7]])  # bnb moves its row scales into the layer state on the first call
+    rep = weight_report(e.model)
+    assert rep.total == estimate_weights(e.spec, mode, e.dtype, device_type="cpu").total
+    rows = {r.kind: r for r in rep.rows}
+    h, kv, d, hid, inter = 4, 2, 16, 64, 128
+    n_k = [((h + 2 * kv) * d, hid), (hid, h * d), (2 * inter, hid), (hid, inter)]
+    scale = 4 if mode == "int8" else 2  # fp32 SCB vs bf16 scales
+    linear = 2 * sum(n * k + scale * n for n, k in n_k)
+    assert rows["attention"].bytes + rows["mlp"].bytes == linear
+    assert rows["embedding"].fmt == "float32"
+
+
+@pytest.mark.parametrize("group,path", [(64, "int4pack-cpu"), (16, "dequant")])  # torch's kernel lacks g16
+def test_awq_report_and_estimate_agree(tiny_llama, tmp_path, group, path):
+    out = quantize_checkpoint(tiny_llama, tmp_path / "awq", "rtn", group).out_dir
+    e = Engine(out, EngineConfig(dtype="float32", kv_blocks=8))
+    rep = weight_report(e.model)
+    assert rep == estimate_weights(e.spec, "awq", e.dtype, group, "cpu")
+    assert rep.total == unique_bytes(e.model)
+    assert {r.path for r in rep.rows if r.kind in ("attention", "mlp")} == {path}
+
+
+def test_kv_figures_match_the_pool(tiny_llama):
+    e = Engine(tiny_llama, EngineConfig(dtype="float32", kv_blocks=8))
+    per_token = kv_bytes_per_token(e.spec, e.dtype)
+    assert per_token * e.blocks.block_size * e.blocks.num_blocks == e.pool.nbytes
+    assert per_token * 16 == block_bytes(e.spec, 16, e.dtype)
+
+
+def test_plan_capacity_arithmetic(tiny_llama):
+    from pagechat.core.loader import read_spec
+
+    spec = read_spec(tiny_llama)
+    w = estimate_weights(spec, None, torch.float16)
+    cap = plan_capacity(spec, w, torch.float16, budget=10 * 2**20, context=100, block_size=16)
+    per_block = 2 * 2 * 16 * 2 * 16 * 2  # layers x (K, V) x block x kv heads x head_dim x fp16
+    assert cap.kv_per_block == per_block
+    assert cap.num_blocks == int((10 * 2**20 - w.total) * 0.8) // per_block
+    assert cap.max_seqs == cap.num_blocks // 7  # 100 tokens need 7 blocks
+    assert cap.concurrency == pytest.approx(cap.num_blocks * 16 / 100)
+
+
+def test_plan_command(tiny_llama, capsys):
+    code, out, _ = cli(["plan", str(tiny_llama), "--gpu-memory", "1GiB", "--context", "256"], capsys)
+    assert code in (None, 0)
+    assert "# KV blocks:" in out and "Maximum concurrency for 256 tokens per request" in out
+    code, out, _ = cli(["plan", str(tiny_llama), "--quant", "awq", "--group-size", "64"], capsys)
+    assert "awq-int4 g64" in out and "after pagechat quantize" in out
+    code, _, err = cli(["plan", str(tiny_llama), "--context", "100000"], capsys)
+    assert code == 2 and "--context 100000" in err
+    code, _, err = cli(["plan", str(tiny_llama), "--gpu-memory", "lots"], capsys)
+    assert code == 2 and "cannot read 'lots' as a size" in err
