@@ -150,6 +150,30 @@ def bench_quant(
     bench_quant_command(model_dir, awq_dir, modes, tokens, prompt_tokens, batch, rounds, device)
 
 
+@app.command()
+def bench(
+    model_dir: Annotated[Path, typer.Argument(help="local Hugging Face model directory (safetensors)")],
+    quant: Quant = None,
+    draft: Draft = None,
+    ngram: Ngram = False,
+    num_draft: NumDraft = 4,
+    vs_hf: Annotated[bool, typer.Option("--vs-hf", help="also run transformers' generate on the same weights")] = False,
+    rounds: Annotated[int, typer.Option(help="repetitions; the table shows medians")] = 3,
+    dtype: Dtype = "auto",
+    device: Device = "auto",
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object instead of the table")] = False,
+) -> None:
+    """Measure TTFT, prefill, decode, 8 concurrent requests, multi-turn TTFT and MBU (optionally vs transformers)."""
+    from pagechat.core.config import EngineConfig
+    from pagechat.tui.bench_cmd import bench_command
+
+    if rounds < 1:
+        raise PagechatError(f"--rounds must be >= 1, got {rounds}")
+    config = EngineConfig(device=device, dtype=dtype, quant=quant, draft=str(draft) if draft else None,
+                          ngram=ngram, num_draft=num_draft).validate()
+    bench_command(model_dir, config, rounds, vs_hf, as_json)
+
+
 def main() -> None:
     """Console entry point: user errors become one line on stderr and exit code 2."""
     try:

@@ -1,0 +1,260 @@
+"""`pagechat bench`: single-stream, 8-request, multi-turn and bandwidth figures, optionally beside transformers.
+
+Everything runs in one process on the same weights. Each figure is the median of `rounds` repetitions,
+and with --vs-hf the two sides alternate round by round, so a machine that gets busier or quieter during
+the run moves both alike: quote the ratios.
+"""
+
+from __future__ import annotations
+
+import platform
+import random
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from pagechat.core.engine import Engine
+from pagechat.core.memory import kv_bytes_per_token, weight_report
+from pagechat.core.params import SamplingParams
+
+PROMPT_TOKENS, DECODE_TOKENS = 128, 64
+BATCH_PROMPTS = (32, 96, 160, 224, 288, 352, 416, 512)  # 8 requests of mixed lengths
+BATCH_OUTPUTS = (16, 128, 48, 96, 32, 112, 64, 80)
+TURNS, TURN_USER, TURN_REPLY = 8, 24, 24
+KEYS = ("decode_tok_s", "prefill_tok_s", "ttft_ms", "batch8_tok_s", "turn_ttft_ms", "mbu")
+
+
+@dataclass(slots=True)
+class Workload:
+    """The token ids every side runs: deterministic under the seed, never special tokens."""
+
+    prompt: list[int]
+    batch: list[list[int]]
+    turns: list[list[int]]  # user text of each turn
+    replies: list[list[int]]  # fixed assistant text appended after each turn, same for both sides
+
+    @staticmethod
+    def make(vocab: int, special: set[int], max_len: int, seed: int = 0) -> "Workload":
+        rng = random.Random(seed)
+        ids = [i for i in range(min(vocab, 32000)) if i not in special]
+        draw = lambda n: [rng.choice(ids) for _ in range(n)]  # noqa: E731
+        # a model with a short context gets the same mix, scaled down to fit
+        scale = min(1.0, (max_len - max(BATCH_OUTPUTS)) / max(BATCH_PROMPTS))
+        return Workload(draw(PROMPT_TOKENS), [draw(int(n * scale)) for n in BATCH_PROMPTS],
+                        [draw(TURN_USER) for _ in range(TURNS)],
+                        [draw(TURN_REPLY) for _ in range(TURNS)])
+
+
+def measure_bandwidth(device: torch.device, mib: int = 256) -> float:
+    """Memory bandwidth in bytes/s read off a large fp32 matrix-vector product (the decode floor's kind of work)."""
+    n = int((mib * 2**20 / 4) ** 0.5)
+    w = torch.randn(n, n, device=device)
+    x = torch.randn(n, device=device)
+    times = []
+    for _ in range(7):
+        _sync(device)
+        t = time.perf_counter()
+        torch.mv(w, x)
+        _sync(device)
+        times.append(time.perf_counter() - t)
+    return w.numel() * 4 / statistics.median(times[2:])
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def pagechat_round(engine: Engine, w: Workload) -> dict:
+    """One repetition of every figure through the engine."""
+    out: dict = {}
+    seen: dict = {"decode_s": 0.0, "decode_n": 0}
+
+    def count(r):
+        if r.kind == "decode":
+            seen["decode_s"] += r.elapsed_s
+            seen["decode_n"] += r.decode_tokens
+
+    t0 = time.perf_counter()
+    [seq] = engine.generate([w.prompt], SamplingParams(max_tokens=DECODE_TOKENS, **GREEDY), on_report=count)
+    out["ttft_ms"] = 1000 * (seq.first_token_time - seq.arrival)
+    out["prefill_tok_s"] = PROMPT_TOKENS / (seq.first_token_time - seq.arrival)
+    out["decode_ms"] = 1000 * seen["decode_s"] / seen["decode_n"]
+    out["decode_tok_s"] = seen["decode_n"] / seen["decode_s"]
+    out["single_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    seqs = engine.generate(w.batch, [SamplingParams(max_tokens=n, **GREEDY) for n in BATCH_OUTPUTS])
+    out["batch8_tok_s"] = sum(s.num_output_tokens for s in seqs) / (time.perf_counter() - t0)
+    out["turn_ttft_ms"] = []
+    history: list[int] = []
+    for user, reply in zip(w.turns, w.replies):
+        history += user
+        [s] = engine.generate([list(history)], SamplingParams(max_tokens=1, **GREEDY))
+        out["turn_ttft_ms"].append(1000 * (s.first_token_time - s.arrival))
+        history += reply  # a fixed reply keeps both sides' histories identical
+    return out
+
+
+def spec_round(engine: Engine, w: Workload, prompt: list[int]) -> dict:
+    """Plain vs speculative decode of the same prompt, back to back in one round."""
+    res = {}
+    for on in (False, True):
+        engine.set_speculation(on)
+        stats = {"s": 0.0, "n": 0, "fw": 0}
+        [seq] = engine.generate([prompt], SamplingParams(max_tokens=DECODE_TOKENS, **GREEDY),
+                                on_report=lambda r: (stats.__setitem__("s", stats["s"] + r.elapsed_s)
+                                                     if r.kind == "decode" else None))
+        n = seq.num_output_tokens - 1
+        res["spec" if on else "plain"] = {"decode_tok_s": n / stats["s"],
+                                         "target_forwards_per_token": seq.target_forwards / seq.num_output_tokens,
+                                         "acceptance_rate": seq.num_accepted / seq.num_drafted if seq.num_drafted else 0.0}
+    engine.set_speculation(True)
+    return res
+
+
+def hf_round(models: dict, w: Workload) -> dict:
+    """The same figures through transformers' generate, at each loaded dtype; the caller keeps the faster."""
+    out = {}
+    for name, model in models.items():
+        r: dict = {}
+        ids = torch.tensor([w.prompt])
+        t = time.perf_counter()
+        _hf_generate(model, ids, 1)
+        prefill = time.perf_counter() - t
+        r["ttft_ms"], r["prefill_tok_s"] = 1000 * prefill, PROMPT_TOKENS / prefill
+        t = time.perf_counter()
+        _hf_generate(model, ids, DECODE_TOKENS)
+        total = time.perf_counter() - t
+        r["decode_ms"] = 1000 * (total - prefill) / (DECODE_TOKENS - 1)
+        r["decode_tok_s"] = 1000 / r["decode_ms"]
+        # static batch of 8: left-padded to the longest prompt, everyone runs to the longest output
+        longest = max(len(p) for p in w.batch)
+        batch = torch.tensor([[0] * (longest - len(p)) + p for p in w.batch])
+        mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in w.batch])
+        t = time.perf_counter()
+        _hf_generate(model, batch, max(BATCH_OUTPUTS), mask)
+        r["batch8_tok_s"] = sum(BATCH_OUTPUTS) / (time.perf_counter() - t)
+        r["turn_ttft_ms"] = []
+        history: list[int] = []
+        for user, reply in zip(w.turns, w.replies):
+            history += user
+            t = time.perf_counter()
+            _hf_generate(model, torch.tensor([history]), 1)  # a transformers user re-prefills the history
+            r["turn_ttft_ms"].append(1000 * (time.perf_counter() - t))
+            history += reply
+        out[name] = r
+    return out
+
+
+@torch.inference_mode()
+def _hf_generate(model, ids: torch.Tensor, new: int, mask: torch.Tensor | None = None) -> None:
+    mask = torch.ones_like(ids) if mask is None else mask
+    model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                   pad_token_id=0)
+
+
+def median_of(rounds: list[dict]) -> dict:
+    """Per-key median over rounds (element-wise for lists)."""
+    out = {}
+    for k, v in rounds[0].items():
+        if isinstance(v, list):
+            out[k] = [statistics.median(r[k][i] for r in rounds) for i in range(len(v))]
+        elif isinstance(v, dict):
+            out[k] = median_of([r[k] for r in rounds])
+        else:
+            out[k] = statistics.median(r[k] for r in rounds)
+    return out
+
+
+@dataclass(slots=True)
+class BenchResult:
+    """What `pagechat bench --json` prints."""
+
+    pagechat: dict
+    transformers: dict = field(default_factory=dict)
+    ratios: dict = field(default_factory=dict)
+    machine: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return {"pagechat": self.pagechat, "transformers": self.transformers, "ratios": self.ratios,
+                "machine": self.machine}
+
+
+def run_bench(engine: Engine, rounds: int = 3, vs_hf: bool = False, spec_prompt: list[int] | None = None,
+              log: Callable[[str], None] = lambda s: None) -> BenchResult:
+    """Warm up, then `rounds` interleaved repetitions of every figure; medians, MBU and ratios."""
+    special = set(engine.tokenizer.all_special_ids)
+    # a fresh workload each round (and one for warm-up), so no round is served from an earlier round's cache
+    loads = [Workload.make(engine.spec.vocab_size, special, engine.max_model_len, seed) for seed in range(rounds + 1)]
+    hf = _load_hf(engine, log) if vs_hf else {}
+    log("warming up")
+    pagechat_round(engine, loads[-1])
+    if hf:
+        hf_round(hf, loads[-1])
+    ours, theirs, specs = [], [], []
+    for i, w in enumerate(loads[:rounds]):
+        log(f"round {i + 1}/{rounds}: pagechat")
+        ours.append(pagechat_round(engine, w))
+        if engine.proposer is not None:
+            specs.append(spec_round(engine, w, spec_prompt or w.prompt))
+        if hf:
+            log(f"round {i + 1}/{rounds}: transformers")
+            theirs.append(hf_round(hf, w))
+    bandwidth = measure_bandwidth(engine.device)
+    weights = weight_report(engine.model).total
+    p = median_of(ours)
+    p["weight_bytes"] = weights
+    p["kv_bytes_per_token"] = kv_bytes_per_token(engine.spec, engine.dtype)
+    p["bandwidth_gb_s"] = bandwidth / 1e9
+    p["decode_floor_ms"] = 1000 * weights / bandwidth
+    p["mbu"] = p["decode_floor_ms"] / p["decode_ms"]
+    p["dtype"] = str(engine.dtype).removeprefix("torch.")
+    p["quant"] = engine.quant.label
+    if specs:
+        s = median_of(specs)
+        p["speculation"] = {"proposer": engine.proposer.name, "num_draft": engine.num_draft, **s,
+                            "speedup": s["spec"]["decode_tok_s"] / s["plain"]["decode_tok_s"]}
+    result = BenchResult(p, machine=_machine(engine))
+    if hf:
+        per = median_of(theirs)
+        best = max(per, key=lambda k: per[k]["decode_tok_s"])
+        t = dict(per[best], dtype=best, all_dtypes=per)
+        t["weight_bytes"] = sum(x.nbytes for x in hf[best].parameters())
+        t["mbu"] = 1000 * t["weight_bytes"] / bandwidth / t["decode_ms"]
+        result.transformers = t
+        result.ratios = {k: _ratio(p[k], t[k]) for k in KEYS}
+    return result
+
+
+def _ratio(a, b):
+    if isinstance(a, list):
+        return [x / y for x, y in zip(a, b)]
+    return a / b if b else 0.0
+
+
+def _load_hf(engine: Engine, log) -> dict:
+    """transformers' model on the same checkpoint at float32 and bfloat16 (its fastest differs by CPU)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        log(f"loading transformers at {str(dtype).removeprefix('torch.')}")
+        out[str(dtype).removeprefix("torch.")] = AutoModelForCausalLM.from_pretrained(
+            str(engine.model_dir), local_files_only=True, dtype=dtype).to(engine.device).eval()
+    return out
+
+
+def _machine(engine: Engine) -> dict:
+    info = {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "device": str(engine.device)}
+    if engine.device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(engine.device)
+    return info
