@@ -151,6 +151,51 @@ def bench_quant(
 
 
 @app.command()
+def run(
+    model_dir: Annotated[Optional[Path], typer.Argument(help="local model directory; default: the demo chat model")] = None,
+    resume: Annotated[Optional[str], typer.Option(help="continue a saved chat (id from `pagechat history`)")] = None,
+    save: Annotated[Optional[Path], typer.Option(help="also write the chat as JSON to this path after every turn")] = None,
+    system: Annotated[Optional[str], typer.Option(help="system prompt")] = None,
+    temperature: Annotated[Optional[float], typer.Option(help="0 = greedy (default 0.7)")] = None,
+    top_p: Annotated[Optional[float], typer.Option(help="nucleus, in (0, 1] (default 0.95)")] = None,
+    top_k: Annotated[Optional[int], typer.Option(help="keep the k most likely tokens (0 = off)")] = None,
+    min_p: Annotated[Optional[float], typer.Option(help="drop tokens below min-p x the top probability")] = None,
+    max_tokens: Annotated[Optional[int], typer.Option(help="new tokens per reply at most (default 512)")] = None,
+    seed: Annotated[Optional[int], typer.Option(help="sampling seed (same seed, same reply)")] = None,
+    ignore_eos: Annotated[Optional[bool], typer.Option("--ignore-eos", help="keep generating past end-of-sequence (benchmarks)")] = None,
+    layout: Annotated[str, typer.Option(help="auto | tabs | grid (auto: every panel at once from 150x40)")] = "auto",
+    draft: Annotated[Optional[Path], typer.Option(help="draft model directory: speculative decoding")] = None,
+    ngram: Annotated[bool, typer.Option("--ngram", help="speculate with prompt lookup (n-gram) drafts")] = False,
+    num_draft: Annotated[int, typer.Option(help="tokens drafted per step")] = 4,
+    dtype: Dtype = "auto",
+    device: Device = "auto",
+    block_size: Annotated[int, typer.Option(help="tokens per KV block")] = 16,
+    kv_blocks: Annotated[Optional[int], typer.Option(help="KV pool size in blocks")] = None,
+    kv_memory: Annotated[Optional[str], typer.Option(help="KV pool budget, e.g. 2GiB")] = None,
+) -> None:
+    """Chat with a local model in the terminal app, with live KV-block, timing, sampling and memory panels."""
+    from pagechat.core.config import EngineConfig, parse_bytes
+    from pagechat.tui.launch import run_app
+
+    config = EngineConfig(device=device, dtype=dtype, block_size=block_size, kv_blocks=kv_blocks,
+                          kv_memory=parse_bytes(kv_memory) if kv_memory else None,
+                          draft=str(draft) if draft else None, ngram=ngram, num_draft=num_draft).validate()
+    overrides = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, max_tokens=max_tokens, seed=seed,
+                     ignore_eos=ignore_eos)
+    raise typer.Exit(run_app(model_dir, config, overrides, resume=resume, save=save, system=system, layout=layout))
+
+
+@app.command()
+def history(
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON array instead of a table")] = False,
+) -> None:
+    """List saved chats (newest first); resume one with `pagechat run MODEL_DIR --resume ID`."""
+    from pagechat.tui.history import print_history
+
+    raise typer.Exit(print_history(as_json=as_json))
+
+
+@app.command()
 def bench(
     model_dir: Annotated[Path, typer.Argument(help="local Hugging Face model directory (safetensors)")],
     quant: Quant = None,

@@ -1,0 +1,111 @@
+"""Regenerate the README screenshots: `python screenshots/make_screenshots.py [--model DIR]`.
+
+Drives the real app headless (Textual Pilot) on the demo chat model when it is installed, else on a tiny
+random checkpoint, and writes SVGs here; PNGs too when `rsvg-convert` is installed (Debian: librsvg2-bin).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shutil
+import subprocess
+from pathlib import Path
+
+from pagechat.core.config import EngineConfig
+from pagechat.core.engine import Engine
+from pagechat.core.errors import PagechatError
+from pagechat.core.params import SamplingParams
+from pagechat.tui.app import PagechatApp
+from pagechat.tui.drive import send_and_advance, tiny_model_dir, type_prompt, wait_reply_done
+from pagechat.tui.history import ChatRecord, ChatStore
+from pagechat.tui.widgets.chat import PromptInput
+
+OUT = Path(__file__).resolve().parent
+
+
+def default_model() -> Path:
+    try:
+        from pagechat.core.demo import chat_model_dir
+
+        return chat_model_dir()
+    except (ImportError, PagechatError):
+        return tiny_model_dir()
+
+
+def save(app: PagechatApp, name: str) -> None:
+    """SVG from Textual, then PNG with rsvg-convert (xml:space keeps the leading spaces of text runs)."""
+    svg = OUT / f"{name}.svg"
+    app.save_screenshot(svg.name, path=str(OUT))
+    svg.write_text(svg.read_text().replace("<svg ", '<svg xml:space="preserve" ', 1))
+    if shutil.which("rsvg-convert"):
+        subprocess.run(["rsvg-convert", "-o", str(svg.with_suffix(".png")), str(svg)], check=True)
+    print("wrote", svg)
+
+
+def make_app(model: Path, store: Path, params: SamplingParams, layout: str, **config) -> PagechatApp:
+    engine = Engine(model, EngineConfig(device="cpu", dtype="float32", **config))
+    return PagechatApp(engine, chat=ChatRecord(id="20250101-120000-demo", model=str(model)), params=params,
+                       store=ChatStore(store), layout=layout, autosave=False)
+
+
+async def quiet(pilot) -> None:
+    pilot.app.query_one(PromptInput).cursor_blink = False
+    pilot.app.notify = lambda *a, **k: None  # no toasts in the pictures
+
+
+async def main_screen(model: Path, store: Path) -> None:
+    params = SamplingParams(temperature=0.7, top_p=0.95, max_tokens=120, seed=1)
+    app = make_app(model, store, params, "grid")
+    async with app.run_test(size=(180, 50)) as pilot:
+        await quiet(pilot)
+        await type_prompt(pilot, "What is a KV block?")
+        await wait_reply_done(pilot)
+        await send_and_advance(pilot, "How does the prefix cache help a chat?", 30)
+        pilot.app.set_focus(None)
+        await pilot.pause(0.3)
+        save(app, "main")
+
+
+async def sampling_screen(model: Path, store: Path) -> None:
+    params = SamplingParams(temperature=0.9, top_p=0.9, top_k=6, max_tokens=40, seed=2, num_candidates=10)
+    app = make_app(model, store, params, "tabs")
+    async with app.run_test(size=(120, 36)) as pilot:
+        await quiet(pilot)
+        await type_prompt(pilot, "Explain copy-on-write for shared blocks.")
+        await wait_reply_done(pilot)
+        await pilot.press("ctrl+r", *["left"] * 6)
+        await pilot.pause(0.3)
+        save(app, "sampling")
+        app.show_panel("memory")
+        app.refresh_memory()
+        await pilot.pause(0.3)
+        save(app, "memory")
+
+
+async def speculation_screen(model: Path, store: Path) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=80, seed=3)
+    app = make_app(model, store, params, "tabs", ngram=True, num_draft=4)
+    async with app.run_test(size=(120, 36)) as pilot:
+        await quiet(pilot)
+        await type_prompt(pilot, "Repeat after me: the block table lists the blocks; the block table lists the blocks.")
+        await wait_reply_done(pilot)
+        app.show_panel("speculation")
+        await pilot.pause(0.3)
+        save(app, "speculation")
+
+
+async def run(model: Path, store: Path) -> None:
+    await main_screen(model, store)
+    await sampling_screen(model, store)
+    await speculation_screen(model, store)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, help="model directory (default: the demo chat model, else a tiny one)")
+    args = parser.parse_args()
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        asyncio.run(run(args.model or default_model(), Path(tmp)))

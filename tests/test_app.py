@@ -1,0 +1,270 @@
+"""The app driven with real key presses (Textual Pilot) on a tiny random model: every panel shows the engine's records."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from pagechat.core.config import EngineConfig
+from pagechat.core.engine import Engine
+from pagechat.core.params import SamplingParams
+from pagechat.tui.app import PagechatApp
+from pagechat.tui.drive import advance, send_and_advance, tiny_model_dir, type_prompt, wait_reply_done, wait_until
+from pagechat.tui.history import ChatStore
+from pagechat.tui.screens import HelpScreen
+from pagechat.tui.widgets.blocks import FREE, BlockGrid, BlocksPanel
+from pagechat.tui.widgets.chat import ChatLog, ReplyView, TokenView, printable
+from pagechat.tui.widgets.controls import ControlsPanel
+from pagechat.tui.widgets.sampling import SamplingPanel
+
+pytestmark = pytest.mark.anyio
+SIZE = (120, 36)
+LONG = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=400, seed=3, ignore_eos=True)
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    return tiny_model_dir()
+
+
+def make_app(model_dir, tmp_path, params: SamplingParams = LONG, **config) -> PagechatApp:
+    engine = Engine(model_dir, EngineConfig(device="cpu", dtype="float32", **config))
+    return PagechatApp(engine, params=params, store=ChatStore(tmp_path / "chats"), layout="tabs")
+
+
+def spy_samples(engine: Engine) -> list:
+    """Record every SampleRecord the engine reports, independently of the app."""
+    seen: list = []
+    step = engine.step
+
+    def recording_step():
+        report = step()
+        seen.extend(report.samples)
+        return report
+
+    engine.step = recording_step
+    return seen
+
+
+async def test_prompt_streams_a_reply(model_dir, tmp_path, monkeypatch):
+    shown: list[tuple[bool, int, str]] = []  # what each repaint of a reply showed
+    update_view = ReplyView.update_view
+
+    def recording_update(view: ReplyView) -> None:
+        update_view(view)
+        body = str(view.query_one(".reply-body").render())
+        shown.append((view.message.streaming, len(view.message.tokens), body))
+
+    monkeypatch.setattr(ReplyView, "update_view", recording_update)
+    app = make_app(model_dir, tmp_path, replace(LONG, max_tokens=60))
+    async with app.run_test(size=SIZE) as pilot:
+        app.loop.pause()  # then step the engine a few tokens at a time, so every stage is seen on screen
+        await type_prompt(pilot, "hello there")
+        for _ in range(3):
+            app.loop.advance(5)
+            app.loop.sync()
+            await wait_until(pilot, lambda: not app.render_pending, 10, "a repaint")
+        app.loop.resume()
+        await wait_reply_done(pilot)
+        reply = app.session.messages[-1]
+        seq = app.engine.requests[reply.request_id]
+        partial = [(n, body) for streaming, n, body in shown if streaming and 0 < n < 60]
+        assert len({n for n, _ in partial}) >= 3, "the reply was not painted as it grew"
+        assert all(printable(seq.text).startswith(body.rstrip("▌")) for _, body in partial)  # a growing prefix, token by token
+        assert reply.content == seq.text and len(reply.tokens) == 60
+        assert [t.token_id for t in reply.tokens] == seq.output_ids
+        view = app.query_one(ChatLog).views[id(reply)]
+        assert view.has_class("-done") and reply.finish_reason == "length"
+        assert app.store.load(app.session.record.id).messages[-1]["content"] == seq.text  # autosaved
+
+
+async def test_temperature_change_mid_reply_applies_from_the_next_token(model_dir, tmp_path):
+    app = make_app(model_dir, tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await send_and_advance(pilot, "count", 4)
+        reply = app.session.messages[-1]
+        n = len(reply.tokens)
+        app.action_focus_controls()
+        await pilot.pause()
+        await pilot.press(*"0.3", "enter")
+        assert app.session.params.temperature == 0.3
+        await advance(pilot, 4)
+        temps = [t.record.params.temperature for t in reply.tokens]
+        assert temps[:n] == [0.8] * n and set(temps[n:]) == {0.3}, (n, len(temps), reply.streaming, reply.finish_reason, reply.error, app.session.notices)
+        assert app.engine.requests[reply.request_id].params.temperature == 0.3
+        app.action_stop()
+        await wait_reply_done(pilot)
+
+
+async def test_block_panel_counts_equal_the_block_manager_while_decoding(model_dir, tmp_path):
+    app = make_app(model_dir, tmp_path, block_size=4)
+    async with app.run_test(size=SIZE) as pilot:
+        await send_and_advance(pilot, "blocks please", 1)
+        for steps in (5, 20):
+            await advance(pilot, steps)
+            panel = app.query_one(BlocksPanel)
+            truth = app.engine.blocks.snapshot()
+            shown = panel.snapshot
+            for name in ("num_used", "num_cached", "num_free", "num_shared", "tokens_stored"):
+                assert getattr(shown, name) == getattr(truth, name), name
+            assert shown.blocks == truth.blocks
+            assert f"used {truth.num_used}/{len(truth.blocks)}" in str(panel.query_one("#blocks-header").render())
+            grid = app.query_one(BlockGrid)
+            assert grid.fold == 1 and sum(glyph != FREE for glyph, _ in grid._cells) == truth.num_used + truth.num_cached
+            assert app.session.streaming is not None  # still decoding
+        app.action_stop()
+        await wait_reply_done(pilot)
+
+
+async def test_escape_stops_the_reply_and_keeps_its_text(model_dir, tmp_path):
+    app = make_app(model_dir, tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await send_and_advance(pilot, "go on", 5)
+        await pilot.press("escape")
+        await wait_reply_done(pilot)
+        reply = app.session.messages[-1]
+        seq = app.engine.requests[reply.request_id]
+        assert reply.finish_reason == "abort" == seq.finish_reason
+        assert reply.content == seq.text and 4 <= len(reply.tokens) < 400
+        assert app.engine.blocks.snapshot().num_used == 0
+        assert app.store.load(app.session.record.id).messages[-1]["finish_reason"] == "abort"
+
+
+async def test_ctrl_n_frees_the_chats_blocks_and_keeps_the_prefix_cache(model_dir, tmp_path):
+    app = make_app(model_dir, tmp_path, block_size=4)
+    async with app.run_test(size=SIZE) as pilot:
+        await send_and_advance(pilot, "a prompt long enough to fill some blocks", 6)
+        rid = app.session.messages[-1].request_id
+        assert any(rid in b.owners for b in app.engine.blocks.snapshot().blocks)
+        old_id = app.session.record.id
+        await pilot.press("ctrl+n")
+        await wait_until(pilot, lambda: app.query_one(BlocksPanel).snapshot.num_used == 0, 10, "blocks freed on screen")
+        truth = app.engine.blocks.snapshot()
+        assert truth.num_used == 0 and not any(rid in b.owners for b in truth.blocks)
+        assert truth.num_cached > 0  # the prompt's full blocks stay in the prefix cache
+        assert app.session.record.id != old_id and not app.session.messages
+        assert not app.query_one(ChatLog).children
+        assert app.store.load(old_id).messages[-1]["finish_reason"] == "abort"
+
+
+async def test_selecting_a_reply_token_shows_the_samplers_record(model_dir, tmp_path):
+    app = make_app(model_dir, tmp_path, replace(LONG, max_tokens=12, top_k=5))
+    seen = spy_samples(app.engine)
+    async with app.run_test(size=SIZE) as pilot:
+        await type_prompt(pilot, "pick one")
+        await wait_reply_done(pilot)
+        reply = app.session.messages[-1]
+        records = [s for s in seen if s.seq_id == reply.request_id]
+        panel = app.query_one(SamplingPanel)
+        await pilot.press("ctrl+r", "left", "left")  # keyboard: the third token from the end
+        await pilot.pause()
+        assert app.active_panel == "sampling" and panel.record is records[-3]
+        table = str(panel.query_one("#sampling-table").render())
+        for c in records[-3].candidates:
+            assert f"{c.logit:6.2f}" in table and f"{c.prob:.3f}" in table
+        assert "cut top-k" in table  # candidates 6.. were cut by top-k=5
+        await pilot.click(TokenView, offset=(0, 0))  # mouse: the first token
+        await pilot.pause()
+        assert app.query_one(ReplyView).selected == 0 and panel.record is records[0]
+        await pilot.press("escape")  # unpin: back to the newest token
+        assert panel.record is app.session.latest_sample
+
+
+async def test_invalid_control_values_are_refused_inline(model_dir, tmp_path):
+    app = make_app(model_dir, tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("f4")
+        controls = app.query_one(ControlsPanel)
+        app.query_one("#ctl-top_p").focus()
+        await pilot.press(*"1.5", "enter")
+        assert controls.error == "refused: top-p must be in (0, 1], got 1.5"
+        assert app.query_one("#ctl-top_p").has_class("-refused") and app.session.params.top_p == 0.95
+        app.query_one("#ctl-top_k").focus()
+        await pilot.press(*"many", "enter")
+        assert "top-k must be a whole number" in controls.error and app.session.params.top_k == 0
+        app.query_one("#ctl-top_k").focus()
+        await pilot.press("ctrl+u", *"7", "enter")  # a valid value clears the refusal
+        assert controls.error == "" and app.session.params.top_k == 7
+
+
+async def test_engine_refusals_are_shown_and_the_app_stays_up(model_dir, tmp_path):
+    app = make_app(model_dir, tmp_path, max_model_len=24)
+    async with app.run_test(size=SIZE) as pilot:
+        await type_prompt(pilot, "this prompt is far too long for a context of only twenty four tokens")
+        await wait_reply_done(pilot)
+        reply = app.session.messages[-1]
+        assert reply.finish_reason == "error" and "context is 24" in reply.error
+        assert any("context is 24" in str(n.message) for n in app._notifications)
+        await type_prompt(pilot, "short")  # still usable
+        await wait_reply_done(pilot)
+        assert app.session.messages[-1].finish_reason in ("stop", "length")
+
+
+async def test_keys_nudge_params_help_and_resize(model_dir, tmp_path):
+    app = make_app(model_dir, tmp_path)
+    app.layout_mode = "auto"
+    async with app.run_test(size=(100, 30)) as pilot:
+        assert app.screen.has_class("-tabs")
+        await pilot.press("f6", "f6", "f7")
+        assert app.session.params.temperature == 1.0 and app.session.params.top_p == 0.9
+        await pilot.press("f1")
+        assert isinstance(app.screen, HelpScreen)
+        await pilot.press("escape")
+        assert not isinstance(app.screen, HelpScreen)
+        await pilot.resize_terminal(200, 50)
+        assert app.screen.has_class("-grid")
+        await pilot.resize_terminal(80, 20)  # below the supported 100x30: squeezed, but no crash
+        await pilot.resize_terminal(100, 30)
+        assert app.screen.has_class("-tabs")
+        await pilot.press("f2")
+        assert app.active_panel == "sampling" and app.query_one(SamplingPanel).display
+
+
+async def test_speculation_panel_shows_the_engines_draft_records(model_dir, tmp_path):
+    engine = Engine(model_dir, EngineConfig(device="cpu", dtype="float32", ngram=True, num_draft=3))
+    seen_drafts: list = []
+    step = engine.step
+
+    def recording_step():
+        report = step()
+        seen_drafts.extend(report.drafts)
+        return report
+
+    engine.step = recording_step
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    app = PagechatApp(engine, params=params, store=ChatStore(tmp_path / "chats"), layout="tabs")
+    async with app.run_test(size=SIZE) as pilot:
+        await type_prompt(pilot, "the the the the the the")
+        await wait_reply_done(pilot)
+        app.show_panel("speculation")
+        await pilot.pause()
+        assert list(app.session.drafts) == seen_drafts and seen_drafts
+        seq = engine.requests[app.session.messages[-1].request_id]
+        text = str(app.query_one("#spec-summary").render())
+        if seq.num_drafted:
+            assert f"acceptance {100 * seq.num_accepted / seq.num_drafted:.0f}%" in text
+        assert str(app.query_one("#spec-state").render()).startswith("on")
+        app.show_panel("controls")
+        await pilot.pause()
+        await pilot.click("#ctl-spec")  # switch it off with the mouse
+        await wait_until(pilot, lambda: not engine.speculate, 5, "speculation off")
+        app.show_panel("speculation")
+        await pilot.pause()
+        assert str(app.query_one("#spec-state").render()).startswith("off")
+
+
+async def test_a_pool_bigger_than_the_panel_is_folded_and_says_so(model_dir, tmp_path):
+    app = make_app(model_dir, tmp_path, kv_blocks=6000)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await pilot.pause()
+        grid = app.query_one(BlockGrid)
+        assert grid.fold > 1 and len(grid._cells) == -(-6000 // grid.fold)
+        assert f"1 cell = {grid.fold} blocks" in str(app.query_one("#blocks-header").render())
+        titles = {c.title for c in app.get_system_commands(app.screen)}  # the command palette's entries
+        assert {"New chat", "Stop reply", "Export Markdown", "Inspect reply tokens", "Help: keys"} <= titles

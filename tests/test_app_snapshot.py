@@ -1,0 +1,49 @@
+"""Snapshot tests (pytest-textual-snapshot): the main screen after one reply at a fixed seed on the tiny model.
+
+Numbers that vary between runs (times, tok/s, RSS) are frozen to a placeholder in these screens.
+Update the stored SVGs with `pytest tests/test_app_snapshot.py --snapshot-update` after a deliberate change.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pagechat.core.config import EngineConfig
+from pagechat.core.engine import Engine
+from pagechat.core.params import SamplingParams
+from pagechat.tui.app import PagechatApp
+from pagechat.tui.drive import send_and_advance, tiny_model_dir, type_prompt, wait_reply_done
+from pagechat.tui.history import ChatRecord, ChatStore
+from pagechat.tui.widgets.chat import PromptInput
+
+PARAMS = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=40, seed=7, ignore_eos=True)
+
+
+def snapshot_app(tmp_path, layout: str) -> PagechatApp:
+    engine = Engine(tiny_model_dir(), EngineConfig(device="cpu", dtype="float32", kv_blocks=96))
+    return PagechatApp(engine, chat=ChatRecord(id="snapshot", model="tiny-llama"), params=PARAMS,
+                       store=ChatStore(tmp_path / "chats"), frozen=True, layout=layout)
+
+
+async def chat_then_hold(pilot) -> None:
+    """One finished turn, then a second reply held after exactly 20 engine steps (mid-stream, blocks in use)."""
+    pilot.app.query_one(PromptInput).cursor_blink = False
+    await type_prompt(pilot, "hello blocks")
+    await wait_reply_done(pilot)
+    await send_and_advance(pilot, "and again", 20)
+    pilot.app.set_focus(None)
+    await pilot.wait_for_scheduled_animations()
+
+
+def test_main_screen_tabs(snap_compare, tmp_path):
+    assert snap_compare(snapshot_app(tmp_path, "tabs"), terminal_size=(120, 34), run_before=chat_then_hold)
+
+
+def test_main_screen_all_panels(snap_compare, tmp_path):
+    assert snap_compare(snapshot_app(tmp_path, "grid"), terminal_size=(170, 46), run_before=chat_then_hold)
+
+
+@pytest.fixture(autouse=True)
+def _quiet_notifications(monkeypatch):
+    """Toasts time out on the wall clock; keep them out of the snapshots."""
+    monkeypatch.setattr(PagechatApp, "notify", lambda self, *a, **k: None)

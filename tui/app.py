@@ -1,0 +1,456 @@
+"""PagechatApp: chat with a local model through the engine while inspector panels render its records live."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import replace
+from pathlib import Path
+
+from rich.text import Text
+from textual import events, on
+from textual.app import App, ComposeResult, SystemCommand
+from textual.binding import Binding
+from textual.containers import Container, Horizontal, Vertical
+from textual.geometry import Size
+from textual.screen import Screen
+from textual.widgets import Footer, Input, Static, Tab, Tabs
+
+from pagechat.core.engine import Engine
+from pagechat.core.errors import PagechatError
+from pagechat.core.params import SamplingParams
+from pagechat.tui.bridge import EngineLoop, Finished, Refused
+from pagechat.tui.history import ChatRecord, ChatStore, export_markdown
+from pagechat.tui.screens import HelpScreen
+from pagechat.tui.session import ChatSession, Message
+from pagechat.tui.widgets.blocks import BlocksPanel
+from pagechat.tui.widgets.chat import ChatColumn, ChatLog, PromptInput, ReplyView
+from pagechat.tui.widgets.controls import ControlsPanel
+from pagechat.tui.widgets.memory import EngineMemory, MemoryPanel, read_memory
+from pagechat.tui.widgets.panel import Panel
+from pagechat.tui.widgets.sampling import SamplingPanel, token_label
+from pagechat.tui.widgets.speculation import SpeculationPanel
+from pagechat.tui.widgets.timing import TimingPanel
+
+PANELS = (("blocks", "Blocks"), ("sampling", "Sampling"), ("timing", "Timing"), ("controls", "Controls"),
+          ("memory", "Memory"), ("speculation", "Spec"))
+GRID_MIN = (150, 40)  # terminal size from which every panel is shown at once
+FPS = 20  # the UI renders the latest report at most this often
+UI_CPU_BUDGET = 0.04  # while decoding, the UI thread's share of one core (see within_budget)
+MAX_FRAME_GAP = 0.5  # ...but draw at least twice a second
+
+
+class StatusBar(Static):
+    """One line: model, dtype and device, chat id, and what the engine is doing."""
+
+    def show(self, app: PagechatApp) -> None:
+        e, s = app.engine, app.session
+        t = Text().append(" pagechat ", "bold #1c1c1c on #5fafff")
+        t.append(f" {app.model_name} ", "bold").append(f"{str(e.dtype).removeprefix('torch.')} on {e.device}", "dim")
+        turns = sum(1 for m in s.messages if m.role == "user")
+        t.append(f" │ chat {s.record.id} · {turns} turn{'s' * (turns != 1)}", "dim")
+        msg = s.streaming
+        if msg is not None:
+            t.append(" │ ", "dim").append("● generating", "bold #87d787").append(f" {len(msg.tokens)} tok", "dim")
+            if msg.timing and msg.timing.decode_tok_s and not app.frozen:
+                t.append(f" · {msg.timing.decode_tok_s:.1f} tok/s", "dim")
+        else:
+            t.append(" │ ", "dim").append("idle", "dim")
+        if getattr(self, "_shown", None) != t:
+            self._shown = t
+            self.update(t, layout=False)  # always one line
+
+
+class PagechatApp(App[None]):
+    """The chat screen with KV blocks, timing, sampling, speculation, memory and controls panels."""
+
+    CSS_PATH = "app.tcss"
+    TITLE = "pagechat"
+    # priority: the prompt (a TextArea) binds F6/F7 itself; Esc and F1 stay normal so the help screen gets them
+    BINDINGS = [
+        Binding("escape", "stop", "Stop", tooltip="stop the reply, keeping its text"),
+        Binding("ctrl+n", "new_chat", "New chat", priority=True),
+        Binding("ctrl+s", "export", "Export .md", priority=True),
+        Binding("ctrl+r", "inspect", "Tokens", priority=True),
+        Binding("f1", "help", "Help"),
+        Binding("question_mark", "help", "Help", show=False),
+        Binding("f2", "next_panel", "Panel", priority=True),
+        Binding("f3", "toggle_layout", "Layout", show=False, priority=True),
+        Binding("f4", "focus_controls", "Controls", show=False, priority=True),
+        Binding("f5", "nudge('temperature', -0.1)", "T−", show=False, priority=True),
+        Binding("f6", "nudge('temperature', 0.1)", "T+", show=False, priority=True),
+        Binding("f7", "nudge('top_p', -0.05)", "top-p−", show=False, priority=True),
+        Binding("f8", "nudge('top_p', 0.05)", "top-p+", show=False, priority=True),
+    ]
+
+    def __init__(self, engine: Engine, *, chat: ChatRecord | None = None, params: SamplingParams | None = None,
+                 store: ChatStore | None = None, save_path: Path | None = None, frozen: bool = False,
+                 layout: str = "auto", autosave: bool = True) -> None:
+        super().__init__()
+        self.engine = engine
+        self.model_name = Path(engine.model_dir).name
+        base = params or SamplingParams(temperature=0.7, top_p=0.95, max_tokens=512)
+        self.session = ChatSession(chat or ChatRecord(model=str(engine.model_dir)), base)
+        self.store = store or ChatStore()
+        self.save_path = save_path
+        self.autosave = autosave
+        self.frozen = frozen  # hide numbers that vary between runs (snapshot tests)
+        self.layout_mode = layout  # auto | tabs | grid
+        self.loop = EngineLoop(engine)
+        self.session.blocks = engine.blocks.snapshot()  # before the engine thread starts
+        self.memory = EngineMemory.of(engine)
+        self.pinned: tuple[Message, int] | None = None  # selected reply token shown in the sampling panel
+        self.active_panel = "blocks"
+        self.term_size: Size | None = None
+        self._dirty: dict[int, Message] = {}  # messages changed since the last draw
+        self._render_due = False
+        self._time_mark, self._cpu_mark = time.perf_counter(), time.thread_time()
+
+    # -- layout -----------------------------------------------------------------------------------
+    def compose(self) -> ComposeResult:
+        yield StatusBar(id="status")
+        with Horizontal(id="main"):
+            yield ChatColumn(self.session.system, self.frozen, id="chat")
+            with Vertical(id="side"):
+                yield Tabs(*(Tab(label, id=key) for key, label in PANELS), id="panel-tabs")
+                with Container(id="panels"):
+                    yield BlocksPanel(self.memory.block_bytes, id="blocks")
+                    yield SamplingPanel(id="sampling")
+                    yield TimingPanel(id="timing")
+                    yield ControlsPanel(self.session.params, self.spec_controls(), id="controls")
+                    yield MemoryPanel(self.memory, id="memory")
+                    yield SpeculationPanel(id="speculation")
+        yield Footer()
+
+    @property
+    def main(self) -> Screen:
+        """The chat screen (App.query_one would search whatever screen is on top, e.g. help)."""
+        return self.screen_stack[0]
+
+    def on_mount(self) -> None:
+        self.main.query_one(TimingPanel).frozen = self.frozen
+        self.main.query_one(MemoryPanel).frozen = self.frozen
+        log = self.main.query_one(ChatLog)
+        for m in self.session.messages:
+            log.add(m)
+        self.loop.start()
+        self.apply_layout()
+        self.set_timer(1 / FPS, self._tick)
+        self.set_interval(1.0, self.refresh_memory)
+        self.main.query_one("#prompt", PromptInput).focus()
+        self.refresh_panels(everything=True)
+
+    def on_unmount(self) -> None:
+        self.loop.close()
+        self.save()
+
+    def on_resize(self, event: events.Resize) -> None:
+        self.term_size = event.size  # App.size is updated only after this handler runs
+        self.apply_layout()
+
+    def grid_layout(self) -> bool:
+        if self.layout_mode != "auto":
+            return self.layout_mode == "grid"
+        size = self.term_size or self.size
+        return size.width >= GRID_MIN[0] and size.height >= GRID_MIN[1]
+
+    def apply_layout(self) -> None:
+        """Tabs (one panel at a time) on small terminals, every panel in a grid on big ones."""
+        grid = self.grid_layout()
+        if not self.screen_stack or not self.main.query("#panels"):
+            return
+        screen = self.main
+        screen.set_class(grid, "-grid")
+        screen.set_class(not grid, "-tabs")
+        for key, _ in PANELS:
+            self.main.query_one(f"#{key}", Panel).set_class(key == self.active_panel, "-active")
+        self.call_after_refresh(self.refresh_panels, True)
+
+    def show_panel(self, key: str) -> None:
+        """Make `key` the active panel (the visible one in the tabbed layout)."""
+        self.active_panel = key
+        tabs = self.main.query_one("#panel-tabs", Tabs)
+        if tabs.active != key:
+            tabs.active = key
+        for k, _ in PANELS:
+            self.main.query_one(f"#{k}", Panel).set_class(k == key, "-active")
+        self.call_after_refresh(self.refresh_panels, True)
+
+    @on(Tabs.TabActivated, "#panel-tabs")
+    def _tab(self, event: Tabs.TabActivated) -> None:
+        if event.tab.id and event.tab.id != self.active_panel:
+            self.show_panel(event.tab.id)
+
+    def visible(self, key: str) -> bool:
+        return self.grid_layout() or key == self.active_panel
+
+    # -- the render loop ----------------------------------------------------------------------------
+    def pump(self, force: bool = False) -> None:
+        """Drain the engine's events into the session, then render once if the UI's CPU budget allows (runs at FPS)."""
+        events = self.loop.events
+        if not self.is_running or not self.screen_stack:
+            return
+        finished, quiet = False, not events  # quiet: the engine produced nothing since the last tick
+        while events:
+            ev = events.popleft()
+            msg = self.session.apply(ev)
+            if msg is not None:
+                self._dirty[id(msg)] = msg
+            if isinstance(ev, Refused):
+                self.notify(ev.message, title="refused", severity="error", timeout=8)
+            finished |= isinstance(ev, (Finished, Refused))
+            self._render_due = True
+        if finished:
+            self.save()
+        if not self._render_due or not (force or finished or quiet or self.within_budget()):
+            return
+        self._render_due = False
+        self._time_mark, self._cpu_mark = time.perf_counter(), time.thread_time()
+        log = self.main.query_one(ChatLog)
+        for msg in self._dirty.values():
+            log.update(msg)
+        self._dirty.clear()
+        self.refresh_panels()
+
+    def _tick(self) -> None:
+        """Pump, then sleep until the next frame; while decoding, as long as the last frame's CPU cost over the budget.
+
+        Waking the UI thread costs the engine a GIL hand-off even when nothing is drawn, so a frame that
+        cannot be afforded is not woken up for either.
+        """
+        self.pump()
+        delay = 1 / FPS
+        if self.session.streaming is not None:
+            used = time.thread_time() - self._cpu_mark
+            delay = min(MAX_FRAME_GAP, max(delay, used / UI_CPU_BUDGET - (time.perf_counter() - self._time_mark)))
+        self.set_timer(delay, self._tick)
+
+    @property
+    def render_pending(self) -> bool:
+        """Engine events received but not yet drawn (tests wait for this to clear)."""
+        return bool(self.loop.events) or self._render_due
+
+    def within_budget(self) -> bool:
+        """While a reply streams, draw only if the UI thread used at most UI_CPU_BUDGET of the time since the last draw.
+
+        Rendering holds the GIL, which the engine thread needs between its torch calls; capping the UI's
+        share of CPU caps what it can take from decoding, whatever a frame costs on this machine.
+        """
+        if self.session.streaming is None:
+            return True
+        elapsed = time.perf_counter() - self._time_mark
+        return elapsed > MAX_FRAME_GAP or time.thread_time() - self._cpu_mark <= UI_CPU_BUDGET * elapsed
+
+    def refresh_panels(self, everything: bool = False) -> None:
+        """Render the visible panels from the session's latest report."""
+        s = self.session
+        self.main.query_one(StatusBar).show(self)
+        snap = s.blocks
+        if snap is not None and self.visible("blocks"):
+            self.main.query_one(BlocksPanel).show(snap)
+        if self.visible("sampling"):
+            self.show_sampling()
+        if self.visible("timing"):
+            self.main.query_one(TimingPanel).show(s)
+        if self.visible("speculation"):
+            on, why, k = self.spec_state()
+            self.main.query_one(SpeculationPanel).show(on, why, s.drafts, k, self.engine.sampler.text)
+        if self.visible("memory"):
+            if everything:
+                self.refresh_memory()
+            else:
+                self.main.query_one(MemoryPanel).show(s.blocks)
+
+    def spec_controls(self) -> tuple[bool, bool, int]:
+        """(a proposer exists, speculation on, draft length) as the engine has them."""
+        e = self.engine
+        return getattr(e, "proposer", None) is not None, bool(getattr(e, "speculate", False)), getattr(e, "num_draft", 4)
+
+    def spec_state(self) -> tuple[bool, str, int]:
+        """(on, why, draft length) for the speculation panel, read from the engine's settings."""
+        available, on, k = self.spec_controls()
+        if not available:
+            return False, "no proposer: start with --draft DIR or --ngram", k
+        name = getattr(self.engine.proposer, "name", "draft")
+        return on, f"{name} proposer · draft length {k}" + ("" if on else " · switched off in Controls"), k
+
+    def refresh_memory(self) -> None:
+        if self.visible("memory"):
+            self.main.query_one(MemoryPanel).show(self.session.blocks, read_memory(self.engine.device))
+
+    def show_sampling(self) -> None:
+        panel = self.main.query_one(SamplingPanel)
+        if self.pinned is not None:
+            msg, i = self.pinned
+            if 0 <= i < len(msg.tokens):
+                tok = msg.tokens[i]
+                panel.show(tok.record, f"selected token {i + 1}/{len(msg.tokens)} '{token_label(tok.text)}'",
+                           self.session.params)
+                return
+        rec = self.session.latest_sample
+        panel.show(rec, "newest token" if rec else "", self.session.params)
+
+    # -- chat actions ---------------------------------------------------------------------------------
+    @on(PromptInput.Submitted)
+    def send(self, event: PromptInput.Submitted) -> None:
+        """Send the prompt as the next user turn."""
+        text = event.text.strip()
+        if not text:
+            return
+        if self.session.streaming is not None:
+            self.notify("a reply is still streaming: Esc stops it", severity="warning")
+            return
+        reply = self.session.add_user(text)
+        conversation = self.session.conversation()
+        log = self.main.query_one(ChatLog)
+        log.add(self.session.messages[-2])
+        log.add(reply)
+        self.main.query_one("#prompt", PromptInput).clear()
+        self.pinned = None
+        self.loop.send(reply.ticket, conversation, self.request_params())
+        self.save()
+        self.refresh_panels()
+
+    def request_params(self) -> SamplingParams:
+        return replace(self.session.params)
+
+    def action_stop(self) -> None:
+        """Esc: stop the reply in flight; otherwise unpin the selected token and go back to the prompt."""
+        if self.session.streaming is not None:
+            self.loop.stop()
+            return
+        if self.pinned is not None:
+            self.pinned = None
+            self.show_sampling()
+        self.main.query_one("#prompt", PromptInput).focus()
+
+    def action_new_chat(self) -> None:
+        """Ctrl+N: abort the reply in flight, save this chat, start an empty one (same system prompt and settings)."""
+        self.loop.stop()
+        self.pump_now()
+        self.save()
+        old = self.session
+        self.session = ChatSession(ChatRecord(model=str(self.engine.model_dir), system=old.system), old.params)
+        self.session.latest, self.session.blocks = old.latest, old.blocks
+        self.pinned = None
+        self.main.query_one(ChatLog).clear()
+        self.main.query_one("#prompt", PromptInput).focus()
+        self.refresh_panels(everything=True)
+        self.notify(f"new chat {self.session.record.id}", timeout=3)
+
+    def pump_now(self) -> None:
+        """Wait briefly for the engine thread to apply queued commands, then drain its events."""
+        self.loop.sync(timeout=2.0)
+        self.pump(force=True)
+
+    def action_export(self) -> None:
+        """Ctrl+S: write the chat as Markdown."""
+        try:
+            path = export_markdown(self.session.to_record())
+        except PagechatError as e:
+            self.notify(str(e), severity="error")
+            return
+        self.notify(f"exported to {path}", title="export", timeout=6)
+
+    def action_inspect(self) -> None:
+        """Ctrl+R: focus the last reply to pick its tokens."""
+        reply = self.main.query_one(ChatLog).last_reply()
+        if reply is None:
+            self.notify("no reply yet", severity="warning")
+            return
+        reply.focus()
+        reply.scroll_visible()
+
+    @on(ReplyView.TokenSelected)
+    def _token_selected(self, event: ReplyView.TokenSelected) -> None:
+        self.pinned = (event.message, event.index) if event.index >= 0 else None
+        if not self.grid_layout() and self.active_panel != "sampling":
+            self.show_panel("sampling")
+        self.show_sampling()
+
+    def save(self) -> None:
+        """Autosave the chat (finished messages); a crash loses at most the reply in flight."""
+        if not self.autosave or not self.session.messages:
+            return
+        try:
+            self.store.save(self.session.to_record(), self.save_path)
+        except OSError as e:
+            self.notify(f"cannot save the chat: {e}", severity="error")
+
+    @on(Input.Submitted, "#system-prompt")
+    def _system_submitted(self, event: Input.Submitted) -> None:
+        event.stop()
+        self.session.system = event.value
+        self.save()
+        self.notify("system prompt set (applies from the next message)", timeout=3)
+        self.main.query_one("#prompt", PromptInput).focus()
+
+    @on(Input.Changed, "#system-prompt")
+    def _system_changed(self, event: Input.Changed) -> None:
+        self.session.system = event.value
+
+    # -- controls -----------------------------------------------------------------------------------
+    @on(ControlsPanel.Changed)
+    def _controls_changed(self, event: ControlsPanel.Changed) -> None:
+        self.set_params(event.params, from_controls=True)
+
+    @on(ControlsPanel.SpeculationChanged)
+    def _speculation_changed(self, event: ControlsPanel.SpeculationChanged) -> None:
+        enabled, k = event.enabled, event.num_draft
+        self.loop.call(lambda engine: engine.set_speculation(enabled, k))
+        self.loop.sync(timeout=1.0)
+        self.refresh_panels()
+        self.notify(f"speculation {'on' if enabled else 'off'} · draft length {k} (from the next step)",
+                    title="settings", timeout=2)
+
+    def set_params(self, params: SamplingParams, from_controls: bool = False) -> None:
+        """New settings for the next request and, from its next token, for the reply in flight."""
+        self.session.params = params
+        self.loop.update_params(params)
+        if not from_controls:
+            self.main.query_one(ControlsPanel).set_params(params)
+        self.show_sampling()
+        self.notify(f"temperature {params.temperature:g} · top-p {params.top_p:g} · top-k {params.top_k} · "
+                    f"min-p {params.min_p:g}", title="settings", timeout=2)
+
+    def action_nudge(self, name: str, delta: float) -> None:
+        """F5-F8: step temperature or top-p, clamped to the range the engine accepts."""
+        p = self.session.params
+        if name == "temperature":
+            value = round(min(5.0, max(0.0, p.temperature + delta)), 2)
+        else:
+            value = round(min(1.0, max(0.05, p.top_p + delta)), 2)
+        self.set_params(replace(p, **{name: value}))
+
+    # -- panels and help ----------------------------------------------------------------------------
+    def action_next_panel(self) -> None:
+        keys = [k for k, _ in PANELS]
+        self.show_panel(keys[(keys.index(self.active_panel) + 1) % len(keys)])
+
+    def action_toggle_layout(self) -> None:
+        self.layout_mode = "tabs" if self.grid_layout() else "grid"
+        self.apply_layout()
+
+    def action_focus_controls(self) -> None:
+        self.show_panel("controls")
+        self.main.query_one("#ctl-temperature", Input).focus()
+
+    def action_help(self) -> None:
+        if not isinstance(self.screen, HelpScreen):
+            self.push_screen(HelpScreen())
+
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        yield from super().get_system_commands(screen)
+        yield SystemCommand("Stop reply", "Stop generating, keep the partial reply (Esc)", self.action_stop)
+        yield SystemCommand("New chat", "Start a new chat; its KV blocks are freed (Ctrl+N)", self.action_new_chat)
+        yield SystemCommand("Export Markdown", "Write this chat as a Markdown file (Ctrl+S)", self.action_export)
+        yield SystemCommand("Inspect reply tokens", "Pick tokens of the last reply (Ctrl+R)", self.action_inspect)
+        yield SystemCommand("Help: keys", "List every key (F1)", self.action_help)
+        yield SystemCommand("Switch layout", "Tabs or every panel at once (F3)", self.action_toggle_layout)
+        yield SystemCommand("Edit controls", "Focus the sampling controls (F4)", self.action_focus_controls)
+        for key, label in PANELS:
+            yield SystemCommand(f"Show {label} panel", f"Show the {label.lower()} panel",
+                                lambda k=key: self.show_panel(k))
+        for name, label, d in (("temperature", "Temperature", 0.1), ("top_p", "Top-p", 0.05)):
+            yield SystemCommand(f"{label} up", f"{label} +{d:g}", lambda n=name, v=d: self.action_nudge(n, v))
+            yield SystemCommand(f"{label} down", f"{label} −{d:g}", lambda n=name, v=d: self.action_nudge(n, -v))

@@ -1,0 +1,89 @@
+"""Driving the app headless (Pilot): waits on engine work, sending prompts; used by the tests and the screenshot script."""
+
+from __future__ import annotations
+
+import functools
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from textual.pilot import Pilot
+
+from pagechat.tui.app import PagechatApp
+
+
+@functools.cache
+def tiny_model_dir() -> Path:
+    """A tiny random llama checkpoint (seed 1: identical bytes every time), made once per process."""
+    from pagechat.core.make_model import make_model
+
+    return make_model(Path(tempfile.mkdtemp(prefix="pagechat-tiny-")) / "tiny-llama", "llama", "tiny", seed=1)
+
+
+async def wait_until(pilot: Pilot, predicate: Callable[[], bool], timeout: float = 30.0, what: str = "") -> None:
+    """Poll predicate between short pauses (one pause is flaky for background work); TimeoutError after timeout."""
+    end = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > end:
+            raise TimeoutError(f"timed out after {timeout} s waiting for {what or predicate}")
+        await pilot.pause(0.05)
+
+
+async def type_prompt(pilot: Pilot, text: str) -> None:
+    """Type text into the prompt box with real key presses and press Enter."""
+    app: PagechatApp = pilot.app  # type: ignore[assignment]
+    app.query_one("#prompt").focus()
+    before = len(app.session.messages)
+    await pilot.press(*["space" if c == " " else c for c in text])
+    await pilot.press("enter")
+    await wait_until(pilot, lambda: len(app.session.messages) > before, 5, "the prompt to be sent")
+
+
+async def wait_reply_done(pilot: Pilot, timeout: float = 60.0) -> None:
+    """Wait until the last reply finished and the UI has drained every engine event."""
+    app: PagechatApp = pilot.app  # type: ignore[assignment]
+
+    def done() -> bool:
+        msgs = app.session.messages
+        return bool(msgs) and not msgs[-1].streaming and not app.render_pending
+
+    await wait_until(pilot, done, timeout, "the reply to finish")
+    await pilot.pause(0.1)
+
+
+async def wait_tokens(pilot: Pilot, n: int, timeout: float = 60.0) -> None:
+    """Wait until the reply in flight has at least n tokens on screen."""
+    app: PagechatApp = pilot.app  # type: ignore[assignment]
+
+    def enough() -> bool:
+        msg = app.session.messages[-1] if app.session.messages else None
+        return msg is not None and (len(msg.tokens) >= n or not msg.streaming)
+
+    await wait_until(pilot, enough, timeout, f"{n} reply tokens")
+
+
+async def hold_engine(pilot: Pilot) -> None:
+    """Pause the engine thread after its current step and let the UI render everything it produced."""
+    app: PagechatApp = pilot.app  # type: ignore[assignment]
+    app.loop.pause()
+    app.loop.sync()
+    await wait_until(pilot, lambda: not app.render_pending, 10, "the UI to draw the engine's events")
+    await pilot.pause(0.1)
+
+
+async def send_and_advance(pilot: Pilot, text: str, steps: int) -> None:
+    """Pause the engine, send text, run exactly `steps` engine steps, and let the UI render them: a fixed mid-reply state."""
+    app: PagechatApp = pilot.app  # type: ignore[assignment]
+    app.loop.pause()
+    await type_prompt(pilot, text)
+    await advance(pilot, steps)
+
+
+async def advance(pilot: Pilot, steps: int) -> None:
+    """With the engine paused: run exactly `steps` engine steps and wait until the UI has drawn them."""
+    app: PagechatApp = pilot.app  # type: ignore[assignment]
+    app.loop.advance(steps)
+    app.loop.sync(timeout=60)
+    await wait_until(pilot, lambda: not app.render_pending, 10, "the UI to draw the engine's events")
+    await pilot.pause(0.05)

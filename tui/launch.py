@@ -1,0 +1,82 @@
+"""`pagechat run`: find the model (or the demo), load the engine under a progress bar, open the app."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from pagechat.core.config import EngineConfig
+from pagechat.core.errors import PagechatError
+from pagechat.core.params import SamplingParams
+from pagechat.tui.history import ChatRecord, ChatStore
+
+DEFAULT_PARAMS = SamplingParams(temperature=0.7, top_p=0.95, max_tokens=512)
+MAKE_MODEL_HINT = ("no MODEL_DIR given and the demo chat model is not installed; make a model with "
+                   "`pagechat make-model ./tiny` and run `pagechat run ./tiny`")
+
+
+def resolve_model_dir(model_dir: Path | None) -> Path:
+    """The given directory, else the embedded demo chat model; PagechatError with the make-model hint otherwise."""
+    if model_dir is not None:
+        if not model_dir.is_dir():
+            raise PagechatError(f"model directory {model_dir} does not exist; make one with "
+                                f"`pagechat make-model {model_dir}`")
+        return model_dir
+    try:
+        from pagechat.core.demo import chat_model_dir
+
+        return chat_model_dir()
+    except (ImportError, PagechatError):
+        raise PagechatError(MAKE_MODEL_HINT) from None
+
+
+def weights_bytes(model_dir: Path) -> int:
+    return sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
+
+
+def load_engine(model_dir: Path, config: EngineConfig):
+    """Build the Engine while a rich progress bar shows what is loading and for how long."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from pagechat.core.engine import Engine
+    from pagechat.core.memory import fmt_bytes
+
+    console = Console(stderr=True)
+    label = f"loading {model_dir.name} ({fmt_bytes(weights_bytes(model_dir))} of safetensors)"
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
+                  console=console, transient=True) as progress:
+        progress.add_task(label, total=None)
+        engine = Engine(model_dir, config)
+    console.print(f"loaded {model_dir.name}: {str(engine.dtype).removeprefix('torch.')} on {engine.device}, "
+                  f"{engine.blocks.num_blocks} KV blocks of {engine.blocks.block_size} tokens", style="dim")
+    return engine
+
+
+def run_app(model_dir: Path | None, config: EngineConfig, overrides: dict, *, resume: str | None = None,
+            save: Path | None = None, system: str | None = None, layout: str = "auto") -> int:
+    """Open the app on the model; returns the exit code."""
+    if layout not in ("auto", "tabs", "grid"):
+        raise PagechatError(f"--layout must be auto, tabs or grid, got {layout!r}")
+    path = resolve_model_dir(model_dir)
+    store = ChatStore()
+    chat = store.load(resume) if resume else ChatRecord(model=str(path))
+    if system is not None:
+        chat.system = system
+    params = replace(DEFAULT_PARAMS, **{k: v for k, v in overrides.items() if v is not None}).validate()
+    if resume and chat.params:
+        from pagechat.tui.history import params_from_dict
+
+        params = replace(params_from_dict(chat.params, params), **{k: v for k, v in overrides.items()
+                                                                    if v is not None}).validate()
+    chat.params = {}
+    engine = load_engine(path, config)
+    from pagechat.tui.app import PagechatApp
+
+    app = PagechatApp(engine, chat=chat, params=params, store=store, save_path=save, layout=layout)
+    app.run()
+    if app.session.messages:
+        print(f"chat saved as {app.session.record.id} (pagechat run {path} --resume {app.session.record.id})",
+              file=sys.stderr)
+    return 0

@@ -1,0 +1,243 @@
+"""ChatSession: one conversation as the app holds it, built only from the engine's events (no recomputation)."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from pagechat.core.params import SamplingParams
+from pagechat.core.report import StepReport
+from pagechat.core.sampler import SampleRecord
+from pagechat.core.blocks import BlockSnapshot
+from pagechat.tui.bridge import BlocksChanged, Event, FirstToken, Finished, Refused, Started
+from pagechat.tui.history import ChatRecord, params_from_dict, params_to_dict
+
+STEP_HISTORY = 512  # steps kept for the latency sparkline
+
+
+@dataclass(slots=True)
+class ReplyToken:
+    """One sampled token of a reply and the sampler's record of it."""
+
+    token_id: int
+    text: str
+    record: SampleRecord | None
+
+
+@dataclass(slots=True)
+class TurnTiming:
+    """One reply's timing, summed from the engine's StepReports and request timestamps."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    ttft_s: float | None = None
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0  # steps that computed prompt tokens (prefill and mixed)
+    decode_tokens: int = 0
+    decode_s: float = 0.0  # pure decode steps
+    output_tokens: int = 0
+    total_s: float | None = None  # arrival to finish, when finished
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prefill_tokens / self.prefill_s if self.prefill_s else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s else 0.0
+
+    @property
+    def ms_per_token(self) -> float:
+        return 1000 * self.decode_s / self.decode_tokens if self.decode_tokens else 0.0
+
+    @property
+    def wall_decode_tok_s(self) -> float:
+        """Tokens after the first over the wall time after the first: includes everything between steps."""
+        if self.total_s is None or self.ttft_s is None or self.output_tokens < 2 or self.total_s <= self.ttft_s:
+            return 0.0
+        return (self.output_tokens - 1) / (self.total_s - self.ttft_s)
+
+    def as_dict(self) -> dict:
+        """Figures saved with the message."""
+        r = lambda x: None if x is None else round(x, 4)  # noqa: E731
+        return {"prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
+                "ttft_ms": r(None if self.ttft_s is None else 1000 * self.ttft_s),
+                "prefill_tokens": self.prefill_tokens, "prefill_tok_s": r(self.prefill_tok_s),
+                "decode_tokens": self.decode_tokens, "decode_tok_s": r(self.decode_tok_s),
+                "ms_per_token": r(self.ms_per_token), "wall_decode_tok_s": r(self.wall_decode_tok_s),
+                "output_tokens": self.output_tokens}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TurnTiming:
+        """Rebuild the saved figures of a resumed message (rates become step times)."""
+        t = cls(prompt_tokens=d.get("prompt_tokens", 0), cached_tokens=d.get("cached_tokens", 0),
+                prefill_tokens=d.get("prefill_tokens", 0), decode_tokens=d.get("decode_tokens", 0),
+                output_tokens=d.get("output_tokens", 0))
+        if d.get("ttft_ms") is not None:
+            t.ttft_s = d["ttft_ms"] / 1000
+        if d.get("prefill_tok_s"):
+            t.prefill_s = t.prefill_tokens / d["prefill_tok_s"]
+        if d.get("decode_tok_s"):
+            t.decode_s = t.decode_tokens / d["decode_tok_s"]
+        return t
+
+
+@dataclass(slots=True, eq=False)
+class Message:
+    """A chat message; an assistant message also carries its tokens, records and timing."""
+
+    role: str
+    content: str
+    tokens: list[ReplyToken] = field(default_factory=list)
+    timing: TurnTiming | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    ticket: int | None = None
+    request_id: int | None = None
+    streaming: bool = False
+
+    def as_dict(self) -> dict:
+        d = {"role": self.role, "content": self.content}
+        if self.role == "assistant":
+            d["finish_reason"] = self.finish_reason
+            if self.timing is not None:
+                d["stats"] = self.timing.as_dict()
+            if self.error:
+                d["error"] = self.error
+        return d
+
+
+class ChatSession:
+    """Messages, replies in flight and per-step timing of one chat; applies engine events in order."""
+
+    def __init__(self, record: ChatRecord, params: SamplingParams) -> None:
+        self.record = record
+        self.params = params_from_dict(record.params, params) if record.params else params
+        self.messages: list[Message] = []
+        for m in record.messages:
+            msg = Message(m["role"], m["content"], finish_reason=m.get("finish_reason"), error=m.get("error"))
+            if m.get("stats"):
+                msg.timing = TurnTiming.from_dict(m["stats"])
+            self.messages.append(msg)
+        self.steps: deque[tuple[str, float]] = deque(maxlen=STEP_HISTORY)  # (kind, elapsed_s)
+        self.drafts: deque = deque(maxlen=STEP_HISTORY)  # the engine's DraftRecords (speculation), newest last
+        self.wall = {"prefill": 0.0, "decode": 0.0, "mixed": 0.0}  # step time by kind, this chat
+        self.latest: StepReport | None = None
+        self.blocks: BlockSnapshot | None = None  # the newest BlockManager snapshot the engine sent
+        self.latest_sample: SampleRecord | None = None
+        self.notices: list[str] = []
+        self._next_ticket = 0
+
+    # -- what the UI asks ------------------------------------------------------------------------
+    @property
+    def system(self) -> str:
+        return self.record.system
+
+    @system.setter
+    def system(self, text: str) -> None:
+        self.record.system = text
+
+    @property
+    def streaming(self) -> Message | None:
+        """The assistant message being generated, if any."""
+        last = self.messages[-1] if self.messages else None
+        return last if last is not None and last.streaming else None
+
+    def conversation(self) -> list[dict]:
+        """Role/content messages for the chat template: system prompt, then every non-empty message."""
+        msgs = [{"role": "system", "content": self.system}] if self.system.strip() else []
+        for i, m in enumerate(self.messages):
+            after = self.messages[i + 1] if i + 1 < len(self.messages) else None
+            if after is not None and after.error is not None:
+                continue  # the engine refused this turn: leave it out, or every later turn fails the same way
+            if m.content and not m.streaming and m.error is None:
+                msgs.append({"role": m.role, "content": m.content})
+        return msgs
+
+    def turns(self) -> list[Message]:
+        """Assistant messages that have timing, oldest first."""
+        return [m for m in self.messages if m.role == "assistant" and m.timing is not None]
+
+    # -- changes from the UI ---------------------------------------------------------------------
+    def add_user(self, text: str) -> Message:
+        """Append the user's message and an empty assistant reply waiting for the engine; returns the reply."""
+        self.messages.append(Message("user", text))
+        self._next_ticket += 1
+        reply = Message("assistant", "", ticket=self._next_ticket, streaming=True, timing=TurnTiming())
+        self.messages.append(reply)
+        return reply
+
+    def to_record(self) -> ChatRecord:
+        """The persisted form: finished messages only (the reply in flight is the one thing a crash loses)."""
+        self.record.params = params_to_dict(self.params)
+        self.record.messages = [m.as_dict() for m in self.messages if not m.streaming]
+        return self.record
+
+    # -- engine events ---------------------------------------------------------------------------
+    def _by_ticket(self, ticket: int | None) -> Message | None:
+        return next((m for m in reversed(self.messages) if m.ticket == ticket and ticket is not None), None)
+
+    def _by_request(self, rid: int | None) -> Message | None:
+        return next((m for m in reversed(self.messages) if m.request_id == rid and rid is not None), None)
+
+    def apply(self, ev: Event) -> Message | None:
+        """Apply one engine event; returns the message it changed, if any."""
+        if isinstance(ev, StepReport):
+            return self._apply_report(ev)
+        if isinstance(ev, Started):
+            msg = self._by_ticket(ev.ticket)
+            if msg is not None:
+                msg.request_id = ev.request_id
+                msg.timing.prompt_tokens = ev.prompt_tokens
+            return msg
+        if isinstance(ev, FirstToken):
+            msg = self._by_request(ev.request_id)
+            if msg is not None:
+                msg.timing.ttft_s = ev.ttft_s
+            return msg
+        if isinstance(ev, Finished):
+            msg = self._by_request(ev.request_id)
+            if msg is not None:
+                msg.streaming = False
+                msg.finish_reason, msg.error = ev.reason, ev.error
+                t = msg.timing
+                t.ttft_s, t.total_s = ev.ttft_s, ev.total_s
+                t.output_tokens, t.cached_tokens = ev.output_tokens, ev.cached_tokens
+            return msg
+        if isinstance(ev, Refused):
+            msg = self._by_ticket(ev.ticket)
+            if msg is not None:
+                msg.streaming, msg.finish_reason, msg.error = False, "error", ev.message
+            self.notices.append(ev.message)
+            return msg
+        if isinstance(ev, BlocksChanged):
+            self.blocks = ev.snapshot
+        return None
+
+    def _apply_report(self, r: StepReport) -> Message | None:
+        self.latest, self.blocks = r, r.blocks
+        if r.kind == "idle":
+            return None
+        self.steps.append((r.kind, r.elapsed_s))
+        self.wall[r.kind] += r.elapsed_s
+        self.drafts.extend(getattr(r, "drafts", ()))  # absent before speculation existed
+        msg = self.streaming
+        if msg is None or msg.request_id is None:
+            return None
+        t = msg.timing
+        if r.kind == "decode":
+            t.decode_tokens += r.decode_tokens
+            t.decode_s += r.elapsed_s
+        else:
+            t.prefill_tokens += r.prefill_tokens
+            t.prefill_s += r.elapsed_s
+        rid = msg.request_id
+        for s in r.samples:
+            if s.seq_id == rid:
+                chosen = next((c.text for c in s.candidates if c.chosen), None)
+                msg.tokens.append(ReplyToken(s.token_id, chosen if chosen is not None else "", s))
+                self.latest_sample = s
+        for out in r.outputs:
+            if out.request_id == rid:
+                msg.content += out.text_delta
+        return msg

@@ -1,0 +1,274 @@
+"""Chat column: system prompt, the message log (streamed replies, Markdown when finished, token picking) and the prompt."""
+
+from __future__ import annotations
+
+from rich.style import Style
+from rich.text import Text
+from textual import events
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical, VerticalScroll
+from textual.message import Message as TMessage
+from textual.reactive import reactive
+from textual.widgets import Markdown, Static, TextArea
+
+from pagechat.tui.session import Message
+from pagechat.tui.widgets.panel import update_static
+from pagechat.tui.widgets.sampling import token_label
+
+CONTROL_PICTURES = {c: 0x2400 + c for c in range(32) if c not in (9, 10)} | {127: 0x2421}
+
+
+def printable(text: str) -> str:
+    """Control characters (random models emit them) as their Unicode pictures, so terminals and SVGs stay sane."""
+    return text.translate(CONTROL_PICTURES)
+
+
+TOKEN_SHADES = ("#262b33", "#1d2129")  # alternate backgrounds make token boundaries visible
+SPECIAL = ("<|", "<s>", "</s>")
+GROW_STEP = 4  # lines the streaming text grows by at a time
+
+
+class PromptInput(TextArea):
+    """Multi-line prompt: Enter sends, Shift+Enter / Alt+Enter / Ctrl+J insert a newline."""
+
+    class Submitted(TMessage):
+        """The user pressed Enter on a prompt."""
+
+        def __init__(self, text: str) -> None:
+            super().__init__()
+            self.text = text
+
+    async def _on_key(self, event: events.Key) -> None:
+        if event.key == "enter":
+            event.stop()
+            event.prevent_default()
+            self.post_message(self.Submitted(self.text))
+            return
+        if event.key in ("shift+enter", "alt+enter", "ctrl+j"):
+            event.stop()
+            event.prevent_default()
+            self.insert("\n")
+            return
+        await super()._on_key(event)
+
+
+class UserMessage(Static):
+    """A user's message, shown as typed."""
+
+    def __init__(self, message: Message) -> None:
+        super().__init__(Text(printable(message.content)), classes="user-message")
+        self.message = message
+
+
+class TokenView(Static):
+    """A reply's tokens as clickable spans on alternating shades; the selected token is reversed."""
+
+    def show(self, message: Message, selected: int) -> None:
+        t = Text()
+        for i, tok in enumerate(message.tokens):
+            text = tok.text
+            special = text.startswith(SPECIAL) and text.endswith((">",))
+            shown = token_label(text, 40) if special or not text or text.isspace() and "\n" not in text and text != " " \
+                else printable(text)
+            # meta, not an "@click" action: actions get link styling (underlines) on every token
+            style = Style(bgcolor=TOKEN_SHADES[i % 2], dim=special, italic=special, meta={"token": i})
+            if i == selected:
+                style += Style(reverse=True, bold=True)
+            t.append(shown, style)
+        if not message.tokens:
+            t.append("no sampling records for this reply (loaded from history)", "dim italic")
+        self.update(t)
+
+    def on_click(self, event: events.Click) -> None:
+        index = event.style.meta.get("token")
+        reply = self.parent
+        if index is not None and isinstance(reply, ReplyView):
+            event.stop()
+            reply.focus()
+            reply.select(index)
+
+
+class ReplyView(Vertical, can_focus=True):
+    """An assistant reply: text while streaming, Markdown when finished, its tokens when focused."""
+
+    BINDINGS = [
+        Binding("left,h", "move(-1)", "Prev token", show=False),
+        Binding("right,l", "move(1)", "Next token", show=False),
+        Binding("home", "move_to(0)", "First token", show=False),
+        Binding("end", "move_to(-1)", "Last token", show=False),
+        Binding("up,k", "sibling(-1)", "Prev reply", show=False),
+        Binding("down,j", "sibling(1)", "Next reply", show=False),
+    ]
+
+    selected: reactive[int] = reactive(-1, init=False)
+
+    class TokenSelected(TMessage):
+        """The user picked token `index` of `message` (index -1: none)."""
+
+        def __init__(self, view: ReplyView, message: Message, index: int) -> None:
+            super().__init__()
+            self.view, self.message, self.index = view, message, index
+
+    def __init__(self, message: Message, frozen: bool = False) -> None:
+        super().__init__(classes="reply")
+        self.message = message
+        self.frozen = frozen
+        self._markdown_for: str | None = None
+        self._reserved = 0  # lines reserved for the streaming text
+
+    def compose(self) -> ComposeResult:
+        yield Static(classes="reply-body", markup=False)
+        yield Markdown(classes="reply-markdown")
+        yield TokenView(classes="reply-tokens")
+        yield Static(classes="reply-meta")
+
+    def on_mount(self) -> None:
+        self.update_view()
+
+    def update_view(self) -> None:
+        """Show the message as it is now."""
+        m = self.message
+        body = self.query_one(".reply-body", Static)
+        md = self.query_one(".reply-markdown", Markdown)
+        self.set_class(not m.streaming, "-done")
+        if not m.streaming and self._reserved:
+            self._reserved = 0
+            body.styles.height = "auto"
+        if m.streaming:
+            text = Text(printable(m.content)) + Text().append("▌", "blink #5fafff") if m.content else \
+                Text().append("…", "dim")
+            self.grow(body, text)
+            body.update(text, layout=False)
+        elif self._markdown_for != m.content:
+            self._markdown_for = m.content
+            md.update(printable(m.content) or "*(no text)*")
+        if self.has_class("-inspect"):
+            self.query_one(TokenView).show(m, self.selected)
+        update_static(self.query_one(".reply-meta", Static), self.meta_text())
+
+    def grow(self, body: Static, text: Text) -> None:
+        """Reserve the streaming text's height in steps of GROW_STEP lines.
+
+        A height change makes Textual lay out the whole screen; growing one line at a time would do that
+        on every wrapped line of the reply, stealing the engine thread's GIL time while it decodes.
+        """
+        width = body.content_size.width or max(10, self.content_size.width)
+        lines = len(text.wrap(self.app.console, width))
+        if lines > self._reserved:
+            self._reserved = -(-lines // GROW_STEP) * GROW_STEP
+            body.styles.height = self._reserved
+
+    def meta_text(self) -> Text:
+        m, t = self.message, self.message.timing
+        parts = Text(style="dim")
+        n = len(m.tokens) or (t.output_tokens if t else 0)
+        parts.append(f"{n} tokens")
+        if m.streaming:
+            parts.append(" · generating", "#87d787")
+        elif m.finish_reason == "abort":
+            parts.append(" · stopped", "#ffaf5f")
+        elif m.finish_reason:
+            parts.append(f" · {m.finish_reason}")
+        if t is not None and t.decode_tok_s and not self.frozen:
+            parts.append(f" · {t.decode_tok_s:.1f} tok/s")
+        if m.error:
+            parts.append(f"\n{m.error}", "bold #ff8787")
+        if self.has_class("-inspect") and m.tokens:
+            parts.append("  ←/→ pick a token · click one · Esc back", "italic")
+        return parts
+
+    # -- token selection ------------------------------------------------------------------------
+    def select(self, index: int) -> None:
+        """Select token `index` (negative counts from the end) and announce it."""
+        n = len(self.message.tokens)
+        if not n:
+            return
+        self.selected = max(0, min(n - 1, index if index >= 0 else n + index))
+
+    def watch_selected(self, index: int) -> None:
+        self.query_one(TokenView).show(self.message, index)
+        self.post_message(self.TokenSelected(self, self.message, index))
+
+    def action_move(self, delta: int) -> None:
+        self.select(max(0, self.selected + delta) if self.selected >= 0 else -1)
+
+    def action_move_to(self, index: int) -> None:
+        self.select(index)
+
+    def action_sibling(self, delta: int) -> None:
+        replies = list(self.parent.query(ReplyView)) if self.parent else []
+        i = replies.index(self) + delta
+        if 0 <= i < len(replies):
+            replies[i].focus()
+            replies[i].scroll_visible()
+
+    def on_focus(self) -> None:
+        self.add_class("-inspect")
+        if self.selected < 0 and self.message.tokens:
+            self.select(-1)
+        self.update_view()
+
+    def on_blur(self) -> None:
+        self.remove_class("-inspect")
+        self.update_view()
+
+
+class ChatLog(VerticalScroll):
+    """The messages; follows new text only while the user is at (or within 2 rows of) the bottom."""
+
+    def __init__(self, frozen: bool = False, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.frozen = frozen
+        self.views: dict[int, UserMessage | ReplyView] = {}  # id(message) -> widget
+
+    def near_bottom(self) -> bool:
+        return self.max_scroll_y - self.scroll_y <= 2
+
+    def follow(self) -> None:
+        """Scroll to the end, only when not there already: a scroll re-lays out and repaints the whole screen."""
+        if self.scroll_y < self.max_scroll_y:
+            self.scroll_end(animate=False)
+
+    def add(self, message: Message) -> None:
+        """Mount a widget for a new message."""
+        follow = self.near_bottom()
+        view = ReplyView(message, self.frozen) if message.role == "assistant" else UserMessage(message)
+        self.views[id(message)] = view
+        self.mount(view)
+        if follow:
+            self.call_after_refresh(self.follow)
+
+    def update(self, message: Message) -> None:
+        """Repaint a message that changed."""
+        view = self.views.get(id(message))
+        if isinstance(view, ReplyView):
+            follow = self.near_bottom()
+            view.update_view()
+            if follow:
+                self.call_after_refresh(self.follow)
+
+    def clear(self) -> None:
+        self.views.clear()
+        self.remove_children()
+
+    def last_reply(self) -> ReplyView | None:
+        replies = list(self.query(ReplyView))
+        return replies[-1] if replies else None
+
+
+class ChatColumn(Vertical):
+    """System prompt line, the log and the prompt box."""
+
+    def __init__(self, system: str, frozen: bool = False, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.system, self.frozen = system, frozen
+
+    def compose(self) -> ComposeResult:
+        from textual.widgets import Input
+
+        yield Input(self.system, placeholder="system prompt (optional; applies from the next message)",
+                    id="system-prompt")
+        yield ChatLog(self.frozen, id="chat-log")
+        yield PromptInput(id="prompt", soft_wrap=True, show_line_numbers=False, compact=True,
+                          placeholder="Message · Enter sends · Alt+Enter: new line")

@@ -1,0 +1,158 @@
+"""Controls panel: sampling settings editable while a reply streams; the engine's validation decides what is refused."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from rich.text import Text
+from textual import on
+from textual.app import ComposeResult
+from textual.containers import Horizontal
+from textual.message import Message
+from textual.widgets import Input, Label, Static, Switch
+
+from pagechat.core.errors import PagechatError
+from pagechat.core.params import SamplingParams
+from pagechat.tui.widgets.panel import Panel
+
+
+@dataclass(frozen=True, slots=True)
+class Field:
+    """One editable SamplingParams field."""
+
+    name: str  # SamplingParams attribute
+    label: str
+    kind: type  # float or int
+    optional: bool = False  # blank means None (seed: random)
+    hint: str = ""
+
+
+FIELDS = (
+    Field("temperature", "temperature", float, hint="0 = greedy"),
+    Field("top_p", "top-p", float, hint="(0, 1]"),
+    Field("top_k", "top-k", int, hint="0 = off"),
+    Field("min_p", "min-p", float, hint="[0, 1]"),
+    Field("max_tokens", "max new tokens", int),
+    Field("seed", "seed", int, optional=True, hint="blank = random"),
+)
+
+
+def parse_field(field: Field, text: str, params: SamplingParams) -> SamplingParams:
+    """params with field set from text, checked by SamplingParams.validate(); PagechatError says why not."""
+    text = text.strip()
+    if not text and field.optional:
+        value = None
+    else:
+        try:
+            value = field.kind(text)
+        except ValueError:
+            kind = "a whole number" if field.kind is int else "a number"
+            raise PagechatError(f"{field.label} must be {kind}, got {text!r}") from None
+    return replace(params, **{field.name: value}).validate()
+
+
+def show_value(value) -> str:
+    return "" if value is None else f"{value:g}" if isinstance(value, float) else str(value)
+
+
+class ControlsPanel(Panel):
+    """One input per setting; Enter or leaving a field applies it, a refused value keeps the old one."""
+
+    TITLE = "Controls"
+
+    class Changed(Message):
+        """The user changed the sampling settings (already validated)."""
+
+        def __init__(self, params: SamplingParams) -> None:
+            super().__init__()
+            self.params = params
+
+    class SpeculationChanged(Message):
+        """The user switched speculation or changed the draft length."""
+
+        def __init__(self, enabled: bool, num_draft: int) -> None:
+            super().__init__()
+            self.enabled, self.num_draft = enabled, num_draft
+
+    def __init__(self, params: SamplingParams, spec: tuple[bool, bool, int] = (False, False, 4), **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.params = params
+        self.spec_available, self.spec_on, self.num_draft = spec  # (a proposer exists, on, draft length)
+
+    def compose(self) -> ComposeResult:
+        for f in FIELDS:
+            with Horizontal(classes="control-row"):
+                yield Label(f.label, classes="control-label")
+                yield Input(show_value(getattr(self.params, f.name)), id=f"ctl-{f.name}", classes="control-input",
+                            type="number" if f.kind is float else "text", placeholder=f.hint, select_on_focus=True)
+                yield Label(f.hint, classes="control-hint")
+        with Horizontal(classes="control-row"):
+            yield Label("speculation", classes="control-label")
+            yield Switch(self.spec_on, id="ctl-spec", disabled=not self.spec_available,
+                         tooltip=None if self.spec_available else "start with --draft DIR or --ngram")
+            yield Label("draft length", classes="control-hint")
+            yield Input(str(self.num_draft), id="ctl-draft", classes="control-input -short", type="integer",
+                        disabled=not self.spec_available, select_on_focus=True)
+        yield Static(id="control-error")
+        yield Static(Text().append("F5/F6 temperature −/+ · F7/F8 top-p −/+ · Enter applies", "dim"), id="control-help")
+
+    def set_params(self, params: SamplingParams) -> None:
+        """Show params (e.g. after a key nudge) without re-validating."""
+        self.params = params
+        for f in FIELDS:
+            self.query_one(f"#ctl-{f.name}", Input).value = show_value(getattr(params, f.name))
+            self.query_one(f"#ctl-{f.name}", Input).remove_class("-refused")
+        self.set_text("#control-error", "")
+
+    @property
+    def error(self) -> str:
+        """The refusal shown, or ''."""
+        return str(getattr(self.query_one("#control-error", Static), "_shown", "") or "")
+
+    def _apply(self, inp: Input) -> None:
+        field = next(f for f in FIELDS if inp.id == f"ctl-{f.name}")
+        if inp.value.strip() == show_value(getattr(self.params, field.name)):
+            inp.remove_class("-refused")
+            return
+        try:
+            params = parse_field(field, inp.value, self.params)
+        except PagechatError as e:
+            inp.add_class("-refused")
+            self.set_text("#control-error", Text().append(f"refused: {e}", "bold #ff8787"))
+            return
+        inp.remove_class("-refused")
+        self.set_text("#control-error", "")
+        self.params = params
+        self.post_message(self.Changed(params))
+
+    def _apply_spec(self) -> None:
+        text = self.query_one("#ctl-draft", Input).value.strip()
+        enabled = self.query_one("#ctl-spec", Switch).value
+        try:
+            k = int(text)
+        except ValueError:
+            k = 0
+        if k < 1:  # the engine's own rule (Engine.set_speculation), refused here before it is sent
+            self.query_one("#ctl-draft", Input).add_class("-refused")
+            self.set_text("#control-error", Text().append(f"refused: draft length must be >= 1, got {text!r}",
+                                                          "bold #ff8787"))
+            return
+        self.query_one("#ctl-draft", Input).remove_class("-refused")
+        self.set_text("#control-error", "")
+        if (enabled, k) != (self.spec_on, self.num_draft):
+            self.spec_on, self.num_draft = enabled, k
+            self.post_message(self.SpeculationChanged(enabled, k))
+
+    @on(Switch.Changed, "#ctl-spec")
+    def _spec_switched(self, event: Switch.Changed) -> None:
+        event.stop()
+        self._apply_spec()
+
+    @on(Input.Submitted, ".control-input")
+    def _submitted(self, event: Input.Submitted) -> None:
+        event.stop()
+        self._apply_spec() if event.input.id == "ctl-draft" else self._apply(event.input)
+
+    @on(Input.Blurred, ".control-input")
+    def _blurred(self, event: Input.Blurred) -> None:
+        self._apply_spec() if event.input.id == "ctl-draft" else self._apply(event.input)

@@ -1,0 +1,112 @@
+"""Timing panel: per-turn TTFT / prefill / decode figures, a per-step latency sparkline, and the wall-time split."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from rich.style import Style
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.widgets import Static
+
+from pagechat.tui.session import ChatSession, TurnTiming
+from pagechat.tui.widgets.panel import Panel
+
+KIND_COLOURS = {"prefill": "#ffaf5f", "decode": "#5fafff", "mixed": "#d787ff"}
+BARS = " ▁▂▃▄▅▆▇█"
+HIDDEN = "·"  # shown instead of a varying time when numbers are frozen (snapshot tests)
+
+
+def scale_top(values: Sequence[float]) -> float:
+    """The bar height's full scale: the max, unless a few outliers (a long prefill) would flatten every other bar."""
+    if not values:
+        return 1.0
+    ordered = sorted(values)
+    typical = ordered[int(0.9 * (len(ordered) - 1))]
+    return min(ordered[-1], 2 * typical) or ordered[-1] or 1.0
+
+
+def sparkline(steps: Sequence[tuple[str, float]], width: int, height: int = 2) -> Text:
+    """The last `width` steps as bars `height` rows tall, coloured by step kind; outliers above the scale are clipped."""
+    steps = list(steps)[-width:]
+    top = scale_top([s for _, s in steps])
+    rows = []
+    for r in range(height - 1, -1, -1):  # top row first
+        line = Text()
+        for kind, s in steps:
+            level = round(min(s, top) / top * 8 * height)  # eighths of a row, over all rows
+            part = min(8, max(0, level - 8 * r))
+            clipped = s > top and r == height - 1
+            line.append("▲" if clipped else BARS[part] if part else " ", KIND_COLOURS.get(kind, "white"))
+        rows.append(line)
+    return Text("\n").join(rows)
+
+
+def split_bar(wall: dict[str, float], width: int) -> Text:
+    """Wall time by step kind as one bar plus percentages."""
+    total = sum(wall.values())
+    t = Text().append("wall time by step kind\n", "dim")
+    if not total:
+        return t.append("no steps yet", "dim")
+    used = 0
+    for kind, s in wall.items():
+        n = round(width * s / total) if kind != "mixed" else width - used
+        used += n
+        t.append("█" * n, KIND_COLOURS[kind])
+    t.append("\n")
+    for kind, s in wall.items():
+        t.append("■", KIND_COLOURS[kind]).append(f"{kind} {100 * s / total:.0f}% {s:.2f}s ", "dim")
+    return t
+
+
+def _num(value: float | None, fmt: str, frozen: bool) -> str:
+    if frozen:
+        return HIDDEN
+    return "—" if value is None or value == 0 else format(value, fmt)
+
+
+COLUMNS = (("#", 2), ("TTFTms", 6), ("prefill", 7), ("tok/s", 6), ("decode", 6), ("ms/tok", 6), ("tok/s", 6))
+
+
+def turn_row(i: int, t: TurnTiming, frozen: bool, live: bool) -> Text:
+    cells = [("▶" if live else "") + str(i), _num(None if t.ttft_s is None else 1000 * t.ttft_s, ".0f", frozen), str(t.prefill_tokens),
+             _num(t.prefill_tok_s, ".0f", frozen), str(t.decode_tokens), _num(t.ms_per_token, ".1f", frozen),
+             _num(t.decode_tok_s, ".1f", frozen)]
+    return Text(" ".join(c.rjust(w) for c, (_, w) in zip(cells, COLUMNS)), style="bold #87d787" if live else "")
+
+
+class TimingPanel(Panel):
+    """Current and past turns from the engine's StepReports and request timestamps."""
+
+    TITLE = "Timing"
+    frozen = False  # hide times that vary between runs (snapshot tests)
+
+    def compose(self) -> ComposeResult:
+        yield Static(id="timing-table")
+        yield Static(id="timing-spark-title")
+        yield Static(id="timing-spark")
+        yield Static(id="timing-split")
+
+    def show(self, session: ChatSession) -> None:
+        """Render the session's turns and step log."""
+        width = max(10, self.content_size.width)
+        turns = session.turns()
+        table = Text().append(" ".join(h.rjust(w) for h, w in COLUMNS), "bold #8a8a8a")
+        rows = max(1, self.content_size.height - 7)
+        for i, m in list(enumerate(turns, 1))[-rows:]:
+            table.append("\n").append_text(turn_row(i, m.timing, self.frozen, m.streaming))
+        if not turns:
+            table.append("\n  no replies yet", "dim")
+        self.set_text("#timing-table", table)
+        steps = session.steps
+        top = scale_top([s for _, s in list(steps)[-width:]])
+        title = Text().append("step time", "dim")
+        if steps:
+            title.append(f" full bar {HIDDEN if self.frozen else f'{1000 * top:.0f}'} ms", "dim")
+        for kind, colour in KIND_COLOURS.items():
+            title.append(" ■", Style(color=colour)).append(kind, "dim")
+        self.set_text("#timing-spark-title", title)
+        self.set_text("#timing-spark", sparkline(steps, width) if not self.frozen else
+                      Text(HIDDEN * min(width, len(steps)), "dim"))
+        self.set_text("#timing-split", split_bar(session.wall, width) if not self.frozen else
+                      Text().append("wall-time split hidden (frozen numbers)", "dim"))
