@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -23,3 +25,20 @@ def tiny_models(tmp_path_factory) -> dict:
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_models):
     return tiny_models["llama"]
+
+
+def cli(argv: list[str], capsys) -> tuple[int | None, str, str]:
+    """Run the pagechat CLI in-process (no torch import per call); (exit code, stdout, stderr)."""
+    from pagechat.tui.cli import main
+
+    old = sys.argv
+    sys.argv = ["pagechat", *argv]
+    try:
+        main()
+        code = None
+    except SystemExit as e:
+        code = e.code
+    finally:
+        sys.argv = old
+    out = capsys.readouterr()
+    return code, out.out, out.err

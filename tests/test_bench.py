@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from test_cli_errors import cli
+from conftest import cli
 
 from pagechat.core.bench import KEYS, Workload, median_of
 

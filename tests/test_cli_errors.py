@@ -4,24 +4,10 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 
 import pytest
+from conftest import cli
 from safetensors.torch import load_file, save_file
-
-from pagechat.tui.cli import main
-
-
-def cli(argv: list[str], capsys) -> tuple[int, str, str]:
-    old = sys.argv
-    sys.argv = ["pagechat", *argv]
-    try:
-        with pytest.raises(SystemExit) as exc:
-            main()
-    finally:
-        sys.argv = old
-    out = capsys.readouterr()
-    return exc.value.code, out.out, out.err
 
 
 @pytest.fixture

@@ -4,27 +4,14 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 import pytest
 
 from pagechat.core.errors import PagechatError
 from pagechat.core.params import SamplingParams
-from pagechat.tui.cli import main
 from pagechat.tui.history import ChatRecord, ChatStore, chats_dir, export_markdown, params_from_dict, params_to_dict
 from pagechat.tui.session import ChatSession
-
-
-def cli(argv: list[str], capsys) -> tuple[int, str, str]:
-    old = sys.argv
-    sys.argv = ["pagechat", *argv]
-    try:
-        with pytest.raises(SystemExit) as exc:
-            main()
-    finally:
-        sys.argv = old
-    out = capsys.readouterr()
-    return exc.value.code, out.out, out.err
+from conftest import cli
 
 
 def chat(**kw) -> ChatRecord:

@@ -3,7 +3,6 @@ the report, and `plan` turns a budget into KV blocks and concurrent sequences.""
 
 from __future__ import annotations
 
-import sys
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ from pagechat.core.engine import Engine
 from pagechat.core.kv import block_bytes
 from pagechat.core.memory import estimate_weights, kv_bytes_per_token, plan_capacity, weight_report
 from pagechat.quant.checkpoint import quantize_checkpoint
-from pagechat.tui.cli import main
+from conftest import cli
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -23,20 +22,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
-
-
-def cli(argv: list[str], capsys) -> tuple[int | None, str, str]:
-    old = sys.argv
-    sys.argv = ["pagechat", *argv]
-    try:
-        main()
-        code = None
-    except SystemExit as e:
-        code = e.code
-    finally:
-        sys.argv = old
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def unique_bytes(model: torch.nn.Module) -> int:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 
 import pytest
 import torch
@@ -25,24 +24,9 @@ from pagechat.quant.checkpoint import quantize_checkpoint
 from pagechat.quant.evaluate import greedy_agreement, perplexity, window_logits
 from pagechat.quant.layers import AWQLinear, Int8WOLinear, bnb_int8_linear
 from pagechat.quant.pack import AWQ_ORDER, dequantize, fake_quantize, pack_awq, to_awq, unpack_awq
-from pagechat.tui.cli import main
+from conftest import cli
 
 CPU = torch.device("cpu")
-
-
-def cli(argv: list[str], capsys) -> tuple[int | None, str, str]:
-    """Run the pagechat CLI in-process; (exit code, stdout, stderr)."""
-    old = sys.argv
-    sys.argv = ["pagechat", *argv]
-    try:
-        main()
-        code = None
-    except SystemExit as e:
-        code = e.code
-    finally:
-        sys.argv = old
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def make_checkpoint(out, tokenizer_dir, arch="llama", kv_heads=2, seed=0, **extra):

@@ -176,7 +176,7 @@ def test_speculation_toggles_between_steps(tiny_llama):
 def test_generate_json_reports_speculation(tiny_llama, capsys):
     import json
 
-    from test_cli_errors import cli
+    from conftest import cli
 
     code, out, err = cli(["generate", str(tiny_llama), "-p", "a b c a b c a b", "--ngram", "--num-draft", "3",
                           "--max-tokens", "12", "--ignore-eos", "--json"], capsys)
