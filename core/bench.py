@@ -101,19 +101,18 @@ def pagechat_round(engine: Engine, w: Workload) -> dict:
     return out
 
 
-def spec_round(engine: Engine, w: Workload, prompt: list[int]) -> dict:
+def spec_round(engine: Engine, prompt: list[int]) -> dict:
     """Plain vs speculative decode of the same prompt, back to back in one round."""
     res = {}
     for on in (False, True):
         engine.set_speculation(on)
-        stats = {"s": 0.0, "n": 0, "fw": 0}
+        decode_s = []
         [seq] = engine.generate([prompt], SamplingParams(max_tokens=DECODE_TOKENS, **GREEDY),
-                                on_report=lambda r: (stats.__setitem__("s", stats["s"] + r.elapsed_s)
-                                                     if r.kind == "decode" else None))
-        n = seq.num_output_tokens - 1
-        res["spec" if on else "plain"] = {"decode_tok_s": n / stats["s"],
-                                         "target_forwards_per_token": seq.target_forwards / seq.num_output_tokens,
-                                         "acceptance_rate": seq.num_accepted / seq.num_drafted if seq.num_drafted else 0.0}
+                                on_report=lambda r: decode_s.append(r.elapsed_s) if r.kind == "decode" else None)
+        res["spec" if on else "plain"] = {
+            "decode_tok_s": (seq.num_output_tokens - 1) / sum(decode_s),
+            "target_forwards_per_token": seq.target_forwards / seq.num_output_tokens,
+            "acceptance_rate": seq.num_accepted / seq.num_drafted if seq.num_drafted else 0.0}
     engine.set_speculation(True)
     return res
 
@@ -202,7 +201,7 @@ def run_bench(engine: Engine, rounds: int = 3, vs_hf: bool = False, spec_prompt:
         log(f"round {i + 1}/{rounds}: pagechat")
         ours.append(pagechat_round(engine, w))
         if engine.proposer is not None:
-            specs.append(spec_round(engine, w, spec_prompt or w.prompt))
+            specs.append(spec_round(engine, spec_prompt or w.prompt))
         if hf:
             log(f"round {i + 1}/{rounds}: transformers")
             theirs.append(hf_round(hf, w))
