@@ -263,6 +263,9 @@ class Engine:
                   it.seq.params.max_tokens - it.seq.num_output_tokens - 1) for it in items]
         drafts, qs = self.proposer.propose([it.seq for it in items], [max(k, 0) for k in ks])
         for it, d, q in zip(items, drafts, qs):
+            if not it.seq.params.ignore_eos:  # nothing after a drafted end of sequence could be kept
+                end = next((i + 1 for i, t in enumerate(d) if t in self.eos_ids), len(d))
+                d, q = d[:end], None if q is None else q[:end]
             it.draft, self._q[it.seq.seq_id] = d, q
 
     def _verify(self, it: ScheduledSeq, logits: torch.Tensor) -> tuple[DraftRecord, list]:

@@ -152,6 +152,19 @@ def test_ngram_needs_fewer_target_forwards_on_repetition(tiny_llama):
     assert plain > 0.9 and spec < plain
 
 
+def test_nothing_is_drafted_past_an_end_of_sequence(tiny_llama):
+    """A drafted EOS ends the draft (whatever followed could never be kept); with ignore_eos it does not."""
+    eng = engine(tiny_llama, ngram=True, num_draft=4)
+    eos = min(eng.eos_ids)
+    eng.proposer.propose = lambda seqs, ks: ([[eos, 8, 9, 10][:k] for k in ks], [None] * len(seqs))
+    for ignore, expected in ((False, (eos,)), (True, (eos, 8, 9, 10))):
+        records = []
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=ignore)
+        eng.generate([[5, 6, 7]], params, on_report=lambda r: records.extend(d for d in r.drafts if d.drafted))
+        assert records and records[0].drafted == expected
+        assert all(d.drafted == expected[:len(d.drafted)] for d in records)  # later ones capped by max_tokens
+
+
 def test_draft_with_other_tokenizer_is_refused(tiny_llama, tmp_path):
     other = tmp_path / "other"
     make_model(other, "llama", "tiny")
