@@ -97,17 +97,10 @@ def test_run_refuses_with_one_line(tmp_path, monkeypatch, capsys):
 
 
 def test_run_without_model_dir_uses_the_demo_or_says_how_to_make_a_model(monkeypatch, capsys, tmp_path):
-    from pagechat.tui import launch
+    import pagechat.core.demo as demo
 
-    try:
-        from pagechat.core.demo import chat_model_dir
-
-        demo = chat_model_dir()
-    except (ImportError, PagechatError):
-        demo = None
-    if demo is not None:
-        assert launch.resolve_model_dir(None) == demo
-        return
+    assert demo.model_or_demo(None) == demo.chat_model_dir()
+    monkeypatch.setattr(demo, "DEMO_DIR", tmp_path)  # an install that lost its demo files
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
     code, _, err = cli(["run"], capsys)
     assert code == 2 and "pagechat make-model" in err and len(err.strip().splitlines()) == 1

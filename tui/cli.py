@@ -16,7 +16,10 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 Dtype = Annotated[str, typer.Option(help="auto | float32 | bfloat16 | float16 (auto: bf16 on a CPU with native bf16, "
                                          "the checkpoint's dtype on CUDA, else float32)")]
 Device = Annotated[str, typer.Option(help="auto | cpu | cuda")]
-Draft = Annotated[Optional[Path], typer.Option(help="draft model directory (same tokenizer) for speculative decoding")]
+Draft = Annotated[Optional[Path], typer.Option(help="draft model directory (same tokenizer) for speculative decoding; "
+                                                    "`demo`: the shipped demo draft")]
+OptionalModelDir = Annotated[Optional[Path], typer.Argument(help="local Hugging Face model directory (safetensors); "
+                                                                 "default: the shipped demo chat model")]
 Ngram = Annotated[bool, typer.Option("--ngram", help="speculate by prompt lookup (n-gram match in the context)")]
 NumDraft = Annotated[int, typer.Option(help="tokens drafted per speculative step")]
 Quant = Annotated[Optional[str], typer.Option(help="int8 (bitsandbytes LLM.int8) | int8-wo (torch int8 weight-only) | "
@@ -39,9 +42,10 @@ def make_model_cmd(
 
 @app.command()
 def generate(
-    model_dir: Annotated[Path, typer.Argument(help="local Hugging Face model directory (safetensors)")],
     prompt: Annotated[list[str], typer.Option("--prompt", "-p", help="prompt text; repeat to run a continuous batch")],
-    chat: Annotated[bool, typer.Option(help="wrap each prompt in the model's chat template")] = False,
+    model_dir: OptionalModelDir = None,
+    chat: Annotated[Optional[bool], typer.Option(help="wrap each prompt in the model's chat template "
+                                                      "(default: on for the demo model, off for a MODEL_DIR)")] = None,
     system: Annotated[Optional[str], typer.Option(help="system message (with --chat)")] = None,
     max_tokens: Annotated[int, typer.Option(help="new tokens at most")] = 128,
     temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
@@ -68,6 +72,7 @@ def generate(
 ) -> None:
     """Generate from one or more prompts; text streams to stdout, a stats line goes to stderr."""
     from pagechat.core.config import EngineConfig, parse_bytes
+    from pagechat.core.demo import draft_or_demo, model_or_demo
     from pagechat.core.params import SamplingParams
     from pagechat.tui.generate import run_generate
 
@@ -77,9 +82,9 @@ def generate(
     config = EngineConfig(device=device, dtype=dtype, block_size=block_size, kv_blocks=kv_blocks,
                           kv_memory=parse_bytes(kv_memory) if kv_memory else None,
                           max_batch_tokens=max_batch_tokens, max_seqs=max_seqs, prefix_cache=prefix_cache,
-                          draft=str(draft) if draft else None, ngram=ngram, num_draft=num_draft,
-                          quant=quant).validate()
-    code = run_generate(model_dir, prompt, params, config, chat=chat, system=system, as_json=as_json)
+                          draft=draft_or_demo(draft), ngram=ngram, num_draft=num_draft, quant=quant).validate()
+    code = run_generate(model_or_demo(model_dir, quant), prompt, params, config,
+                        chat=model_dir is None if chat is None else chat, system=system, as_json=as_json)
     raise typer.Exit(code)
 
 
@@ -152,7 +157,7 @@ def bench_quant(
 
 @app.command()
 def run(
-    model_dir: Annotated[Optional[Path], typer.Argument(help="local model directory; default: the demo chat model")] = None,
+    model_dir: OptionalModelDir = None,
     resume: Annotated[Optional[str], typer.Option(help="continue a saved chat (id from `pagechat history`)")] = None,
     save: Annotated[Optional[Path], typer.Option(help="also write the chat as JSON to this path after every turn")] = None,
     system: Annotated[Optional[str], typer.Option(help="system prompt")] = None,
@@ -164,9 +169,10 @@ def run(
     seed: Annotated[Optional[int], typer.Option(help="sampling seed (same seed, same reply)")] = None,
     ignore_eos: Annotated[Optional[bool], typer.Option("--ignore-eos", help="keep generating past end-of-sequence (benchmarks)")] = None,
     layout: Annotated[str, typer.Option(help="auto | tabs | grid (auto: every panel at once from 150x40)")] = "auto",
-    draft: Annotated[Optional[Path], typer.Option(help="draft model directory: speculative decoding")] = None,
-    ngram: Annotated[bool, typer.Option("--ngram", help="speculate with prompt lookup (n-gram) drafts")] = False,
-    num_draft: Annotated[int, typer.Option(help="tokens drafted per step")] = 4,
+    draft: Draft = None,
+    ngram: Ngram = False,
+    num_draft: NumDraft = 4,
+    quant: Quant = None,
     dtype: Dtype = "auto",
     device: Device = "auto",
     block_size: Annotated[int, typer.Option(help="tokens per KV block")] = 16,
@@ -175,11 +181,12 @@ def run(
 ) -> None:
     """Chat with a local model in the terminal app, with live KV-block, timing, sampling and memory panels."""
     from pagechat.core.config import EngineConfig, parse_bytes
+    from pagechat.core.demo import draft_or_demo
     from pagechat.tui.launch import run_app
 
     config = EngineConfig(device=device, dtype=dtype, block_size=block_size, kv_blocks=kv_blocks,
-                          kv_memory=parse_bytes(kv_memory) if kv_memory else None,
-                          draft=str(draft) if draft else None, ngram=ngram, num_draft=num_draft).validate()
+                          kv_memory=parse_bytes(kv_memory) if kv_memory else None, quant=quant,
+                          draft=draft_or_demo(draft), ngram=ngram, num_draft=num_draft).validate()
     overrides = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, max_tokens=max_tokens, seed=seed,
                      ignore_eos=ignore_eos)
     raise typer.Exit(run_app(model_dir, config, overrides, resume=resume, save=save, system=system, layout=layout))
@@ -197,7 +204,7 @@ def history(
 
 @app.command()
 def bench(
-    model_dir: Annotated[Path, typer.Argument(help="local Hugging Face model directory (safetensors)")],
+    model_dir: OptionalModelDir = None,
     quant: Quant = None,
     draft: Draft = None,
     ngram: Ngram = False,
@@ -210,13 +217,34 @@ def bench(
 ) -> None:
     """Measure TTFT, prefill, decode, 8 concurrent requests, multi-turn TTFT and MBU (optionally vs transformers)."""
     from pagechat.core.config import EngineConfig
+    from pagechat.core.demo import draft_or_demo, model_or_demo
     from pagechat.tui.bench_cmd import bench_command
 
     if rounds < 1:
         raise PagechatError(f"--rounds must be >= 1, got {rounds}")
-    config = EngineConfig(device=device, dtype=dtype, quant=quant, draft=str(draft) if draft else None,
+    config = EngineConfig(device=device, dtype=dtype, quant=quant, draft=draft_or_demo(draft),
                           ngram=ngram, num_draft=num_draft).validate()
-    bench_command(model_dir, config, rounds, vs_hf, as_json)
+    bench_command(model_or_demo(model_dir, quant), config, rounds, vs_hf, as_json)
+
+
+@app.command("train-demo")
+def train_demo_cmd(
+    out_dir: Annotated[Path, typer.Argument(help="new directory for the chat, chat-awq and draft models and metrics.json")],
+    seed: Annotated[int, typer.Option(help="corpus and weights are identical for the same seed and threads")] = 0,
+    threads: Annotated[int, typer.Option(help="torch threads (the result depends on it)")] = 2,
+) -> None:
+    """Train the demo chat model and its draft from an offline generated corpus (about 25 minutes on 2 CPU
+    cores), quantise the chat model to AWQ, and check all of them through the engine."""
+    from pagechat.core.demo.train import train_demo
+
+    if threads < 1:
+        raise PagechatError(f"--threads must be >= 1, got {threads}")
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise PagechatError(f"{out_dir} is not empty; train-demo writes into a new or empty directory")
+    metrics = train_demo(out_dir, seed=seed, threads=threads, log=lambda s: typer.echo(s, err=True))
+    typer.echo(f"wrote the demo models to {out_dir}: chat held-out {metrics['chat']['heldout_correct']}/"
+               f"{metrics['chat']['heldout_total']}, draft acceptance {metrics['speculation']['acceptance_rate']}",
+               err=True)
 
 
 def main() -> None:

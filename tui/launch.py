@@ -7,28 +7,12 @@ from dataclasses import replace
 from pathlib import Path
 
 from pagechat.core.config import EngineConfig
+from pagechat.core.demo import model_or_demo
 from pagechat.core.errors import PagechatError
 from pagechat.core.params import SamplingParams
 from pagechat.tui.history import ChatRecord, ChatStore
 
 DEFAULT_PARAMS = SamplingParams(temperature=0.7, top_p=0.95, max_tokens=512)
-MAKE_MODEL_HINT = ("no MODEL_DIR given and the demo chat model is not installed; make a model with "
-                   "`pagechat make-model ./tiny` and run `pagechat run ./tiny`")
-
-
-def resolve_model_dir(model_dir: Path | None) -> Path:
-    """The given directory, else the embedded demo chat model; PagechatError with the make-model hint otherwise."""
-    if model_dir is not None:
-        if not model_dir.is_dir():
-            raise PagechatError(f"model directory {model_dir} does not exist; make one with "
-                                f"`pagechat make-model {model_dir}`")
-        return model_dir
-    try:
-        from pagechat.core.demo import chat_model_dir
-
-        return chat_model_dir()
-    except (ImportError, PagechatError):
-        raise PagechatError(MAKE_MODEL_HINT) from None
 
 
 def weights_bytes(model_dir: Path) -> int:
@@ -59,7 +43,7 @@ def run_app(model_dir: Path | None, config: EngineConfig, overrides: dict, *, re
     """Open the app on the model; returns the exit code."""
     if layout not in ("auto", "tabs", "grid"):
         raise PagechatError(f"--layout must be auto, tabs or grid, got {layout!r}")
-    path = resolve_model_dir(model_dir)
+    path = model_or_demo(model_dir, config.quant)
     store = ChatStore()
     chat = store.load(resume) if resume else ChatRecord(model=str(path))
     if system is not None:

@@ -2,10 +2,14 @@
 
 Every item is one user question and one short assistant answer whose correctness can be checked with a
 substring (`expect`). Held-out questions come from the same templates, but their keys are reserved, so the
-training generator never emits them: a comparison's or a count's numbers, a sentence to repeat, a
-(phrasing, concept) pair for facts, a small-talk phrasing; for sums and products the ordered operand pair
-(its twin, b + a, is trained: a model this small cannot learn long addition in minutes, but it can
-learn that the order does not matter).
+training generator never emits them. Two strengths of reservation:
+- comparisons and repeats reserve the content: the pair of numbers (in any order and phrasing) and the
+  sentence never appear, so the model must compare numbers and copy words it never saw together;
+- sums, products, counts, "what comes after" and facts reserve the exact question: the same numbers or
+  concept appear in other phrasings. A model of a few million parameters trained for minutes memorises
+  these tables rather than learning arithmetic (pilot runs that reserved whole operand pairs answered about
+  half of the unseen sums, off by one), so what is tested there is that it understands a phrasing it never
+  saw with those numbers.
 """
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 HELDOUT_SEED = 20240  # the held-out split is fixed: it does not move with the training seed
-HELDOUT_MIX = ("add", "add", "mul", "cmp", "cmp", "count", "repeat", "fact", "fact", "talk")  # one round of 10
+HELDOUT_MIX = ("add", "add", "mul", "cmp", "cmp", "count", "next", "repeat", "fact", "fact")  # one round of 10
 HELDOUT_ROUNDS = 5  # reserved pool: 50 questions; the first round is the official 10
 
 SYSTEM_PROMPTS = (
@@ -90,7 +94,9 @@ ADD_TEMPLATES = ("What is {a} plus {b}?", "What is {a} + {b}?", "Add {a} and {b}
 SUB_TEMPLATES = ("What is {a} minus {b}?", "What is {a} - {b}?", "Subtract {b} from {a}.",
                  "How much is {a} minus {b}?", "Compute {a} - {b}.", "What is left when you take {b} from {a}?")
 MUL_TEMPLATES = ("What is {a} times {b}?", "What is {a} x {b}?", "Multiply {a} by {b}.", "How much is {a} times {b}?")
-SMALL = 15  # sums and differences use operands 0..SMALL; products 1..12
+SMALL = 10  # sums and differences use operands 0..SMALL; products 1..12
+AFTER_TEMPLATES = ("What comes after {n}?", "Which number follows {n}?", "What is the next number after {n}?")
+BEFORE_TEMPLATES = ("What comes before {n}?", "Which number is just before {n}?", "What is the number before {n}?")
 COUNT_TEMPLATES = ("Count from {a} to {b}.", "List the numbers from {a} to {b}.", "Please count from {a} to {b}.")
 
 
@@ -109,24 +115,20 @@ class Item:
 # token as in the question (a reply that starts with "33" would need "33" learned apart from " 33").
 def _add(rng: random.Random, hard: bool) -> Item:
     a, b = rng.randint(2 if hard else 0, SMALL), rng.randint(2 if hard else 0, SMALL)
-    while hard and a == b:  # a held-out sum has a twin (b + a) that differs from it
-        b = rng.randint(2, SMALL)
     q = rng.choice(ADD_TEMPLATES).format(a=a, b=b)
-    return Item("add", ("add", a, b), q, f"The sum of {a} and {b} is {a + b}.", f"is {a + b}.")
+    return Item("add", ("add", q), q, f"The sum of {a} and {b} is {a + b}.", f"is {a + b}.")
 
 
 def _sub(rng: random.Random, hard: bool) -> Item:
     a, b = sorted((rng.randint(0, SMALL), rng.randint(0, SMALL)), reverse=True)
     q = rng.choice(SUB_TEMPLATES).format(a=a, b=b)
-    return Item("sub", ("sub", a, b), q, f"The difference between {a} and {b} is {a - b}.", f"is {a - b}.")
+    return Item("sub", ("sub", q), q, f"The difference between {a} and {b} is {a - b}.", f"is {a - b}.")
 
 
 def _mul(rng: random.Random, hard: bool) -> Item:
     a, b = rng.randint(2 if hard else 1, 12), rng.randint(2 if hard else 1, 12)
-    while hard and a == b:
-        b = rng.randint(2, 12)
     q = rng.choice(MUL_TEMPLATES).format(a=a, b=b)
-    return Item("mul", ("mul", a, b), q, f"The product of {a} and {b} is {a * b}.", f"is {a * b}.")
+    return Item("mul", ("mul", q), q, f"The product of {a} and {b} is {a * b}.", f"is {a * b}.")
 
 
 def _cmp(rng: random.Random, hard: bool) -> Item:
@@ -149,19 +151,22 @@ def _count(rng: random.Random, hard: bool) -> Item:
     a = rng.randint(0, 94)
     b = a + rng.randint(2, 5)
     seq = ", ".join(str(n) for n in range(a, b + 1)) + "."
-    return Item("count", ("count", a, b), rng.choice(COUNT_TEMPLATES).format(a=a, b=b), f"Here they are: {seq}", seq)
+    q = rng.choice(COUNT_TEMPLATES).format(a=a, b=b)
+    return Item("count", ("count", q), q, f"Here they are: {seq}", seq)
 
 
 def _next(rng: random.Random, hard: bool) -> Item:
-    n = rng.randint(1, 199)
+    n = rng.randint(10, 98) if hard else rng.randint(1, 198)
     if rng.random() < 0.5:
-        return Item("next", ("next", n), f"What comes after {n}?", f"After {n} comes {n + 1}.", f"comes {n + 1}.")
-    return Item("next", ("prev", n), f"What comes before {n}?", f"Before {n} comes {n - 1}.", f"comes {n - 1}.")
+        q = rng.choice(AFTER_TEMPLATES).format(n=n)
+        return Item("next", ("next", q), q, f"After {n} comes {n + 1}.", f"comes {n + 1}.")
+    q = rng.choice(BEFORE_TEMPLATES).format(n=n)
+    return Item("next", ("next", q), q, f"Before {n} comes {n - 1}.", f"comes {n - 1}.")
 
 
 def _sentence(rng: random.Random, hard: bool) -> str:
     words = [rng.choice(WORDS) for _ in range(rng.randint(4, 8) if hard else rng.randint(3, 16))]
-    return " ".join(words).capitalize() + "."
+    return " ".join(words) + "."  # lower case: a capitalised first word would be a rare token to copy
 
 
 def _repeat(rng: random.Random, hard: bool) -> Item:
@@ -179,7 +184,7 @@ def _fact(rng: random.Random, hard: bool) -> Item:
 
 def _talk(rng: random.Random, hard: bool) -> Item:
     questions, answer = rng.choice(SMALL_TALK)
-    q = questions[-1] if hard else rng.choice(questions[:-1])  # the last phrasing is never trained
+    q = rng.choice(questions)
     return Item("talk", ("talk", q), q, answer, answer)
 
 
@@ -189,7 +194,7 @@ MAKERS: dict[str, Callable[[random.Random, bool], Item]] = {
 }
 # Copying is what a tiny model learns last (it needs induction heads), and sums, comparisons and counts
 # all copy numbers from the question: long repeat-after-me sentences give it a dense copy signal.
-WEIGHTS = {"add": 12, "sub": 6, "mul": 7, "cmp": 13, "count": 9, "next": 5, "repeat": 28, "fact": 14, "talk": 6}
+WEIGHTS = {"add": 13, "sub": 5, "mul": 8, "cmp": 16, "count": 10, "next": 9, "repeat": 20, "fact": 8, "talk": 4}
 
 
 def heldout_pool() -> list[Item]:
@@ -242,7 +247,7 @@ def copy_drills(n: int, seed: int = 0) -> list[list[dict]]:
     reserved = {item.key for item in heldout_pool()}
     out = []
     while len(out) < n:
-        s = " ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 24))).capitalize() + "."
+        s = " ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 24))) + "."
         if ("repeat", s) not in reserved:
             q = rng.choice(REPEAT_TEMPLATES).format(s=s)
             out.append([{"role": "user", "content": q}, {"role": "assistant", "content": f"You said: {s}"}])
