@@ -48,7 +48,7 @@ class ModelSpec:
 def check_model_dir(path: Path) -> Path:
     """The directory must exist and be a directory."""
     if not path.exists():
-        raise PagechatError(f"model directory {path} does not exist")
+        raise PagechatError(f"model directory {path} does not exist; make one with `pagechat make-model {path}`")
     if not path.is_dir():
         raise PagechatError(f"{path} is a file, not a model directory (give the folder holding config.json)")
     return path

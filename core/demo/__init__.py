@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pagechat.core.errors import PagechatError
+from pagechat.core.loader import check_model_dir
 
 DEMO_DIR = Path(__file__).resolve().parent
 DEMO_DRAFT = "demo"  # `--draft demo`: the shipped draft model
@@ -38,10 +39,7 @@ def model_or_demo(model_dir: Path | None, quant: str | None = None) -> Path:
     int8 is made from the chat model's weights as it loads)."""
     if model_dir is None:
         return awq_model_dir() if quant == "awq" else chat_model_dir()
-    if not model_dir.is_dir():
-        raise PagechatError(f"model directory {model_dir} does not exist; make one with "
-                            f"`pagechat make-model {model_dir}`")
-    return model_dir
+    return check_model_dir(model_dir)
 
 
 def draft_or_demo(draft: Path | None) -> str | None:
