@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagechat.core.engine import Engine
+from pagechat.core.errors import PagechatError
 from pagechat.core.memory import kv_bytes_per_token, weight_report
 from pagechat.core.params import SamplingParams
 
@@ -102,13 +103,16 @@ def pagechat_round(engine: Engine, w: Workload) -> dict:
 
 
 def spec_round(engine: Engine, prompt: list[int]) -> dict:
-    """Plain vs speculative decode of the same prompt, back to back in one round."""
+    """Plain vs speculative decode of the same prompt, back to back in one round. Greedy up to the model's end
+    of sequence (past a chat reply's end the text is what no draft predicts), so both decode the same tokens."""
     res = {}
     for on in (False, True):
         engine.set_speculation(on)
         decode_s = []
-        [seq] = engine.generate([prompt], SamplingParams(max_tokens=DECODE_TOKENS, **GREEDY),
+        [seq] = engine.generate([prompt], SamplingParams(max_tokens=DECODE_TOKENS, temperature=0.0),
                                 on_report=lambda r: decode_s.append(r.elapsed_s) if r.kind == "decode" else None)
+        if not decode_s:
+            raise PagechatError("the speculation prompt's reply ended after its first token; nothing to measure")
         res["spec" if on else "plain"] = {
             "decode_tok_s": (seq.num_output_tokens - 1) / sum(decode_s),
             "target_forwards_per_token": seq.target_forwards / seq.num_output_tokens,
