@@ -263,10 +263,14 @@ class Engine:
                   it.seq.params.max_tokens - it.seq.num_output_tokens - 1) for it in items]
         drafts, qs = self.proposer.propose([it.seq for it in items], [max(k, 0) for k in ks])
         for it, d, q in zip(items, drafts, qs):
-            if not it.seq.params.ignore_eos:  # nothing after a drafted end of sequence could be kept
-                end = next((i + 1 for i, t in enumerate(d) if t in self.eos_ids), len(d))
-                d, q = d[:end], None if q is None else q[:end]
-            it.draft, self._q[it.seq.seq_id] = d, q
+            end = self._through_eos(it.seq, d)  # nothing after a drafted end of sequence could be kept
+            it.draft, self._q[it.seq.seq_id] = d[:end], None if q is None else q[:end]
+
+    def _through_eos(self, seq: Sequence, tokens: list[int]) -> int:
+        """How many of tokens the sequence can take: up to its first end-of-sequence token unless ignore_eos."""
+        if seq.params.ignore_eos:
+            return len(tokens)
+        return next((i + 1 for i, t in enumerate(tokens) if t in self.eos_ids), len(tokens))
 
     def _verify(self, it: ScheduledSeq, logits: torch.Tensor) -> tuple[DraftRecord, list]:
         """Rejection-sample it.draft against the target logits [len(draft) + 1, V]."""
@@ -276,6 +280,7 @@ class Engine:
         p = target_probs(logits, rows)
         accepted, nxt = verify(p, self._q.pop(seq.seq_id, None), draft, seq.params.greedy, seq.generator)
         emitted = draft[:accepted] + [nxt]
+        emitted = emitted[:self._through_eos(seq, emitted)]  # no bonus after an accepted end of sequence
         self.proposer.accept(seq, len(seq.token_ids), len(draft), accepted)
         seq.num_drafted += len(draft)
         seq.num_accepted += accepted

@@ -36,6 +36,22 @@ def test_shipped_metrics_match_what_the_engine_gives_now(chat_result):
     assert evaluate(demo.awq_model_dir())["correct"] == metrics["variants"]["awq"]["heldout_correct"]
 
 
+def test_demo_draft_records_are_what_the_reply_got():
+    """With the demo draft most replies end inside an accepted draft: the records show no bonus after the end of
+    sequence, and the emitted tokens are exactly the reply's tokens after the first."""
+    from pagechat.core.config import EngineConfig
+    from pagechat.core.engine import Engine
+    from pagechat.core.params import SamplingParams
+
+    engine = Engine(demo.chat_model_dir(), EngineConfig(device="cpu", dtype="float32", draft=str(demo.draft_model_dir())))
+    records = []
+    [seq] = engine.generate([engine.encode("Explain speculative decoding.", chat=True)],
+                            SamplingParams(temperature=0.0, max_tokens=80), on_report=lambda r: records.extend(r.drafts))
+    assert seq.finish_reason == "stop" and seq.output_ids[-1] in engine.eos_ids
+    assert [t for r in records for t in r.emitted] == seq.output_ids[1:]
+    assert sum(r.accepted for r in records) / sum(len(r.drafted) for r in records) >= 0.6
+
+
 def test_commands_without_a_model_dir_use_the_demo_models(capsys):
     code, out, err = cli(["generate", "-p", "What is the KV cache?", "--max-tokens", "40"], capsys)
     assert code == 0 and "without recomputing" in out  # the chat template is on for the demo model
