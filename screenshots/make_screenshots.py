@@ -1,7 +1,8 @@
 """Regenerate the README screenshots: `python screenshots/make_screenshots.py [--model DIR]`.
 
-Drives the real app headless (Textual Pilot) on the demo chat model when it is installed, else on a tiny
-random checkpoint, and writes SVGs here; PNGs too when `rsvg-convert` is installed (Debian: librsvg2-bin).
+Drives the real app headless (Textual Pilot) on the demo chat model (speculating with the demo draft), or on
+--model DIR (speculating by n-gram lookup), and writes SVGs here; PNGs too when `rsvg-convert` is installed
+(Debian: librsvg2-bin).
 """
 
 from __future__ import annotations
@@ -14,23 +15,14 @@ from pathlib import Path
 
 from pagechat.core.config import EngineConfig
 from pagechat.core.engine import Engine
-from pagechat.core.errors import PagechatError
+from pagechat.core.demo import chat_model_dir, draft_model_dir
 from pagechat.core.params import SamplingParams
 from pagechat.tui.app import PagechatApp
-from pagechat.tui.drive import send_and_advance, tiny_model_dir, type_prompt, wait_reply_done
+from pagechat.tui.drive import send_and_advance, type_prompt, wait_reply_done
 from pagechat.tui.history import ChatRecord, ChatStore
 from pagechat.tui.widgets.chat import PromptInput
 
 OUT = Path(__file__).resolve().parent
-
-
-def default_model() -> Path:
-    try:
-        from pagechat.core.demo import chat_model_dir
-
-        return chat_model_dir()
-    except (ImportError, PagechatError):
-        return tiny_model_dir()
 
 
 def save(app: PagechatApp, name: str) -> None:
@@ -61,7 +53,7 @@ async def main_screen(model: Path, store: Path) -> None:
         await quiet(pilot)
         await type_prompt(pilot, "What is a KV block?")
         await wait_reply_done(pilot)
-        await send_and_advance(pilot, "How does the prefix cache help a chat?", 30)
+        await send_and_advance(pilot, "What is the prefix cache?", 12)
         pilot.app.set_focus(None)
         await pilot.pause(0.3)
         save(app, "main")
@@ -72,7 +64,7 @@ async def sampling_screen(model: Path, store: Path) -> None:
     app = make_app(model, store, params, "tabs")
     async with app.run_test(size=(120, 36)) as pilot:
         await quiet(pilot)
-        await type_prompt(pilot, "Explain copy-on-write for shared blocks.")
+        await type_prompt(pilot, "Tell me about copy-on-write.")
         await wait_reply_done(pilot)
         await pilot.press("ctrl+r", *["left"] * 6)
         await pilot.pause(0.3)
@@ -83,29 +75,30 @@ async def sampling_screen(model: Path, store: Path) -> None:
         save(app, "memory")
 
 
-async def speculation_screen(model: Path, store: Path) -> None:
+async def speculation_screen(model: Path, store: Path, speculation: dict) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=80, seed=3)
-    app = make_app(model, store, params, "tabs", ngram=True, num_draft=4)
+    app = make_app(model, store, params, "tabs", num_draft=4, **speculation)
     async with app.run_test(size=(120, 36)) as pilot:
         await quiet(pilot)
-        await type_prompt(pilot, "Repeat after me: the block table lists the blocks; the block table lists the blocks.")
+        await type_prompt(pilot, "Explain speculative decoding.")
         await wait_reply_done(pilot)
         app.show_panel("speculation")
         await pilot.pause(0.3)
         save(app, "speculation")
 
 
-async def run(model: Path, store: Path) -> None:
+async def run(model: Path, store: Path, speculation: dict) -> None:
     await main_screen(model, store)
     await sampling_screen(model, store)
-    await speculation_screen(model, store)
+    await speculation_screen(model, store, speculation)
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, help="model directory (default: the demo chat model, else a tiny one)")
+    parser.add_argument("--model", type=Path, help="model directory (default: the demo chat model)")
     args = parser.parse_args()
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
-        asyncio.run(run(args.model or default_model(), Path(tmp)))
+        speculation = {"ngram": True} if args.model else {"draft": str(draft_model_dir())}
+        asyncio.run(run(args.model or chat_model_dir(), Path(tmp), speculation))
