@@ -26,7 +26,7 @@ class EngineConfig:
     draft: str | None = None  # draft model directory for speculative decoding
     ngram: bool = False  # prompt-lookup speculation
     num_draft: int = 4  # tokens drafted per step
-    quant: str | None = None  # None | int8 | int8-wo | awq (AWQ and bnb-int8 checkpoints are detected anyway)
+    quant: str | None = None  # None | int8 | int8-wo | bf16-wo | awq (AWQ and bnb-int8 checkpoints are detected anyway)
 
     def validate(self) -> "EngineConfig":
         """Raise PagechatError naming the first bad setting; return self when all are valid."""
@@ -34,8 +34,8 @@ class EngineConfig:
             raise PagechatError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise PagechatError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.quant not in (None, "int8", "int8-wo", "awq"):
-            raise PagechatError(f"--quant must be int8, int8-wo or awq, got {self.quant!r}")
+        if self.quant not in (None, "int8", "int8-wo", "bf16-wo", "awq"):
+            raise PagechatError(f"--quant must be int8, int8-wo, bf16-wo or awq, got {self.quant!r}")
         if self.draft and self.ngram:
             raise PagechatError("choose one proposer: --draft DIR or --ngram, not both")
         for name, value in (("--num-draft", self.num_draft), ("--block-size", self.block_size), ("--max-batch-tokens", self.max_batch_tokens),

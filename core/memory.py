@@ -16,7 +16,7 @@ from torch import nn
 
 from pagechat.core.kv import CUDA_FREE_FRACTION, block_bytes
 from pagechat.core.loader import ModelSpec
-from pagechat.quant.layers import INT4_GROUPS, quant_tensors
+from pagechat.quant.layers import INT4_GROUPS, Bf16WOLinear, quant_tensors
 
 KINDS = ("embedding", "attention", "mlp", "norm", "lm_head")
 
@@ -99,6 +99,8 @@ def _linear_bytes(n: int, k: int, bias: bool, mode: str | None, elem: int, group
         return "int8", "bnb-llm.int8", n * k + 4 * n + b  # int8 rows + fp32 row absmax (SCB)
     if mode == "int8-wo":
         return "int8-wo", f"int8pack-{device_type}", n * k + 2 * n + b  # int8 + bf16 scales
+    if mode == "bf16-wo":
+        return "bf16-wo", Bf16WOLinear.path, 2 * n * k + b
     g = group or 128
     fast = g in INT4_GROUPS and (n % 16 == 0 if device_type == "cpu" else n % 8 == 0 and k % 32 == 0)
     if fast:  # packed int4 [n, k/2] bytes + bf16 (scale, zero) per group and column

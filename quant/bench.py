@@ -1,4 +1,4 @@
-"""`pagechat bench-quant`: decode speed and weight memory of fp32 / bf16 / int8 / int8-wo / AWQ on one model.
+"""`pagechat bench-quant`: decode speed and weight memory of fp32 / bf16 / int8 / int8-wo / bf16-wo / AWQ on one model.
 
 All engines are loaded first, then timed in interleaved rounds (fp32, bf16, int8, ... , fp32, bf16, ...), so
 a machine that gets busier or quieter during the run affects every mode alike; the median round counts.
@@ -15,9 +15,9 @@ from pathlib import Path
 
 from pagechat.core.errors import PagechatError
 
-MODES = ("fp32", "bf16", "int8", "int8-wo", "awq")
+MODES = ("fp32", "bf16", "int8", "int8-wo", "bf16-wo", "awq")
 _SETTINGS = {"fp32": ("float32", None), "bf16": ("bfloat16", None), "int8": ("auto", "int8"),
-             "int8-wo": ("auto", "int8-wo"), "awq": ("auto", "awq")}
+             "int8-wo": ("auto", "int8-wo"), "bf16-wo": ("float32", "bf16-wo"), "awq": ("auto", "awq")}
 
 
 @dataclass(frozen=True, slots=True)

@@ -142,6 +142,35 @@ class Int8WOLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, path={self.path}"
 
 
+class Bf16WOLinear(nn.Module):
+    """bf16 weight-only linear for float32 models: the weight is stored in bf16 (half the bytes). A few rows
+    (decode) run as a bf16 matmul, reading half the bytes; many rows (prefill) upcast the weight and run in
+    float32, because on a CPU without native bf16 a bf16 matmul of many rows is several times slower."""
+
+    quant_format = "bf16-wo"
+    path = "bf16 <= 8 rows, else fp32"
+    MAX_BF16_ROWS = 8
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, device: torch.device) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight", weight.to(device=device, dtype=_BF16).contiguous())
+        self.register_buffer("bias", None if bias is None else bias.to(device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        if x2.shape[0] <= self.MAX_BF16_ROWS:
+            y = F.linear(x2.to(_BF16), self.weight).to(x.dtype)
+        else:
+            y = F.linear(x2, self.weight.to(x.dtype))
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}"
+
+
 def bnb_int8_linear(bias: torch.Tensor | None, device: torch.device, weight: torch.Tensor | None = None,
                     int8: torch.Tensor | None = None, scb: torch.Tensor | None = None) -> nn.Module:
     """A bitsandbytes Linear8bitLt (LLM.int8, threshold 6.0, eval mode) from a float weight or from int8 + SCB."""

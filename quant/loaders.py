@@ -15,14 +15,15 @@ import torch
 from pagechat.core.errors import PagechatError
 from pagechat.core.loader import ModelSpec, WeightReader
 from pagechat.core.model import LinearLoader, dense_linear
-from pagechat.quant.layers import AWQLinear, Int8WOLinear, bnb_int8_linear
+from pagechat.quant.layers import AWQLinear, Bf16WOLinear, Int8WOLinear, bnb_int8_linear
 from pagechat.quant.pack import unpack_awq
 
-QUANT_MODES = ("int8", "int8-wo", "awq")
+QUANT_MODES = ("int8", "int8-wo", "bf16-wo", "awq")
 MODE_LABELS = {
     None: "none (weights in the model dtype)",
     "int8": "int8 LLM.int8 (bitsandbytes Linear8bitLt, outlier threshold 6.0)",
     "int8-wo": "int8 weight-only (torch _weight_int8pack_mm, bf16 activations)",
+    "bf16-wo": "bf16 weight-only (bf16 matmul for decode rows, float32 for prefill)",
     "awq": "AWQ 4-bit (torch int4 weight-only matmul, bf16 activations)",
 }
 
@@ -31,7 +32,7 @@ MODE_LABELS = {
 class QuantPlan:
     """How the decoder linears load: the mode, what the checkpoint holds, and the AWQ group size."""
 
-    mode: str | None  # None | "int8" | "int8-wo" | "awq"
+    mode: str | None  # None | "int8" | "int8-wo" | "bf16-wo" | "awq"
     checkpoint: str  # "float" | "bnb-int8" | "awq"
     group_size: int | None = None
 
@@ -45,6 +46,8 @@ class QuantPlan:
             return dense_linear
         if self.mode == "awq":
             return _awq_loader(self.group_size, device)
+        if self.mode == "bf16-wo":
+            return _bf16_loader(device)
         return _int8_loader(self.mode, self.checkpoint == "bnb-int8", device)
 
 
@@ -64,7 +67,7 @@ def resolve_quant(spec: ModelSpec, requested: str | None, model_dir: Path) -> Qu
     method = str(qc.get("quant_method", "?")).lower()
     if method == "awq":
         group = _check_awq(qc, spec, where)
-        if requested in ("int8", "int8-wo"):
+        if requested in ("int8", "int8-wo", "bf16-wo"):
             raise PagechatError(f"--quant {requested} cannot apply to {model_dir}: it is already an AWQ 4-bit "
                                 "checkpoint (run it without --quant, or with --quant awq)")
         return QuantPlan("awq", "awq", group)
@@ -74,8 +77,8 @@ def resolve_quant(spec: ModelSpec, requested: str | None, model_dir: Path) -> Qu
                                 "pagechat loads bitsandbytes 8-bit (load_in_8bit) and AWQ GEMM 4-bit")
         if not (qc.get("load_in_8bit") or qc.get("_load_in_8bit")):
             raise PagechatError(f"{where}: bitsandbytes quantization_config sets neither load_in_8bit nor load_in_4bit")
-        if requested == "awq":
-            raise PagechatError(f"--quant awq cannot apply to {model_dir}: it is a bitsandbytes int8 checkpoint "
+        if requested in ("awq", "bf16-wo"):
+            raise PagechatError(f"--quant {requested} cannot apply to {model_dir}: it is a bitsandbytes int8 checkpoint "
                                 "(run it without --quant, or with --quant int8 / int8-wo)")
         return QuantPlan(requested or "int8", "bnb-int8")
     raise PagechatError(f"{where}: quantization_config quant_method {method!r} is not supported "
@@ -142,6 +145,13 @@ def _awq_loader(group: int, device: torch.device) -> LinearLoader:
             raise PagechatError(f"{names[0]}.qweight / .qzeros must be int32, got {qw.dtype} / {qz.dtype}")
         # fused qkv / gate-up: the checkpoint linears are stacked along the output dim, as in dense_linear
         return AWQLinear(unpack_awq(qw), unpack_awq(qz), sc, _bias(w, names, out_sizes, bias, dtype), group, device)
+    return load
+
+
+def _bf16_loader(device: torch.device) -> LinearLoader:
+    def load(w, names, out_sizes, in_size, bias, dtype):
+        weight = torch.cat([w.get(f"{n}.weight", (o, in_size)) for n, o in zip(names, out_sizes)])
+        return Bf16WOLinear(weight, _bias(w, names, out_sizes, bias, dtype), device)
     return load
 
 

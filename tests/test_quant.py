@@ -11,6 +11,7 @@ import shutil
 
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
 from safetensors.torch import load_file, save_file
 
@@ -22,7 +23,7 @@ from pagechat.quant import layers as qlayers
 from pagechat.quant.awq import BlockRunner, Block, fold_scales, load_block, search_scales
 from pagechat.quant.checkpoint import quantize_checkpoint
 from pagechat.quant.evaluate import greedy_agreement, perplexity, window_logits
-from pagechat.quant.layers import AWQLinear, Int8WOLinear, bnb_int8_linear
+from pagechat.quant.layers import AWQLinear, Bf16WOLinear, Int8WOLinear, bnb_int8_linear
 from pagechat.quant.pack import AWQ_ORDER, dequantize, fake_quantize, pack_awq, to_awq, unpack_awq
 from conftest import cli
 
@@ -147,8 +148,9 @@ def test_bnb_int8_layer_is_llm_int8_in_eval_mode_and_handles_outliers():
 
 # -- engine integration ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("mode,cls", [("int8", "Linear8bitLt"), ("int8-wo", "Int8WOLinear")])
-def test_int8_modes_swap_every_decoder_linear_and_nothing_else(llama, mode, cls):
+@pytest.mark.parametrize("mode,cls", [("int8", "Linear8bitLt"), ("int8-wo", "Int8WOLinear"),
+                                      ("bf16-wo", "Bf16WOLinear")])
+def test_weight_only_modes_swap_every_decoder_linear_and_nothing_else(llama, mode, cls):
     e = engine(llama, quant=mode)
     layer = e.model.layers[0]
     for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
@@ -158,6 +160,19 @@ def test_int8_modes_swap_every_decoder_linear_and_nothing_else(llama, mode, cls)
     assert len(out.output_ids) == 6
     rep = weight_report(e.model)
     assert rep.total == estimate_weights(e.spec, mode, e.dtype, None, "cpu").total
+
+
+def test_bf16_wo_linear_decode_rows_in_bf16_prefill_rows_exact():
+    w, bias = torch.randn(96, 64), torch.randn(96)
+    layer = Bf16WOLinear(w, bias, CPU)
+    assert layer.weight.dtype == torch.bfloat16 and layer.weight.nbytes == 96 * 64 * 2
+    wb = w.to(torch.bfloat16).float()
+    many = torch.randn(Bf16WOLinear.MAX_BF16_ROWS + 1, 64)
+    assert torch.equal(layer(many), F.linear(many, wb, bias))  # prefill: float32 math on the stored weight
+    few = many[:3]
+    y = layer(few)
+    assert y.dtype == torch.float32 and rel(y, F.linear(few, wb, bias)) < 1e-2  # decode: bf16 inputs
+    assert not torch.equal(y, F.linear(few, wb, bias))
 
 
 def test_rtn_checkpoint_is_autoawq_format_and_loads_fused(rtn, llama):

@@ -23,6 +23,7 @@ OptionalModelDir = Annotated[Optional[Path], typer.Argument(help="local Hugging 
 Ngram = Annotated[bool, typer.Option("--ngram", help="speculate by prompt lookup (n-gram match in the context)")]
 NumDraft = Annotated[int, typer.Option(help="tokens drafted per speculative step")]
 Quant = Annotated[Optional[str], typer.Option(help="int8 (bitsandbytes LLM.int8) | int8-wo (torch int8 weight-only) | "
+                                                   "bf16-wo (bf16 weights, float32 prefill) | "
                                                    "awq (AWQ checkpoints are detected without it)")]
 
 
@@ -125,7 +126,7 @@ def eval_cmd(
 @app.command()
 def plan(
     model_dir: ModelDir,
-    quant: Annotated[Optional[str], typer.Option(help="int8 | int8-wo | awq (awq on a float model: after quantize)")] = None,
+    quant: Annotated[Optional[str], typer.Option(help="int8 | int8-wo | bf16-wo | awq (awq on a float model: after quantize)")] = None,
     gpu_memory: Annotated[str, typer.Option(help="memory budget, e.g. 24GiB")] = "24GiB",
     context: Annotated[Optional[int], typer.Option(help="tokens per request (default: the model's context)")] = None,
     dtype: Annotated[str, typer.Option(help="activation / KV dtype (auto: what the engine picks on CUDA)")] = "auto",
@@ -142,7 +143,7 @@ def plan(
 def bench_quant(
     model_dir: ModelDir,
     awq_dir: Annotated[Optional[Path], typer.Option(help="its AWQ checkpoint (default: a temporary RTN one)")] = None,
-    modes: Annotated[str, typer.Option(help="comma-separated: fp32,bf16,int8,int8-wo,awq")] = "fp32,bf16,int8,int8-wo,awq",
+    modes: Annotated[str, typer.Option(help="comma-separated: fp32,bf16,int8,int8-wo,bf16-wo,awq")] = "fp32,bf16,int8,int8-wo,bf16-wo,awq",
     tokens: Annotated[int, typer.Option(help="new tokens per round")] = 64,
     prompt_tokens: Annotated[int, typer.Option(help="prompt length")] = 32,
     batch: Annotated[int, typer.Option(help="sequences decoding together")] = 1,
