@@ -84,8 +84,9 @@ def plan_command(model_dir: Path, quant: str | None, gpu_memory: str, context: i
     plan = None if hypothetical else resolve_quant(spec, quant, model_dir)
     mode = "awq" if hypothetical else plan.mode
     group = group_size if hypothetical else (plan.group_size or group_size)
-    if dtype == "auto":  # what the engine picks on CUDA: the checkpoint's dtype (fp16 for AWQ / bnb checkpoints)
-        name = "float16" if hypothetical else (spec.torch_dtype or "bfloat16")
+    if dtype == "auto":  # what the engine picks on CUDA: the checkpoint's dtype (fp16 for AWQ / bnb checkpoints);
+        # bf16-wo exists for float32 models
+        name = "float16" if hypothetical else "float32" if mode == "bf16-wo" else (spec.torch_dtype or "bfloat16")
         dtype = name if name in DTYPES else "bfloat16"
     if dtype not in DTYPES:
         raise PagechatError(f"--dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
