@@ -20,7 +20,7 @@ from pagechat.core.engine import Engine
 from pagechat.core.memory import estimate_weights, weight_report
 from pagechat.core.params import SamplingParams
 from pagechat.quant import layers as qlayers
-from pagechat.quant.awq import BlockRunner, Block, fold_scales, load_block, search_scales
+from pagechat.quant.awq import BlockRunner, fold_scales, load_block, search_scales
 from pagechat.quant.checkpoint import quantize_checkpoint
 from pagechat.quant.evaluate import greedy_agreement, perplexity, window_logits
 from pagechat.quant.layers import AWQLinear, Bf16WOLinear, Int8WOLinear, bnb_int8_linear

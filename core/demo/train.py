@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import random
-import re
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
