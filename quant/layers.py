@@ -58,7 +58,18 @@ def _scales_and_zeros(zeros: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     return torch.stack([s, (8 - zeros.float()) * s], dim=-1).to(_BF16).contiguous()
 
 
-class AWQLinear(nn.Module):
+class _WeightOnlyLinear(nn.Module):
+    """What the weight-only layers share: rows flattened for `_matmul`, bias added in the output's dtype, the
+    leading dimensions restored."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._matmul(x.reshape(-1, self.in_features))
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+class AWQLinear(_WeightOnlyLinear):
     """4-bit AWQ linear (asymmetric, group-wise) over one or more stacked checkpoint linears."""
 
     quant_format = "awq-int4"
@@ -86,25 +97,20 @@ class AWQLinear(nn.Module):
             self.register_buffer("scales", scales.to(device))
         self.register_buffer("bias", None if bias is None else bias.to(device))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features)
+    def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
         if self.path == "dequant":
-            y = x2 @ dequantize(unpack_awq(self.qweight), unpack_awq(self.qzeros), self.scales, self.group, x.dtype)
-        elif self.path == "int4pack-cpu":
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(_BF16).contiguous(), self.weight_packed,
-                                                           self.group, self.scales_zeros).to(x.dtype)
-        else:
-            y = torch.ops.aten._weight_int4pack_mm(x2.to(_BF16).contiguous(), self.weight_packed, self.group,
-                                                   self.scales_zeros).to(x.dtype)
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        return y.reshape(*x.shape[:-1], self.out_features)
+            return x2 @ dequantize(unpack_awq(self.qweight), unpack_awq(self.qzeros), self.scales, self.group, x2.dtype)
+        if self.path == "int4pack-cpu":
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(_BF16).contiguous(), self.weight_packed,
+                                                              self.group, self.scales_zeros).to(x2.dtype)
+        return torch.ops.aten._weight_int4pack_mm(x2.to(_BF16).contiguous(), self.weight_packed, self.group,
+                                                  self.scales_zeros).to(x2.dtype)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, group={self.group}, path={self.path}"
 
 
-class Int8WOLinear(nn.Module):
+class Int8WOLinear(_WeightOnlyLinear):
     """int8 weight-only linear: per-output-channel symmetric int8 weights, activations stay floating point."""
 
     quant_format = "int8-wo"
@@ -128,21 +134,16 @@ class Int8WOLinear(nn.Module):
         q = torch.round(w.float() / scales.unsqueeze(1)).clamp(-127, 127).to(torch.int8)
         return cls(q, scales, bias, device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features)
+    def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
         if self.path == "dequant":  # x @ (q * s)^T == (x @ q^T) * s: scale the output, not the weight
-            y = F.linear(x2, self.weight.to(x.dtype)) * self.scales.to(x.dtype)
-        else:
-            y = torch.ops.aten._weight_int8pack_mm(x2.to(_BF16).contiguous(), self.weight, self.scales).to(x.dtype)
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        return y.reshape(*x.shape[:-1], self.out_features)
+            return F.linear(x2, self.weight.to(x2.dtype)) * self.scales.to(x2.dtype)
+        return torch.ops.aten._weight_int8pack_mm(x2.to(_BF16).contiguous(), self.weight, self.scales).to(x2.dtype)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, path={self.path}"
 
 
-class Bf16WOLinear(nn.Module):
+class Bf16WOLinear(_WeightOnlyLinear):
     """bf16 weight-only linear for float32 models: the weight is stored in bf16 (half the bytes). A few rows
     (decode) run as a bf16 matmul, reading half the bytes; many rows (prefill) upcast the weight and run in
     float32, because on a CPU without native bf16 a bf16 matmul of many rows is several times slower."""
@@ -157,15 +158,10 @@ class Bf16WOLinear(nn.Module):
         self.register_buffer("weight", weight.to(device=device, dtype=_BF16).contiguous())
         self.register_buffer("bias", None if bias is None else bias.to(device))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features)
+    def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
         if x2.shape[0] <= self.MAX_BF16_ROWS:
-            y = F.linear(x2.to(_BF16), self.weight).to(x.dtype)
-        else:
-            y = F.linear(x2, self.weight.to(x.dtype))
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        return y.reshape(*x.shape[:-1], self.out_features)
+            return F.linear(x2.to(_BF16), self.weight).to(x2.dtype)
+        return F.linear(x2, self.weight.to(x2.dtype))
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}"
