@@ -38,14 +38,14 @@ def make_app(model_dir, tmp_path, params: SamplingParams = LONG, **config) -> Pa
     return PagechatApp(engine, params=params, store=ChatStore(tmp_path / "chats"), layout="tabs")
 
 
-def spy_samples(engine: Engine) -> list:
-    """Record every SampleRecord the engine reports, independently of the app."""
+def spy_reports(engine: Engine) -> list:
+    """Record every StepReport the engine makes, independently of the app."""
     seen: list = []
     step = engine.step
 
     def recording_step():
         report = step()
-        seen.extend(report.samples)
+        seen.append(report)
         return report
 
     engine.step = recording_step
@@ -155,12 +155,12 @@ async def test_ctrl_n_frees_the_chats_blocks_and_keeps_the_prefix_cache(model_di
 
 async def test_selecting_a_reply_token_shows_the_samplers_record(model_dir, tmp_path):
     app = make_app(model_dir, tmp_path, replace(LONG, max_tokens=12, top_k=5))
-    seen = spy_samples(app.engine)
+    reports = spy_reports(app.engine)
     async with app.run_test(size=SIZE) as pilot:
         await type_prompt(pilot, "pick one")
         await wait_reply_done(pilot)
         reply = app.session.messages[-1]
-        records = [s for s in seen if s.seq_id == reply.request_id]
+        records = [s for r in reports for s in r.samples if s.seq_id == reply.request_id]
         panel = app.query_one(SamplingPanel)
         await pilot.press("ctrl+r", "left", "left")  # keyboard: the third token from the end
         await pilot.pause()
@@ -228,15 +228,7 @@ async def test_keys_nudge_params_help_and_resize(model_dir, tmp_path):
 
 async def test_speculation_panel_shows_the_engines_draft_records(model_dir, tmp_path):
     engine = Engine(model_dir, EngineConfig(device="cpu", dtype="float32", ngram=True, num_draft=3))
-    seen_drafts: list = []
-    step = engine.step
-
-    def recording_step():
-        report = step()
-        seen_drafts.extend(report.drafts)
-        return report
-
-    engine.step = recording_step
+    reports = spy_reports(engine)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     app = PagechatApp(engine, params=params, store=ChatStore(tmp_path / "chats"), layout="tabs")
     async with app.run_test(size=SIZE) as pilot:
@@ -244,6 +236,7 @@ async def test_speculation_panel_shows_the_engines_draft_records(model_dir, tmp_
         await wait_reply_done(pilot)
         app.show_panel("speculation")
         await pilot.pause()
+        seen_drafts = [d for r in reports for d in r.drafts]
         assert list(app.session.drafts) == seen_drafts and seen_drafts
         seq = engine.requests[app.session.messages[-1].request_id]
         text = str(app.query_one("#spec-summary").render())
