@@ -15,15 +15,6 @@ from pagechat.quant.checkpoint import quantize_checkpoint
 from conftest import cli
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny tensors: one thread avoids OpenMP spin-waits on a shared 2-core machine (restored after)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def unique_bytes(model: torch.nn.Module) -> int:
     """Bytes of every parameter and buffer storage the model holds (each once), rope tables excluded."""
     seen, total = set(), 0

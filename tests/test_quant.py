@@ -43,15 +43,6 @@ def make_checkpoint(out, tokenizer_dir, arch="llama", kv_heads=2, seed=0, **extr
     return out
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """These tensors are tiny: one thread avoids OpenMP spin-waits on a shared 2-core machine (restored after)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory, tiny_llama):
     return make_checkpoint(tmp_path_factory.mktemp("q") / "llama", tiny_llama)
