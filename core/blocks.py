@@ -68,8 +68,9 @@ class BlockManager:
         self._hashes: dict[int, list[int]] = {}  # chained hashes of each seq's committed full blocks
         self._queried = self._hit = 0
         self._snap: BlockSnapshot | None = None  # cached until the next mutation
-        self._info_keys: list = [None] * num_blocks  # the fields each block's BlockInfo was built from
-        self._snap_blocks: tuple = (None,) * num_blocks  # the BlockInfo objects last handed out
+        self._infos = [BlockInfo(b, "free", 0, (), 0) for b in range(num_blocks)]  # as last snapshotted
+        self._touched: set[int] = set()  # blocks taken, released or evicted since the last snapshot
+        self._num_shared = self._tokens_stored = 0  # totals over self._infos, kept up to date
 
     # ---- queries -------------------------------------------------------------------------
 
@@ -241,6 +242,7 @@ class BlockManager:
         if self._ref[block] == 0:
             del self._cached[block]
         self._ref[block] += 1
+        self._touched.add(block)
 
     def _pop_free(self) -> int:
         """A fresh block with ref 1: from the free list, else by evicting the LRU cached block."""
@@ -250,11 +252,13 @@ class BlockManager:
             block, _ = self._cached.popitem(last=False)
             self._unregister(block)
         self._ref[block] = 1
+        self._touched.add(block)
         return block
 
     def _release(self, block: int) -> None:
         """Drop one holder; at ref 0 keep a registered block as cached-free (newest in LRU)."""
         self._ref[block] -= 1
+        self._touched.add(block)
         if self._ref[block] == 0:
             if block in self._block_key:
                 self._cached[block] = None
@@ -266,30 +270,36 @@ class BlockManager:
         del self._registry[self._block_key.pop(block)]
 
     def _build_snapshot(self) -> BlockSnapshot:
-        """Build the BlockSnapshot in one pass over the tables and one over the blocks."""
-        n, bs, ref = self.num_blocks, self.block_size, self._ref
-        owners: list[list[int]] = [[] for _ in range(n)]
-        filled = [0] * n
+        """Build the BlockSnapshot in O(blocks in use), not O(pool): a 100k-block pool is snapshotted every step.
+
+        A block's fields change only while it is in a table or as it enters or leaves one (_take,
+        _pop_free, _release mark it touched), so every other block's BlockInfo is still true; the
+        totals are updated by the changed blocks only.
+        """
+        bs = self.block_size
+        owners: dict[int, list[int]] = {}
+        filled: dict[int, int] = {}
         for sid in sorted(self._tables):  # sorted ids make every owners list sorted for free
             left = self._lengths[sid]
             for b in self._tables[sid]:
-                owners[b].append(sid)
-                filled[b] = max(filled[b], min(bs, left))
+                owners.setdefault(b, []).append(sid)
+                filled[b] = max(filled.get(b, 0), min(bs, left))
                 left -= bs
-        for b in self._cached:
-            filled[b] = bs
-        states = ["used" if r else "cached" if b in self._cached else "free" for b, r in enumerate(ref)]
-        keys = list(zip(range(n), states, ref, map(tuple, owners), filled))
-        # A step changes few blocks: reuse the previous BlockInfo wherever its fields are unchanged,
-        # since building a frozen dataclass costs several times more than comparing a tuple.
-        blocks = tuple([o if k == p else BlockInfo(*k)
-                        for k, p, o in zip(keys, self._info_keys, self._snap_blocks)])
-        self._info_keys, self._snap_blocks = keys, blocks
+        for b in self._touched.union(owners):
+            ref = self._ref[b]
+            state = "used" if ref else "cached" if b in self._cached else "free"
+            info = (state, ref, tuple(owners.get(b, ())), filled[b] if ref else bs if state == "cached" else 0)
+            old = self._infos[b]
+            if info != (old.state, old.ref_count, old.owners, old.filled):
+                self._num_shared += (ref > 1) - (old.ref_count > 1)
+                self._tokens_stored += (info[3] if ref else 0) - (old.filled if old.ref_count else 0)
+                self._infos[b] = BlockInfo(b, *info)
+        self._touched = set()
         num_cached, num_free = len(self._cached), len(self._free)
-        num_used = n - num_cached - num_free
+        num_used = self.num_blocks - num_cached - num_free
         return BlockSnapshot(
-            block_size=bs, blocks=blocks, num_used=num_used, num_cached=num_cached, num_free=num_free,
-            num_shared=sum(1 for r in ref if r > 1), tokens_stored=sum(filled) - num_cached * bs,
+            block_size=bs, blocks=tuple(self._infos), num_used=num_used, num_cached=num_cached, num_free=num_free,
+            num_shared=self._num_shared, tokens_stored=self._tokens_stored,
             slots_reserved=num_used * bs, prefix_queried_tokens=self._queried,
             prefix_hit_tokens=self._hit,
         )

@@ -387,6 +387,12 @@ class BlockMachine(RuleBasedStateMachine):
         assert [b.ref_count for b in snap.blocks] == self.bm._ref
         holders = {b: sorted(s for s in self.tokens if b in self.bm.table(s)) for b in range(n)}
         assert all(info.owners == tuple(holders[info.block_id]) for info in snap.blocks)
+        bs, fill = self.bm.block_size, [0] * n  # slots holding tokens, from the tables and lengths
+        for s in self.tokens:
+            for i, b in enumerate(self.bm.table(s)):
+                fill[b] = max(fill[b], min(bs, self.bm.length(s) - i * bs))
+        assert [b.filled for b in snap.blocks] == [bs if b.state == "cached" else fill[b.block_id] for b in snap.blocks]
+        assert snap.tokens_stored == sum(fill)
         assert snap.prefix_hit_tokens <= snap.prefix_queried_tokens
 
     @invariant()
