@@ -76,12 +76,32 @@ async def test_prompt_streams_a_reply(model_dir, tmp_path, monkeypatch):
         seq = app.engine.requests[reply.request_id]
         partial = [(n, body) for streaming, n, body in shown if streaming and 0 < n < 60]
         assert len({n for n, _ in partial}) >= 3, "the reply was not painted as it grew"
-        assert all(printable(seq.text).startswith(body.rstrip("▌")) for _, body in partial)  # a growing prefix, token by token
+        texts = [(n, *body.rsplit("\n", 1)) for n, body in partial]  # the streaming text, then its meta line
+        assert all(printable(seq.text).startswith(text.rstrip("▌")) for _, text, _ in texts)  # a growing prefix
+        assert all(meta.startswith(f"{n} tokens · generating") for n, _, meta in texts)
         assert reply.content == seq.text and len(reply.tokens) == 60
         assert [t.token_id for t in reply.tokens] == seq.output_ids
         view = app.query_one(ChatLog).views[id(reply)]
         assert view.has_class("-done") and reply.finish_reason == "length"
         assert app.store.load(app.session.record.id).messages[-1]["content"] == seq.text  # autosaved
+
+
+async def test_a_long_streaming_reply_shows_its_last_screenful(model_dir, tmp_path):
+    app = make_app(model_dir, tmp_path)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await send_and_advance(pilot, "hello there", 390)
+        reply, log = app.session.messages[-1], app.query_one(ChatLog)
+        view = log.views[id(reply)]
+        body = view.query_one(".reply-body")
+        note, *text, meta = str(body.render()).split("\n")
+        assert reply.streaming and note.startswith("⋯ ") and "more lines above" in note
+        assert 0 < body.size.height <= log.size.height  # no taller than the chat: no re-layout per line
+        squeeze = lambda t: "".join(t.split())  # noqa: E731 - wrapping drops the spaces at line breaks
+        assert squeeze(printable(reply.content)).endswith(squeeze("".join(text)).rstrip("▌"))
+        assert len(squeeze("".join(text))) < len(squeeze(reply.content)) and meta.startswith(f"{len(reply.tokens)} tokens")
+        app.loop.resume()
+        await wait_reply_done(pilot)
+        assert view.has_class("-done") and not body.display  # the whole reply, as Markdown
 
 
 async def test_temperature_change_mid_reply_applies_from_the_next_token(model_dir, tmp_path):

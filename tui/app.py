@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Iterable
 from dataclasses import replace
@@ -36,8 +37,25 @@ PANELS = (("blocks", "Blocks"), ("sampling", "Sampling"), ("timing", "Timing"), 
           ("memory", "Memory"), ("speculation", "Spec"))
 GRID_MIN = (150, 40)  # terminal size from which every panel is shown at once
 FPS = 20  # the UI renders the latest report at most this often
-UI_CPU_BUDGET = 0.04  # while decoding, the UI thread's share of one core (see within_budget)
+UI_CPU_BUDGET = 0.03  # while decoding, the UI thread's share of one core (see within_budget)
 MAX_FRAME_GAP = 0.5  # ...but draw at least twice a second
+
+
+def settle_heap(full: bool = False) -> None:
+    """Take what exists now out of the cyclic GC's reach (gc.freeze), so no full collection runs mid-reply.
+
+    A full (generation 2) collection walks every tracked object, ~200 ms with torch, transformers and
+    Textual loaded, and it runs in whichever thread allocates, the engine thread too: a 200 ms step in
+    the middle of a reply. Called between replies. `full` first unfreezes and collects everything, so the
+    garbage of a cleared chat is freed rather than frozen; otherwise only the young generations are
+    collected before freezing.
+    """
+    if full:
+        gc.unfreeze()
+        gc.collect()
+    else:
+        gc.collect(1)
+    gc.freeze()
 
 
 class StatusBar(Static):
@@ -139,6 +157,7 @@ class PagechatApp(App[None]):
         self.set_interval(1.0, self.refresh_memory)
         self.main.query_one("#prompt", PromptInput).focus()
         self.refresh_panels(everything=True)
+        self.call_after_refresh(settle_heap, True)
 
     def on_unmount(self) -> None:
         self.loop.close()
@@ -202,6 +221,8 @@ class PagechatApp(App[None]):
             self._render_due = True
         if finished:
             self.save()
+            settle_heap()
+            self.main.query_one("#prompt", PromptInput).cursor_blink = self.session.streaming is None
         if not self._render_due or not (force or finished or quiet or self.within_budget()):
             return
         self._render_due = False
@@ -305,7 +326,9 @@ class PagechatApp(App[None]):
         log = self.main.query_one(ChatLog)
         log.add(self.session.messages[-2])
         log.add(reply)
-        self.main.query_one("#prompt", PromptInput).clear()
+        prompt = self.main.query_one("#prompt", PromptInput)
+        prompt.clear()
+        prompt.cursor_blink = False  # each blink repaints the screen: none while the engine decodes
         self.pinned = None
         self.loop.send(reply.ticket, conversation, self.request_params())
         self.save()
@@ -336,6 +359,7 @@ class PagechatApp(App[None]):
         self.main.query_one(ChatLog).clear()
         self.main.query_one("#prompt", PromptInput).focus()
         self.refresh_panels(everything=True)
+        self.call_after_refresh(settle_heap, True)
         self.notify(f"new chat {self.session.record.id}", timeout=3)
 
     def pump_now(self) -> None:

@@ -26,7 +26,7 @@ def printable(text: str) -> str:
 
 TOKEN_SHADES = ("#262b33", "#1d2129")  # alternate backgrounds make token boundaries visible
 SPECIAL = ("<|", "<s>", "</s>")
-GROW_STEP = 4  # lines the streaming text grows by at a time
+GROW_STEP = 4  # lines the streaming body grows by at a time, at least (half the visible chat when that is more)
 
 
 class PromptInput(TextArea):
@@ -138,26 +138,35 @@ class ReplyView(Vertical, can_focus=True):
         if m.streaming:
             text = Text(printable(m.content)) + Text().append("▌", "blink #5fafff") if m.content else \
                 Text().append("…", "dim")
-            self.grow(body, text)
-            body.update(text, layout=False)
+            body.update(self.fit(body, Text("\n").join((text, self.meta_text()))), layout=False)
         elif self._markdown_for != m.content:
             self._markdown_for = m.content
             md.update(printable(m.content) or "*(no text)*")
         if self.has_class("-inspect"):
             self.query_one(TokenView).show(m, self.selected)
-        update_static(self.query_one(".reply-meta", Static), self.meta_text())
+        if not m.streaming or self.has_class("-inspect"):
+            update_static(self.query_one(".reply-meta", Static), self.meta_text())
 
-    def grow(self, body: Static, text: Text) -> None:
-        """Reserve the streaming text's height in steps of GROW_STEP lines.
+    def fit(self, body: Static, text: Text) -> Text:
+        """The streaming text cut to its last screenful, in a body whose height grows ahead of the text.
 
-        A height change makes Textual lay out the whole screen; growing one line at a time would do that
-        on every wrapped line of the reply, stealing the engine thread's GIL time while it decodes.
+        A height change or a scroll makes Textual lay out the whole screen (10-30 ms at 120x36, more in a
+        long chat) and a frame re-renders the whole body; both hold the GIL the engine thread needs
+        between torch calls. So the body grows half a screen at a time up to the chat's visible height
+        and then stays that height, showing the reply's tail (the whole reply, as Markdown, when done).
         """
         width = body.content_size.width or max(10, self.content_size.width)
-        lines = len(text.wrap(self.app.console, width))
-        if lines > self._reserved:
-            self._reserved = -(-lines // GROW_STEP) * GROW_STEP
+        visible = max(GROW_STEP, self.parent.size.height - 1 if self.parent is not None else 0)
+        lines = text.wrap(self.app.console, width)
+        if len(lines) > visible:
+            hidden = len(lines) - visible + 1
+            note = Text(f"⋯ {hidden} more lines above; the whole reply shows when it is done", "dim italic")
+            text = Text("\n").join([note, *lines[hidden:]])
+        shown = min(len(lines), visible)
+        if shown > self._reserved or self._reserved > visible:
+            self._reserved = min(visible, shown + max(GROW_STEP, visible // 2))
             body.styles.height = self._reserved
+        return text
 
     def meta_text(self) -> Text:
         m, t = self.message, self.message.timing
