@@ -73,7 +73,10 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
 def pagechat_round(engine: Engine, w: Workload) -> dict:
-    """One repetition of every figure through the engine."""
+    """One repetition of every figure through the engine, decoding plainly (spec_round measures speculation:
+    on the workload's random-token prompts no draft is ever accepted, and the figures compare with plain
+    transformers)."""
+    engine.set_speculation(False)
     out: dict = {}
     seen: dict = {"decode_s": 0.0, "decode_n": 0}
 
@@ -221,7 +224,8 @@ def run_bench(engine: Engine, rounds: int = 3, vs_hf: bool = False, spec_prompt:
     p["quant"] = engine.quant.label
     if specs:
         s = median_of(specs)
-        p["speculation"] = {"proposer": engine.proposer.name, "num_draft": engine.num_draft, **s,
+        p["speculation"] = {"proposer": engine.proposer.name, "num_draft": engine.num_draft,
+                            "prompt_tokens": len(spec_prompt or loads[0].prompt), **s,
                             "speedup": s["spec"]["decode_tok_s"] / s["plain"]["decode_tok_s"]}
     result = BenchResult(p, machine=_machine(engine))
     if hf:

@@ -35,3 +35,30 @@ def test_median_of_rounds():
     rounds = [{"x": 1.0, "l": [1, 5], "d": {"y": 3}}, {"x": 3.0, "l": [2, 4], "d": {"y": 1}},
               {"x": 2.0, "l": [9, 6], "d": {"y": 2}}]
     assert median_of(rounds) == {"x": 2.0, "l": [2, 5], "d": {"y": 2}}
+
+
+def test_bench_speculation_round_decodes_the_given_prompt(tiny_llama, capsys):
+    from pagechat.core.config import EngineConfig
+    from pagechat.core.engine import Engine
+
+    text = "blocks blocks blocks of sixteen tokens"
+    code, out, err = cli(["bench", str(tiny_llama), "--rounds", "1", "--ngram", "--spec-prompt", text, "--json"], capsys)
+    assert code == 0, err
+    spec = json.loads(out)["pagechat"]["speculation"]
+    engine = Engine(tiny_llama, EngineConfig(device="cpu", dtype="float32"))
+    chat = bool(getattr(engine.tokenizer, "chat_template", None))
+    assert spec["prompt_tokens"] == len(engine.encode(text, chat=chat)) != 128  # not the workload's prompt
+
+
+
+def test_bench_main_figures_decode_plainly_with_a_proposer(tiny_llama):
+    from pagechat.core.bench import pagechat_round
+    from pagechat.core.config import EngineConfig
+    from pagechat.core.engine import Engine
+
+    engine = Engine(tiny_llama, EngineConfig(device="cpu", dtype="float32", ngram=True))
+    reports, step = [], engine.step
+    engine.step = lambda: reports.append(step()) or reports[-1]
+    w = Workload.make(engine.spec.vocab_size, set(engine.tokenizer.all_special_ids), engine.max_model_len, 0)
+    pagechat_round(engine, w)
+    assert reports and not any(r.drafts for r in reports) and engine.proposer is not None

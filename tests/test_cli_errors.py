@@ -80,6 +80,13 @@ def test_bad_sampling_values(flag, value, needle, tiny_llama, capsys):
     assert_one_line_error(code, err, needle)
 
 
+@pytest.mark.parametrize("args,needle", [(["--spec-prompt", "hi"], "--spec-prompt needs --draft DIR or --ngram"),
+                                         (["--ngram", "--spec-prompt", " "], "--spec-prompt is empty")])
+def test_bad_bench_speculation_prompt(args, needle, tiny_llama, capsys):
+    code, _, err = cli(["bench", str(tiny_llama), *args], capsys)
+    assert_one_line_error(code, err, needle)
+
+
 def test_prompt_longer_than_context(tiny_llama, capsys):
     code, _, err = cli(["generate", str(tiny_llama), "-p", "word " * 2000], capsys)
     assert_one_line_error(code, err, "the model's context is 512")

@@ -21,13 +21,15 @@ ROWS = [("decode tok/s (64 tokens)", "decode_tok_s", "{:.1f}"), ("decode ms/toke
         ("8 requests, output tok/s", "batch8_tok_s", "{:.1f}"), ("MBU (floor / measured decode)", "mbu", "{:.1%}")]
 
 
-def bench_command(model_dir: Path, config: EngineConfig, rounds: int, vs_hf: bool, as_json: bool) -> None:
+def bench_command(model_dir: Path, config: EngineConfig, rounds: int, vs_hf: bool, as_json: bool,
+                  spec_text: str | None = None) -> None:
     """Load the engine, run the benchmark, print the table or JSON."""
     err = Console(stderr=True)
     engine = Engine(model_dir, config)
     spec_prompt = None
     if engine.proposer is not None:
-        spec_prompt = engine.encode(REPEAT_PROMPT, chat=bool(getattr(engine.tokenizer, "chat_template", None)))
+        spec_prompt = engine.encode(spec_text or REPEAT_PROMPT,
+                                    chat=bool(getattr(engine.tokenizer, "chat_template", None)))
     result = run_bench(engine, rounds=rounds, vs_hf=vs_hf, spec_prompt=spec_prompt,
                        log=lambda s: err.print(f"[dim]{s}[/dim]"))
     if as_json:

@@ -215,6 +215,8 @@ def bench(
     dtype: Dtype = "auto",
     device: Device = "auto",
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object instead of the table")] = False,
+    spec_prompt: Annotated[Optional[str], typer.Option(help="prompt of the speculation round (chat template applied "
+                                                            "when the model has one); default: repeat a passage")] = None,
 ) -> None:
     """Measure TTFT, prefill, decode, 8 concurrent requests, multi-turn TTFT and MBU (optionally vs transformers)."""
     from pagechat.core.config import EngineConfig
@@ -225,7 +227,11 @@ def bench(
         raise PagechatError(f"--rounds must be >= 1, got {rounds}")
     config = EngineConfig(device=device, dtype=dtype, quant=quant, draft=draft_or_demo(draft),
                           ngram=ngram, num_draft=num_draft).validate()
-    bench_command(model_or_demo(model_dir, quant), config, rounds, vs_hf, as_json)
+    if spec_prompt is not None and not (draft or ngram):
+        raise PagechatError("--spec-prompt needs --draft DIR or --ngram (it is the speculation round's prompt)")
+    if spec_prompt is not None and not spec_prompt.strip():
+        raise PagechatError("--spec-prompt is empty")
+    bench_command(model_or_demo(model_dir, quant), config, rounds, vs_hf, as_json, spec_prompt)
 
 
 @app.command("train-demo")
