@@ -102,6 +102,7 @@ async def test_a_long_streaming_reply_shows_its_last_screenful(model_dir, tmp_pa
         app.loop.resume()
         await wait_reply_done(pilot)
         assert view.has_class("-done") and not body.display  # the whole reply, as Markdown
+        await wait_until(pilot, lambda: log.scroll_y == log.max_scroll_y > 0, 5, "the chat to follow the reply's end")
 
 
 async def test_temperature_change_mid_reply_applies_from_the_next_token(model_dir, tmp_path):

@@ -6,6 +6,7 @@ from rich.style import Style
 from rich.text import Text
 from textual import events
 from textual.app import ComposeResult
+from textual.await_complete import AwaitComplete
 from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
 from textual.message import Message as TMessage
@@ -126,11 +127,12 @@ class ReplyView(Vertical, can_focus=True):
     def on_mount(self) -> None:
         self.update_view()
 
-    def update_view(self) -> None:
-        """Show the message as it is now."""
+    def update_view(self) -> AwaitComplete | None:
+        """Show the message as it is now; returns the Markdown's mount when the finished text was (re)rendered."""
         m = self.message
         body = self.query_one(".reply-body", Static)
         md = self.query_one(".reply-markdown", Markdown)
+        mounted = None
         self.set_class(not m.streaming, "-done")
         if not m.streaming and self._reserved:
             self._reserved = 0
@@ -141,11 +143,12 @@ class ReplyView(Vertical, can_focus=True):
             body.update(self.fit(body, Text("\n").join((text, self.meta_text()))), layout=False)
         elif self._markdown_for != m.content:
             self._markdown_for = m.content
-            md.update(printable(m.content) or "*(no text)*")
+            mounted = md.update(printable(m.content) or "*(no text)*")
         if self.has_class("-inspect"):
             self.query_one(TokenView).show(m, self.selected)
         if not m.streaming or self.has_class("-inspect"):
             update_static(self.query_one(".reply-meta", Static), self.meta_text())
+        return mounted
 
     def fit(self, body: Static, text: Text) -> Text:
         """The streaming text cut to its last screenful, in a body whose height grows ahead of the text.
@@ -253,9 +256,16 @@ class ChatLog(VerticalScroll):
         view = self.views.get(id(message))
         if isinstance(view, ReplyView):
             follow = self.near_bottom()
-            view.update_view()
-            if follow:
+            mounted = view.update_view()
+            if follow and mounted is not None:
+                # the finished reply's Markdown (taller than the streaming tail) mounts its blocks later
+                self.run_worker(self._follow_when(mounted))
+            elif follow:
                 self.call_after_refresh(self.follow)
+
+    async def _follow_when(self, mounted: AwaitComplete) -> None:
+        await mounted
+        self.call_after_refresh(self.follow)
 
     def clear(self) -> None:
         self.views.clear()
