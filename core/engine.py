@@ -74,7 +74,8 @@ def load_checkpoint(model_dir: Path, cfg: EngineConfig, device: torch.device) ->
     dtype = resolve_dtype(cfg.dtype, device, spec.torch_dtype)
     tokenizer = load_tokenizer(model_dir)
     max_len = min(cfg.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
-    model = DecoderModel(spec, WeightReader(model_dir), dtype, max_len, load=quant.loader(device))
+    model = DecoderModel(spec, WeightReader(model_dir), dtype, max_len, load=quant.loader(device),
+                         head=quant.head(device, dtype))
     return LoadedModel(spec, quant, tokenizer, model.to(device).eval(), dtype, max_len)
 
 

@@ -144,8 +144,11 @@ class DecoderModel(nn.Module):
     """Embeddings, decoder layers, final norm and LM head; forward works on one flat ragged batch."""
 
     def __init__(self, spec: ModelSpec, w: WeightReader, dtype: torch.dtype, max_len: int,
-                 load: LinearLoader = dense_linear) -> None:
+                 load: LinearLoader = dense_linear, head: Callable[[torch.Tensor], nn.Module] = linear) -> None:
+        """`head` builds lm_head from its weight (quant/ gives weight-only modes a bf16 one); when it keeps the
+        tied embedding's weight in another dtype, the embedding reads that same table and casts its rows."""
         super().__init__()
+        self.dtype = dtype
         self.spec = spec
         vh = (spec.vocab_size, spec.hidden_size)
         self.embed_tokens = nn.Embedding(*vh, device="meta")
@@ -153,9 +156,11 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(spec, w, i, dtype, load) for i in range(spec.num_layers))
         self.norm = RMSNorm(w.get("model.norm.weight", (spec.hidden_size,)).to(dtype), spec.rms_norm_eps)
         if spec.tie_word_embeddings or not w.has("lm_head.weight"):
-            self.lm_head = linear(self.embed_tokens.weight)
+            self.lm_head = head(self.embed_tokens.weight)
+            if self.lm_head.weight.dtype != dtype:  # one table in the head's dtype, not two copies
+                self.embed_tokens.weight = nn.Parameter(self.lm_head.weight, requires_grad=False)
         else:
-            self.lm_head = linear(w.get("lm_head.weight", vh).to(dtype))
+            self.lm_head = head(w.get("lm_head.weight", vh).to(dtype))
         freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), rope_inv_freq(spec))
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
@@ -164,7 +169,7 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_pool: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for tokens input_ids [T] at positions [T]."""
-        x = self.embed_tokens(input_ids)
+        x = self.embed_tokens(input_ids).to(self.dtype)
         cos = self.cos[positions].to(x.dtype).unsqueeze(1)
         sin = self.sin[positions].to(x.dtype).unsqueeze(1)
         for layer, kv in zip(self.layers, kv_pool):

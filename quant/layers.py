@@ -17,6 +17,7 @@ from torch import nn
 from pagechat.quant.pack import dequantize, pack_awq, unpack_awq
 
 INT4_GROUPS = (32, 64, 128, 256)  # group sizes torch's int4 kernels take
+WEIGHT_ONLY = ("int8-wo", "bf16-wo", "awq")  # modes with float activations: their lm_head is kept in bf16
 LLM_INT8_THRESHOLD = 6.0  # activation magnitude above which a column goes through the fp16 outlier matmul
 _BF16 = torch.bfloat16
 

@@ -11,6 +11,7 @@ from pagechat.core.config import EngineConfig
 from pagechat.core.engine import Engine
 from pagechat.core.kv import block_bytes
 from pagechat.core.memory import estimate_weights, kv_bytes_per_token, plan_capacity, weight_report
+from pagechat.core.params import SamplingParams
 from pagechat.quant.checkpoint import quantize_checkpoint
 from conftest import cli
 
@@ -51,6 +52,20 @@ def test_quantised_reports_count_scales_too(tiny_llama, mode):
     linear = 2 * sum(n * k + scale * n for n, k in n_k)
     assert rows["attention"].bytes + rows["mlp"].bytes == linear
     assert rows["embedding"].fmt == "float32"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # untied; tied
+def test_weight_only_modes_keep_lm_head_in_bf16(tiny_models, arch):
+    e = Engine(tiny_models[arch], EngineConfig(dtype="float32", kv_blocks=8, quant="bf16-wo"))
+    rep = weight_report(e.model)
+    assert rep == estimate_weights(e.spec, "bf16-wo", e.dtype, device_type="cpu")
+    assert rep.total == unique_bytes(e.model)
+    rows, table = {r.kind: r for r in rep.rows}, e.spec.vocab_size * e.spec.hidden_size
+    if e.spec.tie_word_embeddings:  # one bf16 table for both
+        assert (rows["embedding"].fmt, rows["embedding"].bytes, rows["lm_head"].bytes) == ("bfloat16", 2 * table, 0)
+    else:
+        assert (rows["embedding"].fmt, rows["lm_head"].fmt, rows["lm_head"].bytes) == ("float32", "bf16-wo", 2 * table)
+    assert len(e.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))[0].output_ids) == 4
 
 
 @pytest.mark.parametrize("group,path", [(64, "int4pack-cpu"), (16, "dequant")])  # torch's kernel lacks g16

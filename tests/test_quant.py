@@ -18,12 +18,14 @@ from safetensors.torch import load_file, save_file
 from pagechat.core.config import EngineConfig
 from pagechat.core.engine import Engine
 from pagechat.core.memory import estimate_weights, weight_report
+from pagechat.core.model import linear
 from pagechat.core.params import SamplingParams
 from pagechat.quant import layers as qlayers
 from pagechat.quant.awq import BlockRunner, fold_scales, load_block, search_scales
 from pagechat.quant.checkpoint import quantize_checkpoint
 from pagechat.quant.evaluate import greedy_agreement, perplexity, window_logits
 from pagechat.quant.layers import AWQLinear, Bf16WOLinear, Int8WOLinear, bnb_int8_linear
+from pagechat.quant.loaders import QuantPlan
 from pagechat.quant.pack import AWQ_ORDER, dequantize, fake_quantize, pack_awq, to_awq, unpack_awq
 from conftest import cli
 
@@ -141,12 +143,17 @@ def test_bnb_int8_layer_is_llm_int8_in_eval_mode_and_handles_outliers():
 
 @pytest.mark.parametrize("mode,cls", [("int8", "Linear8bitLt"), ("int8-wo", "Int8WOLinear"),
                                       ("bf16-wo", "Bf16WOLinear")])
-def test_weight_only_modes_swap_every_decoder_linear_and_nothing_else(llama, mode, cls):
+def test_quant_modes_swap_every_decoder_linear_and_weight_only_modes_the_head(llama, mode, cls):
     e = engine(llama, quant=mode)
     layer = e.model.layers[0]
     for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
         assert type(lin).__name__ == cls
-    assert type(e.model.lm_head).__name__ == "Linear" and e.model.embed_tokens.weight.dtype == torch.float32
+    head, emb = e.model.lm_head, e.model.embed_tokens.weight
+    if mode == "int8":  # LLM.int8 quantises activations too: the head stays as the model
+        assert type(head).__name__ == "Linear" and emb.dtype == torch.float32
+    else:  # a bf16 head; a tied embedding would read the same bf16 table (test_memory checks that case)
+        assert type(head).__name__ == "Bf16WOLinear" and head.weight.dtype == torch.bfloat16
+        assert not e.spec.tie_word_embeddings and emb.dtype == torch.float32
     out = e.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=6, ignore_eos=True))[0]
     assert len(out.output_ids) == 6
     rep = weight_report(e.model)
@@ -186,6 +193,7 @@ def test_rtn_checkpoint_is_autoawq_format_and_loads_fused(rtn, llama):
 def test_awq_engine_equals_a_dense_model_of_the_dequantised_weights(rtn, monkeypatch):
     """Oracle: transformers' Llama with the dequantised weights; our fallback path runs the same math in fp32."""
     monkeypatch.setattr("pagechat.quant.layers.awq_path", lambda *a: "dequant")
+    monkeypatch.setattr(QuantPlan, "head", lambda self, device, dtype: linear)  # the float32 head, as transformers'
     e = engine(rtn)
     t = load_file(rtn / "model.safetensors")
     dense = {}
