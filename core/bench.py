@@ -120,7 +120,6 @@ def spec_round(engine: Engine, prompt: list[int]) -> dict:
             "decode_tok_s": (seq.num_output_tokens - 1) / sum(decode_s),
             "target_forwards_per_token": seq.target_forwards / seq.num_output_tokens,
             "acceptance_rate": seq.num_accepted / seq.num_drafted if seq.num_drafted else 0.0}
-    engine.set_speculation(True)
     return res
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagechat.core.errors import PagechatError
+from pagechat.quant.loaders import QUANT_MODES
 
 _UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20, "MB": 2**20,
           "MIB": 2**20, "G": 2**30, "GB": 2**30, "GIB": 2**30}
@@ -34,8 +35,8 @@ class EngineConfig:
             raise PagechatError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise PagechatError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.quant not in (None, "int8", "int8-wo", "bf16-wo", "awq"):
-            raise PagechatError(f"--quant must be int8, int8-wo, bf16-wo or awq, got {self.quant!r}")
+        if self.quant is not None and self.quant not in QUANT_MODES:
+            raise PagechatError(f"--quant must be {', '.join(QUANT_MODES[:-1])} or {QUANT_MODES[-1]}, got {self.quant!r}")
         if self.draft and self.ngram:
             raise PagechatError("choose one proposer: --draft DIR or --ngram, not both")
         for name, value in (("--num-draft", self.num_draft), ("--block-size", self.block_size), ("--max-batch-tokens", self.max_batch_tokens),

@@ -16,7 +16,7 @@ from torch import nn
 
 from pagechat.core.kv import CUDA_FREE_FRACTION, block_bytes
 from pagechat.core.loader import ModelSpec
-from pagechat.quant.layers import INT4_GROUPS, WEIGHT_ONLY, Bf16WOLinear, quant_tensors
+from pagechat.quant.layers import INT4_GROUPS, Bf16WOLinear, bf16_head, quant_tensors
 
 KINDS = ("embedding", "attention", "mlp", "norm", "lm_head")
 
@@ -126,15 +126,15 @@ def estimate_weights(spec: ModelSpec, mode: str | None, dtype: torch.dtype, grou
     norm = spec.num_layers * (2 * hid + (2 * d if spec.qk_norm else 0)) + hid
     acc[("norm", name, "dense")] = [norm, norm * elem]
     vocab = spec.vocab_size * hid
-    bf16_head = mode in WEIGHT_ONLY and dtype == torch.float32  # QuantPlan.head: a bf16 lm_head
+    head16 = bf16_head(mode, dtype)  # QuantPlan.head: a bf16 lm_head
     # the engine ties lm_head to the embedding also when a checkpoint simply lacks lm_head.weight
     if spec.tie_word_embeddings:  # one table, in the head's dtype
-        acc[("embedding", "bfloat16" if bf16_head else name, "dense")] = [vocab, vocab * (2 if bf16_head else elem)]
+        acc[("embedding", "bfloat16" if head16 else name, "dense")] = [vocab, vocab * (2 if head16 else elem)]
         acc[("lm_head", "tied to embedding", "-")] = [0, 0]
     else:
         acc[("embedding", name, "dense")] = [vocab, vocab * elem]
-        acc[("lm_head", "bf16-wo", Bf16WOLinear.path) if bf16_head else ("lm_head", name, "dense")] = \
-            [vocab, vocab * (2 if bf16_head else elem)]
+        acc[("lm_head", "bf16-wo", Bf16WOLinear.path) if head16 else ("lm_head", name, "dense")] = \
+            [vocab, vocab * (2 if head16 else elem)]
     rows = [WeightRow(k, f, p, v[0], v[1]) for (k, f, p), v in acc.items()]
     return WeightReport(tuple(sorted(rows, key=lambda r: KINDS.index(r.kind))))
 

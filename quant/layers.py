@@ -17,7 +17,7 @@ from torch import nn
 from pagechat.quant.pack import dequantize, pack_awq, unpack_awq
 
 INT4_GROUPS = (32, 64, 128, 256)  # group sizes torch's int4 kernels take
-WEIGHT_ONLY = ("int8-wo", "bf16-wo", "awq")  # modes with float activations: their lm_head is kept in bf16
+WEIGHT_ONLY = ("int8-wo", "bf16-wo", "awq")  # modes with float activations around low-precision weights
 LLM_INT8_THRESHOLD = 6.0  # activation magnitude above which a column goes through the fp16 outlier matmul
 _BF16 = torch.bfloat16
 
@@ -52,6 +52,11 @@ def int8_wo_path(device: torch.device) -> str:
         return f"int8pack-{device.type}"
     return "dequant"
 
+
+
+def bf16_head(mode: str | None, dtype: torch.dtype) -> bool:
+    """Whether lm_head (and a tied embedding) is stored in bf16: in a weight-only mode of a float32 model."""
+    return mode in WEIGHT_ONLY and dtype == torch.float32
 
 def _scales_and_zeros(zeros: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     # torch's int4 kernels compute w = (q - 8) * scale + zero; AWQ's w = (q - z) * scale, so zero = (8 - z) * scale

@@ -17,7 +17,7 @@ from torch import nn
 from pagechat.core.errors import PagechatError
 from pagechat.core.loader import ModelSpec, WeightReader
 from pagechat.core.model import LinearLoader, dense_linear, linear
-from pagechat.quant.layers import WEIGHT_ONLY, AWQLinear, Bf16WOLinear, Int8WOLinear, bnb_int8_linear
+from pagechat.quant.layers import AWQLinear, Bf16WOLinear, Int8WOLinear, bf16_head, bnb_int8_linear
 from pagechat.quant.pack import unpack_awq
 
 QUANT_MODES = ("int8", "int8-wo", "bf16-wo", "awq")
@@ -49,7 +49,7 @@ class QuantPlan:
         MiB at float32, AWQ's decoder linears are 57 MiB); in bf16 it reads half the bytes (decode 32.8 ->
         28.1 ms/token for int8-wo on that model, 2 CPU threads).
         """
-        if self.mode in WEIGHT_ONLY and dtype == torch.float32:
+        if bf16_head(self.mode, dtype):
             return lambda weight: Bf16WOLinear(weight, None, device)
         return linear
 
@@ -134,6 +134,11 @@ def _stacked(w: WeightReader, names: list[str], suffix: str, shapes: list[tuple[
     return torch.cat(parts, dim=-1)
 
 
+def _weights(w: WeightReader, names: list[str], out_sizes: tuple[int, ...], in_size: int) -> torch.Tensor:
+    """The named linears' weights stacked along the output dim as the checkpoint stores them (fused qkv, gate/up)."""
+    return torch.cat([w.get(f"{n}.weight", (o, in_size)) for n, o in zip(names, out_sizes)])
+
+
 def _bias(w: WeightReader, names: list[str], out_sizes: tuple[int, ...], bias: bool, dtype: torch.dtype):
     return torch.cat([w.get(f"{n}.bias", (o,)).to(dtype) for n, o in zip(names, out_sizes)]) if bias else None
 
@@ -163,7 +168,7 @@ def _awq_loader(group: int, device: torch.device) -> LinearLoader:
 
 def _bf16_loader(device: torch.device) -> LinearLoader:
     def load(w, names, out_sizes, in_size, bias, dtype):
-        weight = torch.cat([w.get(f"{n}.weight", (o, in_size)) for n, o in zip(names, out_sizes)])
+        weight = _weights(w, names, out_sizes, in_size)
         return Bf16WOLinear(weight, _bias(w, names, out_sizes, bias, dtype), device)
     return load
 
@@ -175,14 +180,14 @@ def _int8_loader(mode: str, prequantised: bool, device: torch.device) -> LinearL
             return dense_linear(w, names, out_sizes, in_size, bias, dtype)
         if prequantised:
             # transformers' load_in_8bit checkpoints: int8 rows `weight` [out, in] + row absmax `SCB` [out]
-            q = torch.cat([w.get(f"{n}.weight", (o, in_size)) for n, o in zip(names, out_sizes)])
+            q = _weights(w, names, out_sizes, in_size)
             scb = torch.cat([w.get(f"{n}.SCB", (o,)) for n, o in zip(names, out_sizes)]).float()
             if q.dtype != torch.int8:
                 raise PagechatError(f"{names[0]}.weight of a bitsandbytes int8 checkpoint must be int8, got {q.dtype}")
             if mode == "int8-wo":
                 return Int8WOLinear(q, scb / 127, b, device)
             return bnb_int8_linear(b, device, int8=q, scb=scb)
-        weight = torch.cat([w.get(f"{n}.weight", (o, in_size)) for n, o in zip(names, out_sizes)])
+        weight = _weights(w, names, out_sizes, in_size)
         if weight.dtype == torch.int8:
             raise PagechatError(f"{names[0]}.weight is int8 but config.json has no bitsandbytes quantization_config")
         if mode == "int8-wo":
