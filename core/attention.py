@@ -74,8 +74,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         qp = q.view(b, mq, h, d)
     else:
         qp = q.new_zeros(b * mq, h, d).index_copy_(0, meta.q_rows, q).view(b, mq, h, d)
-    keys = k_cache[meta.gather].transpose(1, 2)  # [B, KV, ctx, D]
-    values = v_cache[meta.gather].transpose(1, 2)
+    # index_select, not k_cache[meta.gather]: on CPU advanced indexing copies ~5x slower (2000 slots: 67 vs 363 us)
+    ctx_shape = (*meta.gather.shape, *k_cache.shape[1:])
+    keys = k_cache.index_select(0, meta.gather.flatten()).view(ctx_shape).transpose(1, 2)  # [B, KV, ctx, D]
+    values = v_cache.index_select(0, meta.gather.flatten()).view(ctx_shape).transpose(1, 2)
     if not _SDPA_GQA and keys.shape[1] != h:
         keys = keys.repeat_interleave(h // keys.shape[1], dim=1)
         values = values.repeat_interleave(h // values.shape[1], dim=1)
