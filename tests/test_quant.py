@@ -160,6 +160,37 @@ def test_quant_modes_swap_every_decoder_linear_and_weight_only_modes_the_head(ll
     assert rep.total == estimate_weights(e.spec, mode, e.dtype, None, "cpu").total
 
 
+@pytest.fixture(scope="module")
+def llama_bf16(llama, tmp_path_factory):
+    """The same checkpoint stored in bfloat16, as most published checkpoints are."""
+    out = tmp_path_factory.mktemp("q") / "bf16"
+    shutil.copytree(llama, out)
+    save_file({k: v.to(torch.bfloat16) for k, v in load_file(out / "model.safetensors").items()},
+              out / "model.safetensors", metadata={"format": "pt"})
+    _edit_config(out, lambda c: c.update(torch_dtype="bfloat16", dtype="bfloat16"))
+    return out
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_auto_dtype_keeps_a_bf16_checkpoint_in_bf16_weights_only_where_the_cpu_lacks_bf16(llama_bf16, llama,
+                                                                                         monkeypatch, native):
+    monkeypatch.setattr("pagechat.core.engine.cpu_has_native_bf16", lambda: native)
+    e = Engine(llama_bf16, EngineConfig(kv_blocks=64, draft=str(llama_bf16)))
+    qkv = e.model.layers[0].self_attn.qkv_proj
+    if native:  # bf16 throughout, no weight-only mode
+        assert e.quant.mode is None and e.dtype == torch.bfloat16 and type(qkv).__name__ == "Linear"
+    else:  # weights as stored (bf16), activations and KV float32
+        assert e.quant.mode == "bf16-wo" and e.dtype == torch.float32 and type(qkv).__name__ == "Bf16WOLinear"
+        assert e.pool.dtype == torch.float32
+    draft = e.proposer.loaded  # a draft runs plainly, at the target's dtype
+    assert draft.quant.mode is None and draft.dtype == e.dtype
+    assert type(draft.model.layers[0].self_attn.qkv_proj).__name__ == "Linear"
+    # an explicit dtype, an explicit --quant, or a float32 checkpoint: no automatic mode
+    assert Engine(llama_bf16, EngineConfig(kv_blocks=64, dtype="float32")).quant.mode is None
+    assert Engine(llama_bf16, EngineConfig(kv_blocks=64, quant="int8-wo")).quant.mode == "int8-wo"
+    assert Engine(llama, EngineConfig(kv_blocks=64)).quant.mode is None
+
+
 def test_bf16_wo_linear_decode_rows_in_bf16_prefill_rows_exact():
     w, bias = torch.randn(96, 64), torch.randn(96)
     layer = Bf16WOLinear(w, bias, CPU)

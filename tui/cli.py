@@ -14,7 +14,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Chat with a local LLM through a paged-KV engine you can watch.")
 
 Dtype = Annotated[str, typer.Option(help="auto | float32 | bfloat16 | float16 (auto: bf16 on a CPU with native bf16, "
-                                         "the checkpoint's dtype on CUDA, else float32)")]
+                                         "the checkpoint's dtype on CUDA, else float32, with a bf16 checkpoint's "
+                                         "weights kept in bf16 as --quant bf16-wo)")]
 Device = Annotated[str, typer.Option(help="auto | cpu | cuda")]
 Draft = Annotated[Optional[Path], typer.Option(help="draft model directory (same tokenizer) for speculative decoding; "
                                                     "`demo`: the shipped demo draft")]
