@@ -28,7 +28,8 @@ class AttentionMetadata:
     _masks: dict = field(default_factory=dict)
 
     def mask(self, window: int | None) -> torch.Tensor | None:
-        """[B, 1, max_q, max_ctx] bool: causal, within the context, and within the sliding window if any."""
+        """[B, 1, max_q, max_ctx] bool: causal, within the context, and within the sliding window if any; None
+        when every query may read every key (one sequence decoding), so attention runs without a mask."""
         if window not in self._masks:
             k_pos = torch.arange(self.gather.shape[1], device=self.gather.device)
             q = self.q_pos.unsqueeze(-1)
@@ -37,7 +38,7 @@ class AttentionMetadata:
                 allowed &= q - k_pos < window
             # padding rows attend to slot 0 only, so softmax never sees an all-masked row (NaN)
             allowed |= (q < 0) & (k_pos == 0)
-            self._masks[window] = allowed.unsqueeze(1)
+            self._masks[window] = None if bool(allowed.all()) else allowed.unsqueeze(1)
         return self._masks[window]
 
 
