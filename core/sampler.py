@@ -19,6 +19,11 @@ from pagechat.core.params import SamplingParams
 
 _CUT_BY = (None, "top-k", "top-p", "min-p")  # index = the cut code used below
 _NEG_INF = float("-inf")
+TOP_P_SHORTLIST = 256  # tokens top-p looks at before it sorts the whole vocabulary...
+TOP_P_SHORTLIST_VOCAB = 4096  # ...in vocabularies this large: below, one sort is cheaper (2048 logits: 0.08 ms vs 0.24)
+# Closer than this to the top-p limit, a token's fate is left to the full sort: transformers' float32 cumulative
+# sum (a double accumulator on CPU) is within ~1e-7 of the exact sum, so 1e-5 leaves a wide berth.
+TOP_P_MARGIN = 1e-5
 
 
 @dataclass(slots=True)
@@ -83,6 +88,54 @@ def penalised_logits(logits: Tensor, rows: Sequence[SampleRow]) -> Tensor:
     return torch.where(seen, torch.where(out < 0, out * pen, out / pen), out)
 
 
+def _top_p_by_sort(x: Tensor, thresholds: Tensor) -> Tensor:
+    """Top-p removal mask as transformers' TopPLogitsWarper computes it (rows with threshold 0 are off)."""
+    # Ascending, with torch's default (unstable) sort, exactly as transformers: the cumulative sums match
+    # it bit for bit and tied logits at the boundary break the same way.
+    sorted_x, order = torch.sort(x, dim=-1)
+    cum = sorted_x.softmax(dim=-1).cumsum(dim=-1)
+    drop = (cum <= thresholds) & (thresholds > 0)  # top_p == 1 is off, as in transformers
+    drop[:, -1] = False  # min_tokens_to_keep=1: the top token always stays
+    return torch.zeros_like(drop).scatter_(1, order, drop)
+
+
+def top_p_removed(x: Tensor, tops: list[float]) -> Tensor:
+    """Which tokens top-p removes: transformers' mask, found among the TOP_P_SHORTLIST most likely tokens where
+    the cut is clearly inside them, by the full sort otherwise. On the CPU machine, one row, a nucleus of tens of
+    tokens: 49k logits 4.74 -> 0.78 ms, 128k 15.0 -> 1.72 ms; a nucleus beyond the shortlist (a flat, untrained
+    model's) pays both, 4.83 -> 5.71 ms.
+
+    transformers removes a token when the probability mass of it and every less likely token is <= 1 - p, i.e.
+    keeps the token ranked j (descending) when the mass ranked above it is < total - (1 - p). That is decided from
+    the shortlist unless the cut falls beyond it, the mass above a token next to the cut lies within
+    TOP_P_MARGIN of the limit (float32 rounding of transformers' cumulative sum could decide it), or two equally
+    likely tokens straddle the cut (the sort's tie order decides it).
+    """
+    thresholds = _column([1 - t for t in tops], x)  # 1 - p in double, then float32, as transformers compares
+    if x.shape[1] < TOP_P_SHORTLIST_VOCAB:
+        return _top_p_by_sort(x, thresholds)
+    probs = x.softmax(dim=-1)
+    k = TOP_P_SHORTLIST
+    top, idx = probs.topk(k, dim=-1)
+    top64 = top.double()
+    above = top64.cumsum(dim=-1) - top64  # mass ranked strictly above each shortlisted token
+    limit = probs.double().sum(dim=-1, keepdim=True) - thresholds.double()
+    keep = above < limit
+    keep[:, 0] = True
+    kept = keep.sum(dim=-1, keepdim=True)  # the cut: tokens ranked >= kept are removed
+    ranks = torch.arange(k, device=x.device)
+    near = (above - limit).abs() < TOP_P_MARGIN
+    near &= ((ranks == kept - 1) & (ranks > 0)) | (ranks == kept)  # the last kept and the first removed token
+    tied = (top[:, :-1] == top[:, 1:]) & (ranks[1:] == kept)  # the first removed ties the last kept
+    beyond = (kept == k).squeeze(1)
+    slow = (near.any(dim=-1) | tied.any(dim=-1) | beyond) & (thresholds.squeeze(1) > 0)
+    removed = torch.ones_like(x, dtype=torch.bool).scatter_(1, idx, ~keep)
+    removed[thresholds.squeeze(1) <= 0] = False  # top_p == 1: off
+    if slow.any():
+        removed[slow] = _top_p_by_sort(x[slow], thresholds[slow])
+    return removed
+
+
 def _process(logits: Tensor, rows: Sequence[SampleRow]) -> tuple[Tensor, Tensor, list[Tensor | None]]:
     """(penalised logits, processed logits, [top-k, top-p, min-p] removal masks, None if not applied)."""
     pen = penalised_logits(logits, rows)
@@ -102,15 +155,7 @@ def _process(logits: Tensor, rows: Sequence[SampleRow]) -> tuple[Tensor, Tensor,
         x = x.masked_fill(removed, _NEG_INF)
         cuts[0] = removed
     if any(t < 1 for t in tops):
-        # Ascending, with torch's default (unstable) sort, exactly as transformers' TopPLogitsWarper:
-        # the cumulative sums match it bit for bit and tied logits at the boundary break the same way.
-        sorted_x, order = torch.sort(x, dim=-1)
-        cum = sorted_x.softmax(dim=-1).cumsum(dim=-1)
-        # 1 - p in double, then float32: the same threshold transformers compares against.
-        drop = cum <= _column([1 - t for t in tops], pen)
-        drop &= _column([t < 1 for t in tops], pen, torch.bool)  # top_p == 1 is off, as in transformers
-        drop[:, -1] = False  # min_tokens_to_keep=1: the top token always stays
-        removed = torch.zeros_like(drop).scatter_(1, order, drop)
+        removed = top_p_removed(x, tops)
         x = x.masked_fill(removed, _NEG_INF)
         cuts[1] = removed
     if any(m > 0 for m in min_ps):

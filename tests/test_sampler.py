@@ -83,6 +83,33 @@ def test_processed_logits_match_transformers(case):
             assert_same_logits(processed_logits(logits, rows_for(SamplingParams(**kwargs), history)), ref)
 
 
+def test_top_p_from_the_shortlist_equals_transformers_and_sorts_only_when_it_must(monkeypatch):
+    from pagechat.core import sampler
+
+    sorted_rows = []
+    by_sort = sampler._top_p_by_sort
+    monkeypatch.setattr(sampler, "_top_p_by_sort", lambda x, t: sorted_rows.append(len(x)) or by_sort(x, t))
+    g = torch.Generator().manual_seed(0)
+    vocab = sampler.TOP_P_SHORTLIST_VOCAB
+    peaked = torch.randn(8, vocab, generator=g) * 6  # a nucleus of a few tokens, as a trained model's
+    flat = torch.randn(8, vocab, generator=g) * 0.3  # the nucleus reaches beyond the shortlist
+    tied = torch.round(torch.randn(8, vocab, generator=g) * 6)  # many exactly equal logits at any cut
+    top_k = TopKLogitsWarper(40)(None, peaked.clone())  # top-p after top-k: -inf logits
+    edge = torch.full((1, vocab), -INF)
+    edge[0, :3] = torch.tensor([0.5, 0.3, 0.2]).log()  # p = 0.5 and 0.8 cut exactly at a token
+    for p in (0.5, 0.8, 0.9, 0.95, 0.99):
+        # rows the full sort may decide: peaked ones only where a cut lies within TOP_P_MARGIN of the limit
+        wide = 2 if p < 0.99 else 8  # a 0.99 nucleus ends among tokens of ~1e-3: cuts near the limit are common
+        for x, most in ((peaked, wide), (top_k, wide), (flat, 8), (tied, 8), (edge, 1 if p in (0.5, 0.8) else 0)):
+            sorted_rows.clear()
+            ref = TopPLogitsWarper(p)(None, x.clone())
+            assert torch.equal(sampler.top_p_removed(x, [p] * len(x)), torch.isneginf(ref)), p
+            assert sum(sorted_rows) <= most, (p, sorted_rows)
+            if x is flat or x is edge:
+                assert sum(sorted_rows) == most, (p, sorted_rows)
+    assert not sampler.top_p_removed(peaked, [1.0] * 8).any()  # top-p 1 is off
+
+
 def mixed_rows(vocab: int) -> list[SampleRow]:
     params = [
         SamplingParams(temperature=0.0, repetition_penalty=1.3),
