@@ -196,6 +196,12 @@ class Engine:
             raise PagechatError(f"no request with id {request_id}")
         return self.requests[request_id]
 
+    @property
+    def precision(self) -> str:
+        """The activation dtype, and the weights' quantisation mode if any: 'float32', 'float32 · bf16-wo'."""
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"{dtype} · {self.quant.mode}" if self.quant.mode else dtype
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 

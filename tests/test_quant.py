@@ -179,9 +179,10 @@ def test_auto_dtype_keeps_a_bf16_checkpoint_in_bf16_weights_only_where_the_cpu_l
     qkv = e.model.layers[0].self_attn.qkv_proj
     if native:  # bf16 throughout, no weight-only mode
         assert e.quant.mode is None and e.dtype == torch.bfloat16 and type(qkv).__name__ == "Linear"
-    else:  # weights as stored (bf16), activations and KV float32
+        assert e.precision == "bfloat16"
+    else:  # weights as stored (bf16), activations and KV float32; the status line says so
         assert e.quant.mode == "bf16-wo" and e.dtype == torch.float32 and type(qkv).__name__ == "Bf16WOLinear"
-        assert e.pool.dtype == torch.float32
+        assert e.pool.dtype == torch.float32 and e.precision == "float32 · bf16-wo"
     draft = e.proposer.loaded  # a draft runs plainly, at the target's dtype
     assert draft.quant.mode is None and draft.dtype == e.dtype
     assert type(draft.model.layers[0].self_attn.qkv_proj).__name__ == "Linear"

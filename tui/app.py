@@ -64,7 +64,7 @@ class StatusBar(Static):
     def show(self, app: PagechatApp) -> None:
         e, s = app.engine, app.session
         t = Text().append(" pagechat ", "bold #1c1c1c on #5fafff")
-        t.append(f" {app.model_name} ", "bold").append(f"{str(e.dtype).removeprefix('torch.')} on {e.device}", "dim")
+        t.append(f" {app.model_name} ", "bold").append(f"{e.precision} on {e.device}", "dim")
         turns = sum(1 for m in s.messages if m.role == "user")
         t.append(f" │ chat {s.record.id} · {turns} turn{'s' * (turns != 1)}", "dim")
         msg = s.streaming

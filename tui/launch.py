@@ -33,7 +33,7 @@ def load_engine(model_dir: Path, config: EngineConfig):
                   console=console, transient=True) as progress:
         progress.add_task(label, total=None)
         engine = Engine(model_dir, config)
-    console.print(f"loaded {model_dir.name}: {str(engine.dtype).removeprefix('torch.')} on {engine.device}, "
+    console.print(f"loaded {model_dir.name}: {engine.precision} on {engine.device}, "
                   f"{engine.blocks.num_blocks} KV blocks of {engine.blocks.block_size} tokens", style="dim")
     return engine
 
