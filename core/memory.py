@@ -127,14 +127,14 @@ def estimate_weights(spec: ModelSpec, mode: str | None, dtype: torch.dtype, grou
     acc[("norm", name, "dense")] = [norm, norm * elem]
     vocab = spec.vocab_size * hid
     head16 = bf16_head(mode, dtype)  # QuantPlan.head: a bf16 lm_head
+    head_bytes = vocab * (2 if head16 else elem)
     # the engine ties lm_head to the embedding also when a checkpoint simply lacks lm_head.weight
     if spec.tie_word_embeddings:  # one table, in the head's dtype
-        acc[("embedding", "bfloat16" if head16 else name, "dense")] = [vocab, vocab * (2 if head16 else elem)]
+        acc[("embedding", "bfloat16" if head16 else name, "dense")] = [vocab, head_bytes]
         acc[("lm_head", "tied to embedding", "-")] = [0, 0]
     else:
         acc[("embedding", name, "dense")] = [vocab, vocab * elem]
-        acc[("lm_head", "bf16-wo", Bf16WOLinear.path) if head16 else ("lm_head", name, "dense")] = \
-            [vocab, vocab * (2 if head16 else elem)]
+        acc[("lm_head", "bf16-wo", Bf16WOLinear.path) if head16 else ("lm_head", name, "dense")] = [vocab, head_bytes]
     rows = [WeightRow(k, f, p, v[0], v[1]) for (k, f, p), v in acc.items()]
     return WeightReport(tuple(sorted(rows, key=lambda r: KINDS.index(r.kind))))
 

@@ -128,9 +128,10 @@ def top_p_removed(x: Tensor, tops: list[float]) -> Tensor:
     near &= ((ranks == kept - 1) & (ranks > 0)) | (ranks == kept)  # the last kept and the first removed token
     tied = (top[:, :-1] == top[:, 1:]) & (ranks[1:] == kept)  # the first removed ties the last kept
     beyond = (kept == k).squeeze(1)
-    slow = (near.any(dim=-1) | tied.any(dim=-1) | beyond) & (thresholds.squeeze(1) > 0)
+    on = thresholds.squeeze(1) > 0  # top_p == 1 is off
+    slow = (near.any(dim=-1) | tied.any(dim=-1) | beyond) & on
     removed = torch.ones_like(x, dtype=torch.bool).scatter_(1, idx, ~keep)
-    removed[thresholds.squeeze(1) <= 0] = False  # top_p == 1: off
+    removed[~on] = False
     if slow.any():
         removed[slow] = _top_p_by_sort(x[slow], thresholds[slow])
     return removed

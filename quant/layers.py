@@ -53,10 +53,10 @@ def int8_wo_path(device: torch.device) -> str:
     return "dequant"
 
 
-
 def bf16_head(mode: str | None, dtype: torch.dtype) -> bool:
     """Whether lm_head (and a tied embedding) is stored in bf16: in a weight-only mode of a float32 model."""
     return mode in WEIGHT_ONLY and dtype == torch.float32
+
 
 def _scales_and_zeros(zeros: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     # torch's int4 kernels compute w = (q - 8) * scale + zero; AWQ's w = (q - z) * scale, so zero = (8 - z) * scale
