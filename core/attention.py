@@ -20,18 +20,16 @@ class AttentionMetadata:
     """Per-step tensors every layer's attention shares: where to write K/V and what each query reads."""
 
     slot_mapping: torch.Tensor  # [T] pool slot of each new token
-    gather: torch.Tensor  # [B, max_ctx] pool slots of each sequence's context (padded with slot 0)
+    gather: torch.Tensor  # [B * max_ctx] pool slots of each sequence's context, one row after another (padded with slot 0)
     q_rows: torch.Tensor | None  # [T] row of each token in the padded [B * max_q] layout; None: no padding
     q_pos: torch.Tensor  # [B, max_q] position of each padded query (-1 for padding)
-    num_seqs: int
-    max_q: int
     _masks: dict = field(default_factory=dict)
 
     def mask(self, window: int | None) -> torch.Tensor | None:
         """[B, 1, max_q, max_ctx] bool: causal, within the context, and within the sliding window if any; None
         when every query may read every key (one sequence decoding), so attention runs without a mask."""
         if window not in self._masks:
-            k_pos = torch.arange(self.gather.shape[1], device=self.gather.device)
+            k_pos = torch.arange(self.gather.shape[0] // self.q_pos.shape[0], device=self.gather.device)
             q = self.q_pos.unsqueeze(-1)
             allowed = k_pos <= q
             if window is not None:
@@ -45,7 +43,6 @@ class AttentionMetadata:
 def build_metadata(starts: list[int], counts: list[int], tables: list[list[int]], block_size: int,
                    device: torch.device) -> AttentionMetadata:
     """Metadata for sequences that compute `counts[i]` tokens after `starts[i]` already cached ones."""
-    b = len(starts)
     max_q = max(counts)
     ctx = [s + c for s, c in zip(starts, counts)]
     max_ctx = max(ctx)
@@ -60,8 +57,8 @@ def build_metadata(starts: list[int], counts: list[int], tables: list[list[int]]
     q_pos = torch.where(valid, starts_t + i, -1)
     slot_mapping = gather.gather(1, torch.where(valid, starts_t + i, 0))[valid]
     q_rows = None if bool(valid.all()) else valid.flatten().nonzero().squeeze(1).to(device)
-    return AttentionMetadata(slot_mapping=slot_mapping.to(device), gather=gather.to(device), q_rows=q_rows,
-                             q_pos=q_pos.to(device), num_seqs=b, max_q=max_q)
+    return AttentionMetadata(slot_mapping=slot_mapping.to(device), gather=gather.flatten().to(device), q_rows=q_rows,
+                             q_pos=q_pos.to(device))
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -70,15 +67,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
     t, h, d = q.shape
-    b, mq = meta.num_seqs, meta.max_q
+    b, mq = meta.q_pos.shape  # sizes read from tensors, so a traced step follows them
     if meta.q_rows is None:
         qp = q.view(b, mq, h, d)
     else:
         qp = q.new_zeros(b * mq, h, d).index_copy_(0, meta.q_rows, q).view(b, mq, h, d)
     # index_select, not k_cache[meta.gather]: on CPU advanced indexing copies ~5x slower (2000 slots: 67 vs 363 us)
-    ctx_shape = (*meta.gather.shape, *k_cache.shape[1:])
-    keys = k_cache.index_select(0, meta.gather.flatten()).view(ctx_shape).transpose(1, 2)  # [B, KV, ctx, D]
-    values = v_cache.index_select(0, meta.gather.flatten()).view(ctx_shape).transpose(1, 2)
+    ctx_shape = (b, -1, *k_cache.shape[1:])
+    keys = k_cache.index_select(0, meta.gather).view(ctx_shape).transpose(1, 2)  # [B, KV, ctx, D]
+    values = v_cache.index_select(0, meta.gather).view(ctx_shape).transpose(1, 2)
     if not _SDPA_GQA and keys.shape[1] != h:
         keys = keys.repeat_interleave(h // keys.shape[1], dim=1)
         values = values.repeat_interleave(h // values.shape[1], dim=1)

@@ -25,6 +25,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # the same arithmetic as below, in one op instead of seven
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -71,10 +73,17 @@ def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
     return torch.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
 
 
+def rope_tables(spec: ModelSpec, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and signed sin [length, D] of positions 0..length-1 for `rotate`: the sin's first half is negated."""
+    freqs = torch.outer(torch.arange(length, dtype=torch.float32), rope_inv_freq(spec))
+    sin = freqs.sin()
+    return torch.cat((freqs, freqs), dim=-1).cos(), torch.cat((-sin, sin), dim=-1)
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Apply rotary position embedding (half-split layout) to x [T, heads, D]."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    """Apply rotary position embedding (half-split layout) to x [..., D], with rope_tables' cos and signed sin:
+    x * cos + (-x2, x1) * sin, where (x2, x1) is x rolled by D/2 and the sign sits in the table (4 ops, not 6)."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
 class Attention(nn.Module):
@@ -103,8 +112,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        shape = (-1, self.kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, kv[0].view(shape), kv[1].view(shape), meta, self.window)
+        out = paged_attention(q, k, v, kv[0], kv[1], meta, self.window)
         return self.o_proj(out.reshape(t, -1))
 
 
@@ -161,10 +169,9 @@ class DecoderModel(nn.Module):
                 self.embed_tokens.weight = nn.Parameter(self.lm_head.weight, requires_grad=False)
         else:
             self.lm_head = head(w.get("lm_head.weight", vh).to(dtype))
-        freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), rope_inv_freq(spec))
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        cos, sin = rope_tables(spec, max_len)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_pool: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -172,7 +179,7 @@ class DecoderModel(nn.Module):
         x = self.embed_tokens(input_ids).to(self.dtype)
         cos = self.cos[positions].to(x.dtype).unsqueeze(1)
         sin = self.sin[positions].to(x.dtype).unsqueeze(1)
-        for layer, kv in zip(self.layers, kv_pool):
+        for layer, kv in zip(self.layers, kv_pool.flatten(2, 3)):  # each layer's K and V as [slots, kv_heads, D]
             x = layer(x, cos, sin, kv, meta)
         return self.norm(x)
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from pagechat.core.loader import ModelSpec, WeightReader
-from pagechat.core.model import rope_inv_freq, rotate
+from pagechat.core.model import rope_tables, rotate
 from pagechat.quant.pack import fake_quantize
 
 LINEARS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
@@ -55,9 +55,8 @@ class BlockRunner:
 
     def __init__(self, spec: ModelSpec, seqlen: int, layer: int) -> None:
         self.spec, self.window = spec, spec.sliding_windows[layer]
-        freqs = torch.outer(torch.arange(seqlen, dtype=torch.float32), rope_inv_freq(spec))
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos, self.sin = emb.cos().unsqueeze(1), emb.sin().unsqueeze(1)  # [T, 1, D]
+        cos, sin = rope_tables(spec, seqlen)
+        self.cos, self.sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, D]
         self.mask = None
         if self.window is not None and self.window < seqlen:
             pos = torch.arange(seqlen)

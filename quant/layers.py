@@ -65,14 +65,15 @@ def _scales_and_zeros(zeros: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
 
 
 class _WeightOnlyLinear(nn.Module):
-    """What the weight-only layers share: rows flattened for `_matmul`, bias added in the output's dtype, the
-    leading dimensions restored."""
+    """What the weight-only layers share: rows flattened for `_matmul` (when not flat yet), bias added in the
+    output's dtype, the leading dimensions restored."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._matmul(x.reshape(-1, self.in_features))
+        flat = x.dim() == 2  # the engine's rows are flat already: no reshape ops per call
+        y = self._matmul(x if flat else x.reshape(-1, self.in_features))
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
-        return y.reshape(*x.shape[:-1], self.out_features)
+        return y if flat else y.reshape(*x.shape[:-1], self.out_features)
 
 
 class AWQLinear(_WeightOnlyLinear):
