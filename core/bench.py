@@ -221,6 +221,7 @@ def run_bench(engine: Engine, rounds: int = 3, vs_hf: bool = False, spec_prompt:
     p["mbu"] = p["decode_floor_ms"] / p["decode_ms"]
     p["dtype"] = str(engine.dtype).removeprefix("torch.")
     p["quant"] = engine.quant.label
+    p["graphs"] = engine.graphs
     if specs:
         s = median_of(specs)
         p["speculation"] = {"proposer": engine.proposer.name, "num_draft": engine.num_draft,

@@ -14,6 +14,7 @@ from pagechat.core.blocks import BlockManager
 from pagechat.core.config import EngineConfig
 from pagechat.core.detok import update_text
 from pagechat.core.errors import PagechatError
+from pagechat.core.graphs import TRACE_SUPPORTED
 from pagechat.core.kv import allocate_pool, copy_blocks, pool_blocks
 from pagechat.core.loader import ModelSpec, WeightReader, load_tokenizer, read_spec
 from pagechat.core.model import DecoderModel
@@ -104,7 +105,7 @@ class Engine:
         self.pool = allocate_pool(spec, num_blocks, cfg.block_size, self.dtype, self.device)
         self.blocks = BlockManager(num_blocks, cfg.block_size, enable_prefix_cache=cfg.prefix_cache)
         self.scheduler = Scheduler(self.blocks, cfg.max_batch_tokens, cfg.max_seqs)
-        self.runner = ModelRunner(self.model, self.pool, self.blocks, self.device)
+        self.runner = ModelRunner(self.model, self.pool, self.blocks, self.device, self._graphs(self.quant))
         self.sampler = Sampler(lambda i: self.tokenizer.decode([i]))
         eos = set(spec.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -132,7 +133,13 @@ class Engine:
         if draft.tokenizer.get_vocab() != self.tokenizer.get_vocab():
             raise PagechatError(f"the draft model's tokenizer ({cfg.draft}) differs from the target's "
                                 f"({self.model_dir}); a draft must share the target's vocabulary")
-        return DraftModelProposer(draft, num_blocks, cfg.block_size, self.device, self.spec.vocab_size)
+        return DraftModelProposer(draft, num_blocks, cfg.block_size, self.device, self.spec.vocab_size,
+                                  self._graphs(draft.quant))
+
+    def _graphs(self, quant) -> bool:
+        """Whether a model's small steps run as traced graphs: unless --eager, on a Python torch.jit supports,
+        for layers a trace records faithfully."""
+        return self.config.graphs and TRACE_SUPPORTED and quant.traceable
 
     # -- requests -------------------------------------------------------------------------------
     def encode(self, prompt: str, chat: bool = False, system: str | None = None) -> list[int]:
@@ -201,6 +208,11 @@ class Engine:
         """The activation dtype, and the weights' quantisation mode if any: 'float32', 'float32 · bf16-wo'."""
         dtype = str(self.dtype).removeprefix("torch.")
         return f"{dtype} · {self.quant.mode}" if self.quant.mode else dtype
+
+    @property
+    def graphs(self) -> bool:
+        """True when decode steps run as traced graphs (core/graphs.py), False when every op runs from Python."""
+        return self.runner.graphs is not None
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()

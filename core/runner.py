@@ -6,15 +6,18 @@ import torch
 
 from pagechat.core.attention import build_metadata
 from pagechat.core.blocks import BlockManager
+from pagechat.core.graphs import StepGraphs
 from pagechat.core.model import DecoderModel
 from pagechat.core.scheduler import ScheduledSeq
 
 
 class ModelRunner:
-    """Runs the model over the KV pool for a list of scheduled chunks."""
+    """Runs the model over the KV pool for a list of scheduled chunks: eagerly, or as a step graph where one fits."""
 
-    def __init__(self, model: DecoderModel, pool: torch.Tensor, blocks: BlockManager, device: torch.device) -> None:
+    def __init__(self, model: DecoderModel, pool: torch.Tensor, blocks: BlockManager, device: torch.device,
+                 graphs: bool) -> None:
         self.model, self.pool, self.blocks, self.device = model, pool, blocks, device
+        self.graphs = StepGraphs(model) if graphs else None
 
     @torch.inference_mode()
     def run(self, items: list[ScheduledSeq], logits_per_item: list[int]) -> torch.Tensor:
@@ -29,8 +32,10 @@ class ModelRunner:
             rows += range(len(ids) - n, len(ids))
         meta = build_metadata([it.start for it in items], [it.count + len(it.draft) for it in items],
                               [self.blocks.table(it.seq.seq_id) for it in items], self.blocks.block_size, self.device)
-        hidden = self.model(torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device),
-                            self.pool, meta)
+        ids_t, positions_t = torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device)
+        if self.graphs is not None and self.graphs.fits(len(ids), meta, len(rows)):
+            return self.graphs.run(ids_t, positions_t, self.pool, meta)
+        hidden = self.model(ids_t, positions_t, self.pool, meta)
         if not rows:
             return hidden.new_empty((0, self.model.spec.vocab_size), dtype=torch.float32)
         return self.model.logits(hidden[torch.tensor(rows, device=self.device)])

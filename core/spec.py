@@ -85,12 +85,13 @@ class DraftModelProposer:
 
     name = "draft"
 
-    def __init__(self, loaded, num_blocks: int, block_size: int, device: torch.device, vocab_size: int) -> None:
+    def __init__(self, loaded, num_blocks: int, block_size: int, device: torch.device, vocab_size: int,
+                 graphs: bool) -> None:
         self.loaded, self.device, self.vocab_size = loaded, device, vocab_size
         self.max_len = loaded.max_len
         self.pool = allocate_pool(loaded.spec, num_blocks, block_size, loaded.dtype, device)
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_cache=False)
-        self.runner = ModelRunner(loaded.model, self.pool, self.blocks, device)
+        self.runner = ModelRunner(loaded.model, self.pool, self.blocks, device, graphs)
         self.computed: dict[int, int] = {}  # seq id -> tokens whose K/V the draft cache holds
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None]]:

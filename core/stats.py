@@ -85,6 +85,7 @@ class RunStats:
             "dtype": str(e.dtype).removeprefix("torch."),
             "device": str(e.device),
             "attention_backend": e.attention_backend,
+            "graphs": e.graphs,
             **self._spec_dict(),
         }
 

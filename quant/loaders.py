@@ -42,6 +42,12 @@ class QuantPlan:
     def label(self) -> str:
         return MODE_LABELS[self.mode]
 
+    @property
+    def traceable(self) -> bool:
+        """Whether a trace records these layers faithfully: bitsandbytes' LLM.int8 picks its outlier columns in
+        Python on every call, which a trace would freeze."""
+        return self.mode != "int8"
+
     def head(self, device: torch.device, dtype: torch.dtype) -> Callable[[torch.Tensor], nn.Module]:
         """How lm_head is built from its weight: in bf16 (Bf16WOLinear) in a weight-only mode of a float32 model.
 

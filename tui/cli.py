@@ -21,6 +21,8 @@ Draft = Annotated[Optional[Path], typer.Option(help="draft model directory (same
                                                     "`demo`: the shipped demo draft")]
 OptionalModelDir = Annotated[Optional[Path], typer.Argument(help="local Hugging Face model directory (safetensors); "
                                                                  "default: the shipped demo chat model")]
+Eager = Annotated[bool, typer.Option("--eager", help="run every op from Python; default: decode steps replay a "
+                                                     "traced graph (TorchScript), made on first use")]
 Ngram = Annotated[bool, typer.Option("--ngram", help="speculate by prompt lookup (n-gram match in the context)")]
 NumDraft = Annotated[int, typer.Option(help="tokens drafted per speculative step")]
 Quant = Annotated[Optional[str], typer.Option(help="int8 (bitsandbytes LLM.int8) | int8-wo (torch int8 weight-only) | "
@@ -70,6 +72,7 @@ def generate(
     max_batch_tokens: Annotated[int, typer.Option(help="tokens computed per step (longer prompts are chunked)")] = 2048,
     max_seqs: Annotated[int, typer.Option(help="sequences running at once")] = 64,
     prefix_cache: Annotated[bool, typer.Option(help="reuse KV blocks of repeated prefixes")] = True,
+    eager: Eager = False,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object (results and stats) instead")] = False,
 ) -> None:
     """Generate from one or more prompts; text streams to stdout, a stats line goes to stderr."""
@@ -84,7 +87,8 @@ def generate(
     config = EngineConfig(device=device, dtype=dtype, block_size=block_size, kv_blocks=kv_blocks,
                           kv_memory=parse_bytes(kv_memory) if kv_memory else None,
                           max_batch_tokens=max_batch_tokens, max_seqs=max_seqs, prefix_cache=prefix_cache,
-                          draft=draft_or_demo(draft), ngram=ngram, num_draft=num_draft, quant=quant).validate()
+                          draft=draft_or_demo(draft), ngram=ngram, num_draft=num_draft, quant=quant,
+                          graphs=not eager).validate()
     code = run_generate(model_or_demo(model_dir, quant), prompt, params, config,
                         chat=model_dir is None if chat is None else chat, system=system, as_json=as_json)
     raise typer.Exit(code)
@@ -180,6 +184,7 @@ def run(
     block_size: Annotated[int, typer.Option(help="tokens per KV block")] = 16,
     kv_blocks: Annotated[Optional[int], typer.Option(help="KV pool size in blocks")] = None,
     kv_memory: Annotated[Optional[str], typer.Option(help="KV pool budget, e.g. 2GiB")] = None,
+    eager: Eager = False,
 ) -> None:
     """Chat with a local model in the terminal app, with live KV-block, timing, sampling and memory panels."""
     from pagechat.core.config import EngineConfig, parse_bytes
@@ -188,7 +193,7 @@ def run(
 
     config = EngineConfig(device=device, dtype=dtype, block_size=block_size, kv_blocks=kv_blocks,
                           kv_memory=parse_bytes(kv_memory) if kv_memory else None, quant=quant,
-                          draft=draft_or_demo(draft), ngram=ngram, num_draft=num_draft).validate()
+                          draft=draft_or_demo(draft), ngram=ngram, num_draft=num_draft, graphs=not eager).validate()
     overrides = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, max_tokens=max_tokens, seed=seed,
                      ignore_eos=ignore_eos)
     raise typer.Exit(run_app(model_dir, config, overrides, resume=resume, save=save, system=system, layout=layout))
@@ -215,6 +220,7 @@ def bench(
     rounds: Annotated[int, typer.Option(help="repetitions; the table shows medians")] = 3,
     dtype: Dtype = "auto",
     device: Device = "auto",
+    eager: Eager = False,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object instead of the table")] = False,
     spec_prompt: Annotated[Optional[str], typer.Option(help="prompt of the speculation round (chat template applied "
                                                             "when the model has one); default: repeat a passage")] = None,
@@ -227,7 +233,7 @@ def bench(
     if rounds < 1:
         raise PagechatError(f"--rounds must be >= 1, got {rounds}")
     config = EngineConfig(device=device, dtype=dtype, quant=quant, draft=draft_or_demo(draft),
-                          ngram=ngram, num_draft=num_draft).validate()
+                          ngram=ngram, num_draft=num_draft, graphs=not eager).validate()
     if spec_prompt is not None and not (draft or ngram):
         raise PagechatError("--spec-prompt needs --draft DIR or --ngram (it is the speculation round's prompt)")
     if spec_prompt is not None and not spec_prompt.strip():

@@ -34,7 +34,8 @@ def load_engine(model_dir: Path, config: EngineConfig):
         progress.add_task(label, total=None)
         engine = Engine(model_dir, config)
     console.print(f"loaded {model_dir.name}: {engine.precision} on {engine.device}, "
-                  f"{engine.blocks.num_blocks} KV blocks of {engine.blocks.block_size} tokens", style="dim")
+                  f"{engine.blocks.num_blocks} KV blocks of {engine.blocks.block_size} tokens, "
+                  f"{'decode graphs' if engine.graphs else 'eager'}", style="dim")
     return engine
 
 

@@ -1,0 +1,69 @@
+"""Step graphs: small all-sampled steps (decode, draft verification, drafting) replayed as TorchScript traces.
+
+A decoder layer is ~80 torch ops per step. Called from Python, each op costs a few microseconds beyond its
+kernel; for a 135M model on a CPU that is as much time as the matmuls. torch.jit.trace records the ops of one
+step once, and the recording then runs from C++ (GPU engines such as vLLM and nano-vllm capture CUDA graphs
+per batch size for the same reason). A recording keeps no Python branch: sizes are read from the inputs'
+shapes, so one trace serves any step that takes the same branches, which are:
+- every sequence computes the same number of tokens (no padding rows), and every token's logits are wanted;
+- at most MAX_GRAPH_TOKENS tokens, the side of bf16-wo's row branch that the trace records (its matmul);
+- which sliding windows need a mask this step (the key of the trace: none when one sequence decodes).
+Everything else runs eagerly. torch.jit is deprecated in favour of torch.compile, whose first compile of
+this model did not finish in 20 minutes on the 2-core machine; a trace takes about a second.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+
+import torch
+from torch import nn
+
+from pagechat.core.attention import AttentionMetadata
+from pagechat.core.model import DecoderModel
+from pagechat.quant.layers import Bf16WOLinear
+
+MAX_GRAPH_TOKENS = Bf16WOLinear.MAX_BF16_ROWS
+TRACE_SUPPORTED = sys.version_info < (3, 14)  # torch.jit warns that it may break on Python 3.14 and later
+
+
+class _Step(nn.Module):
+    """The traced function: token ids, positions, the pool and the step's metadata tensors -> logits of every row."""
+
+    def __init__(self, model: DecoderModel, windows: tuple[int | None, ...], masked: tuple[int | None, ...]) -> None:
+        super().__init__()
+        self.model, self.windows, self.masked = model, windows, masked
+
+    def forward(self, ids, positions, pool, slot_mapping, gather, q_pos, *masks):
+        masks_by_window = dict.fromkeys(self.windows) | dict(zip(self.masked, masks))
+        meta = AttentionMetadata(slot_mapping, gather, None, q_pos, masks_by_window)
+        return self.model.logits(self.model(ids, positions, pool, meta))
+
+
+class StepGraphs:
+    """The traces of one model, made on first use for each mask key."""
+
+    def __init__(self, model: DecoderModel) -> None:
+        self.model = model
+        self.windows = tuple(dict.fromkeys(model.spec.sliding_windows))
+        self.traces: dict[tuple[int | None, ...], torch.jit.ScriptModule] = {}
+
+    @staticmethod
+    def fits(num_tokens: int, meta: AttentionMetadata, num_logits: int) -> bool:
+        """Whether a step can run as a graph (see the module's docstring)."""
+        return num_tokens <= MAX_GRAPH_TOKENS and meta.q_rows is None and num_logits == num_tokens
+
+    def run(self, ids: torch.Tensor, positions: torch.Tensor, pool: torch.Tensor,
+            meta: AttentionMetadata) -> torch.Tensor:
+        """float32 logits [T, vocab] of every token; the step's K/V are written into pool as eagerly."""
+        masks = {w: m for w in self.windows if (m := meta.mask(w)) is not None}
+        key = tuple(masks)
+        args = (ids, positions, pool, meta.slot_mapping, meta.gather, meta.q_pos, *masks.values())
+        # the executor's optimising passes cost ~1 s on the first two calls and gained nothing measurable here
+        with torch.jit.optimized_execution(False):
+            if key not in self.traces:
+                with warnings.catch_warnings():  # the deprecation notice, and tracer notes on baked-in Python ints
+                    warnings.simplefilter("ignore")
+                    self.traces[key] = torch.jit.trace(_Step(self.model, self.windows, key), args, check_trace=False)
+            return self.traces[key](*args)  # after a trace this writes the step's K/V a second time, the same values
