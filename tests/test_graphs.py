@@ -18,6 +18,8 @@ from pagechat.core.config import EngineConfig
 from pagechat.core.engine import Engine
 from pagechat.core.params import SamplingParams
 
+from conftest import cli
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 PROMPTS = ["Hi", "Blocks hold keys and values.", "A longer prompt about the prefix cache and its blocks, block by block."]
 
@@ -72,3 +74,12 @@ def test_bitsandbytes_int8_runs_eagerly(tiny_llama):
     assert engine.runner.graphs is None
     [seq] = engine.generate(["Hi"], SamplingParams(temperature=0.0, max_tokens=3))
     assert len(seq.output_ids) == 3
+
+
+@pytest.mark.parametrize("flags, graphs", [([], True), (["--eager"], False)])
+def test_eager_flag(tiny_llama, capsys, flags, graphs):
+    code, out, err = cli(["generate", str(tiny_llama), "-p", "Hi", "--max-tokens", "4", "--ignore-eos", "--json",
+                          *flags], capsys)
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["stats"]["graphs"] is graphs and len(data["results"][0]["token_ids"]) == 4
