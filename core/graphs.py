@@ -1,6 +1,6 @@
 """Step graphs: small all-sampled steps (decode, draft verification, drafting) replayed as TorchScript traces.
 
-A decoder layer is ~80 torch ops per step. Called from Python, each op costs a few microseconds beyond its
+A decoder layer is ~50 torch ops per step. Called from Python, each op costs a few microseconds beyond its
 kernel; for a 135M model on a CPU that is as much time as the matmuls. torch.jit.trace records the ops of one
 step once, and the recording then runs from C++ (GPU engines such as vLLM and nano-vllm capture CUDA graphs
 per batch size for the same reason). A recording keeps no Python branch: sizes are read from the inputs'
@@ -8,8 +8,8 @@ shapes, so one trace serves any step that takes the same branches, which are:
 - every sequence computes the same number of tokens (no padding rows), and every token's logits are wanted;
 - at most MAX_GRAPH_TOKENS tokens, the side of bf16-wo's row branch that the trace records (its matmul);
 - which sliding windows need a mask this step (the key of the trace: none when one sequence decodes).
-Everything else runs eagerly. torch.jit is deprecated in favour of torch.compile, whose first compile of
-this model did not finish in 20 minutes on the 2-core machine; a trace takes about a second.
+Everything else runs eagerly. torch.jit is deprecated in favour of torch.compile, whose compile of this
+model's decode step did not finish in 20 minutes on the 2-core machine; a trace takes about a second.
 """
 
 from __future__ import annotations
