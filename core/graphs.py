@@ -42,7 +42,7 @@ class _Step(nn.Module):
 
 
 class StepGraphs:
-    """The traces of one model, made on first use for each mask key."""
+    """The traces of one model, made on first use for each mask key (ModelRunner makes the unmasked one at load)."""
 
     def __init__(self, model: DecoderModel) -> None:
         self.model = model

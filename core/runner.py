@@ -18,6 +18,16 @@ class ModelRunner:
                  graphs: bool) -> None:
         self.model, self.pool, self.blocks, self.device = model, pool, blocks, device
         self.graphs = StepGraphs(model) if graphs else None
+        if self.graphs is not None:
+            self._warm_up()
+
+    @torch.inference_mode()
+    def _warm_up(self) -> None:
+        """Trace the one-sequence decode step now, while the model loads, not in the first reply (as GPU engines
+        capture their graphs at start-up). It writes one token's K/V into slot 0, which no sequence holds yet."""
+        meta = build_metadata([0], [1], [[0]], self.blocks.block_size, self.device)
+        token = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.graphs.run(token, token, self.pool, meta)
 
     @torch.inference_mode()
     def run(self, items: list[ScheduledSeq], logits_per_item: list[int]) -> torch.Tensor:

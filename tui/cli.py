@@ -22,7 +22,7 @@ Draft = Annotated[Optional[Path], typer.Option(help="draft model directory (same
 OptionalModelDir = Annotated[Optional[Path], typer.Argument(help="local Hugging Face model directory (safetensors); "
                                                                  "default: the shipped demo chat model")]
 Eager = Annotated[bool, typer.Option("--eager", help="run every op from Python; default: decode steps replay a "
-                                                     "traced graph (TorchScript), made on first use")]
+                                                     "traced graph (TorchScript), traced while the model loads")]
 Ngram = Annotated[bool, typer.Option("--ngram", help="speculate by prompt lookup (n-gram match in the context)")]
 NumDraft = Annotated[int, typer.Option(help="tokens drafted per speculative step")]
 Quant = Annotated[Optional[str], typer.Option(help="int8 (bitsandbytes LLM.int8) | int8-wo (torch int8 weight-only) | "
