@@ -105,14 +105,13 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
-        q = q.view(t, self.heads, self.head_dim)
-        k = k.view(t, self.kv_heads, self.head_dim)
-        v = v.view(t, self.kv_heads, self.head_dim)
+        qk, v = self.qkv_proj(x).split((self.sizes[0] + self.sizes[1], self.sizes[2]), dim=-1)
+        qk = qk.view(t, self.heads + self.kv_heads, self.head_dim)  # q's heads, then k's: rotated as one tensor
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        out = paged_attention(q, k, v, kv[0], kv[1], meta, self.window)
+            q, k = qk.split((self.heads, self.kv_heads), dim=1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+        q, k = rotate(qk, cos, sin).split((self.heads, self.kv_heads), dim=1)
+        out = paged_attention(q, k, v.view(t, self.kv_heads, self.head_dim), kv[0], kv[1], meta, self.window)
         return self.o_proj(out.reshape(t, -1))
 
 
