@@ -20,7 +20,7 @@ class AttentionMetadata:
     """Per-step tensors every layer's attention shares: where to write K/V and what each query reads."""
 
     slot_mapping: torch.Tensor  # [T] pool slot of each new token
-    gather: torch.Tensor  # [B * max_ctx] pool slots of each sequence's context, one row after another (padded with slot 0)
+    gather: torch.Tensor  # [B * max_ctx] pool slots of each sequence's context, row after row (padded with slot 0)
     q_rows: torch.Tensor | None  # [T] row of each token in the padded [B * max_q] layout; None: no padding
     q_pos: torch.Tensor  # [B, max_q] position of each padded query (-1 for padding)
     _masks: dict = field(default_factory=dict)
