@@ -18,6 +18,7 @@ import torch
 
 from pagechat.core.engine import Engine
 from pagechat.core.errors import PagechatError
+from pagechat.core.loader import dtype_name
 from pagechat.core.memory import kv_bytes_per_token, weight_report
 from pagechat.core.params import SamplingParams
 
@@ -219,7 +220,7 @@ def run_bench(engine: Engine, rounds: int = 3, vs_hf: bool = False, spec_prompt:
     p["bandwidth_gb_s"] = bandwidth / 1e9
     p["decode_floor_ms"] = 1000 * weights / bandwidth
     p["mbu"] = p["decode_floor_ms"] / p["decode_ms"]
-    p["dtype"] = str(engine.dtype).removeprefix("torch.")
+    p["dtype"] = dtype_name(engine.dtype)
     p["quant"] = engine.quant.label
     p["graphs"] = engine.graphs
     if specs:
@@ -253,8 +254,8 @@ def _load_hf(engine: Engine, log) -> dict:
     hf_logging.disable_progress_bar()
     out = {}
     for dtype in (torch.float32, torch.bfloat16):
-        log(f"loading transformers at {str(dtype).removeprefix('torch.')}")
-        out[str(dtype).removeprefix("torch.")] = AutoModelForCausalLM.from_pretrained(
+        log(f"loading transformers at {dtype_name(dtype)}")
+        out[dtype_name(dtype)] = AutoModelForCausalLM.from_pretrained(
             str(engine.model_dir), local_files_only=True, dtype=dtype).to(engine.device).eval()
     return out
 

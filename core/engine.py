@@ -16,7 +16,7 @@ from pagechat.core.detok import update_text
 from pagechat.core.errors import PagechatError
 from pagechat.core.graphs import TRACE_SUPPORTED
 from pagechat.core.kv import allocate_pool, copy_blocks, pool_blocks
-from pagechat.core.loader import ModelSpec, WeightReader, load_tokenizer, read_spec
+from pagechat.core.loader import DTYPES, ModelSpec, WeightReader, dtype_name, load_tokenizer, read_spec
 from pagechat.core.model import DecoderModel
 from pagechat.core.params import SamplingParams
 from pagechat.core.report import DraftRecord, StepReport, TokenOutput
@@ -26,9 +26,6 @@ from pagechat.core.scheduler import ScheduledSeq, Scheduler
 from pagechat.core.sequence import Sequence, Status
 from pagechat.core.spec import DraftModelProposer, NgramProposer, verify
 from pagechat.quant.loaders import resolve_quant
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 def resolve_device(name: str) -> torch.device:
     """auto -> cuda when available, else cpu; asking for cuda without one is an error."""
@@ -128,8 +125,7 @@ class Engine:
         # --quant names the target's mode; a draft is quantised only if its own checkpoint is. It runs at the
         # target's dtype, never as an automatic bf16-wo: a draft is small, so overhead-bound, and bf16-wo's casts
         # made the demo draft's speculation slower (1.07-1.19x -> 0.90-0.98x of plain decode)
-        dtype = str(self.dtype).removeprefix("torch.")
-        draft = load_checkpoint(Path(cfg.draft), replace(cfg, quant=None, dtype=dtype), self.device)
+        draft = load_checkpoint(Path(cfg.draft), replace(cfg, quant=None, dtype=dtype_name(self.dtype)), self.device)
         if draft.tokenizer.get_vocab() != self.tokenizer.get_vocab():
             raise PagechatError(f"the draft model's tokenizer ({cfg.draft}) differs from the target's "
                                 f"({self.model_dir}); a draft must share the target's vocabulary")
@@ -206,7 +202,7 @@ class Engine:
     @property
     def precision(self) -> str:
         """The activation dtype, and the weights' quantisation mode if any: 'float32', 'float32 · bf16-wo'."""
-        dtype = str(self.dtype).removeprefix("torch.")
+        dtype = dtype_name(self.dtype)
         return f"{dtype} · {self.quant.mode}" if self.quant.mode else dtype
 
     @property

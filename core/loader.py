@@ -16,6 +16,12 @@ from pagechat.core.errors import PagechatError
 
 SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 ROPE_TYPES = ("default", "linear", "llama3")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """A torch dtype as config.json's torch_dtype and pagechat's --dtype spell it: torch.bfloat16 -> 'bfloat16'."""
+    return str(dtype).removeprefix("torch.")
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,7 @@ import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from pagechat.core.errors import PagechatError
+from pagechat.core.loader import dtype_name
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END]  # the trainer gives them ids 0, 1, 2
@@ -235,5 +236,5 @@ def make_model(out_dir: Path, arch: str, size: str, seed: int = 0) -> Path:
     with _quiet_transformers():
         model.save_pretrained(out_dir, safe_serialization=True)
         save_tokenizer(tokenizer, out_dir)
-    _add_legacy_keys(out_dir / "config.json", str(dtype).removeprefix("torch."))
+    _add_legacy_keys(out_dir / "config.json", dtype_name(dtype))
     return out_dir

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from pagechat.core.kv import CUDA_FREE_FRACTION, block_bytes
-from pagechat.core.loader import ModelSpec
+from pagechat.core.loader import ModelSpec, dtype_name
 from pagechat.quant.layers import INT4_GROUPS, Bf16WOLinear, bf16_head, quant_tensors
 
 KINDS = ("embedding", "attention", "mlp", "norm", "lm_head")
@@ -74,7 +74,7 @@ def weight_report(model: nn.Module) -> WeightReport:
             params = mod.in_features * mod.out_features + (mod.out_features if mod.bias is not None else 0)
         else:
             tensors = list(mod.parameters(recurse=False))
-            fmt, path = (str(tensors[0].dtype).removeprefix("torch."), "dense") if tensors else ("", "")
+            fmt, path = (dtype_name(tensors[0].dtype), "dense") if tensors else ("", "")
             params = sum(t.numel() for t in tensors)
         fresh = [t for t in tensors if t.data_ptr() not in seen]
         if tensors and not fresh:
@@ -113,7 +113,7 @@ def estimate_weights(spec: ModelSpec, mode: str | None, dtype: torch.dtype, grou
                      device_type: str = "cuda") -> WeightReport:
     """What weight_report would say for this config loaded with `mode` on device_type, from config alone."""
     elem = torch.empty((), dtype=dtype).element_size()
-    name = str(dtype).removeprefix("torch.")
+    name = dtype_name(dtype)
     h, d, kv, hid, inter = spec.num_heads, spec.head_dim, spec.num_kv_heads, spec.hidden_size, spec.intermediate_size
     acc: dict[tuple[str, str, str], list[int]] = defaultdict(lambda: [0, 0])
     linears = (("attention", (h + 2 * kv) * d, hid, spec.qkv_bias), ("attention", hid, h * d, spec.o_bias),
@@ -181,7 +181,7 @@ def plan_capacity(spec: ModelSpec, weights: WeightReport, kv_dtype: torch.dtype,
     """Blocks that fit when the KV pool takes CUDA_FREE_FRACTION of the budget left after the weights."""
     per_token = kv_bytes_per_token(spec, kv_dtype)
     kv_budget = max(0, int((budget - weights.total) * CUDA_FREE_FRACTION))
-    return CapacityPlan(budget=budget, weights=weights, kv_dtype=str(kv_dtype).removeprefix("torch."),
+    return CapacityPlan(budget=budget, weights=weights, kv_dtype=dtype_name(kv_dtype),
                         kv_per_token=per_token, block_size=block_size, kv_budget=kv_budget,
                         num_blocks=kv_budget // (per_token * block_size), context=context)
 

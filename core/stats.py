@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pagechat.core.loader import dtype_name
 from pagechat.core.report import DraftRecord, StepReport
 
 
@@ -82,7 +83,7 @@ class RunStats:
             "preemptions": self.preemptions,
             "steps": self.steps,
             "wall_s": round(self.wall_s, 4),
-            "dtype": str(e.dtype).removeprefix("torch."),
+            "dtype": dtype_name(e.dtype),
             "device": str(e.device),
             "attention_backend": e.attention_backend,
             "graphs": e.graphs,

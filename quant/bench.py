@@ -54,7 +54,7 @@ def bench_quant(model_dir: Path, awq_dir: Path | None = None, modes: tuple[str, 
     """Load model_dir once per mode (AWQ from awq_dir, or a temporary RTN checkpoint) and time decoding."""
     from pagechat.core.config import EngineConfig
     from pagechat.core.engine import Engine
-    from pagechat.core.loader import read_spec
+    from pagechat.core.loader import dtype_name, read_spec
     from pagechat.core.memory import weight_report
     from pagechat.quant.checkpoint import quantize_checkpoint
 
@@ -93,7 +93,7 @@ def bench_quant(model_dir: Path, awq_dir: Path | None = None, modes: tuple[str, 
         for m, e in engines.items():
             rep = weight_report(e.model)
             kernels = sorted({row.path for row in rep.rows if row.kind in ("attention", "mlp")})
-            rows.append(BenchRow(m, str(e.dtype).removeprefix("torch."), ",".join(kernels),
+            rows.append(BenchRow(m, dtype_name(e.dtype), ",".join(kernels),
                                  statistics.median(rates[m]), tuple(rates[m]), rep.total,
                                  sum(row.bytes for row in rep.rows if row.kind in ("attention", "mlp"))))
         return rows

@@ -55,6 +55,7 @@ def eval_command(model_dir: Path, text: Path, quant: str | None, seqlen: int | N
     """Perplexity of a text file through pagechat's engine."""
     from pagechat.core.config import EngineConfig
     from pagechat.core.engine import Engine
+    from pagechat.core.loader import dtype_name
     from pagechat.core.memory import fmt_bytes, weight_report
     from pagechat.quant.evaluate import perplexity
 
@@ -64,7 +65,7 @@ def eval_command(model_dir: Path, text: Path, quant: str | None, seqlen: int | N
     res = perplexity(engine, ids, seqlen)
     rep = weight_report(engine.model)
     kernels = ",".join(sorted({r.path for r in rep.rows if r.kind in ("attention", "mlp")}))
-    dt = str(engine.dtype).removeprefix("torch.")
+    dt = dtype_name(engine.dtype)
     out.print(f"perplexity {res.ppl:.4f} (mean NLL {res.nll:.4f}) over {res.tokens} tokens in {res.windows} "
               f"window(s) | quant {engine.quant.mode or 'none'} ({kernels}) | {dt} on {engine.device} | "
               f"weights {fmt_bytes(rep.total)} | {res.seconds:.1f}s")
@@ -74,8 +75,7 @@ def plan_command(model_dir: Path, quant: str | None, gpu_memory: str, context: i
                  block_size: int, group_size: int) -> None:
     """vLLM-style capacity lines for a budget, from config.json alone."""
     from pagechat.core.config import parse_bytes
-    from pagechat.core.engine import DTYPES
-    from pagechat.core.loader import read_spec
+    from pagechat.core.loader import DTYPES, read_spec
     from pagechat.core.memory import estimate_weights, fmt_bytes, plan_capacity
     from pagechat.quant.loaders import MODE_LABELS, resolve_quant
 

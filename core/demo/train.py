@@ -15,6 +15,7 @@ import torch.nn.functional as F
 import transformers
 
 from pagechat.core.demo import corpus
+from pagechat.core.loader import dtype_name
 from pagechat.core.make_model import (
     ENDOFTEXT_ID, EOS_IDS, IM_END, _add_legacy_keys, _quiet_transformers, builtin_corpus, save_tokenizer,
     train_tokenizer,
@@ -176,7 +177,7 @@ def save_model(model, tokenizer, out_dir: Path, dtype: torch.dtype = torch.bfloa
     with _quiet_transformers():
         model.save_pretrained(out_dir, safe_serialization=True)
         save_tokenizer(tokenizer, out_dir)
-    _add_legacy_keys(out_dir / "config.json", str(dtype).removeprefix("torch."))
+    _add_legacy_keys(out_dir / "config.json", dtype_name(dtype))
     return out_dir
 
 

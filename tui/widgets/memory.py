@@ -11,6 +11,7 @@ from textual.app import ComposeResult
 from textual.widgets import Static
 
 from pagechat.core.blocks import BlockSnapshot
+from pagechat.core.loader import dtype_name
 from pagechat.core.memory import WeightReport
 from pagechat.tui.widgets.panel import Panel, short_bytes
 
@@ -37,7 +38,7 @@ class EngineMemory:
         pool = engine.pool.numel() * engine.pool.element_size()
         return cls(weight_report(engine.model), pool, pool // engine.blocks.num_blocks, engine.blocks.num_blocks,
                    engine.blocks.block_size, engine.max_model_len, engine.device,
-                   str(engine.dtype).removeprefix("torch."))
+                   dtype_name(engine.dtype))
 
     def seqs_that_fit(self, tokens: int) -> int:
         """Sequences of `tokens` tokens the pool holds at once."""
