@@ -9,6 +9,9 @@ from dataclasses import dataclass
 # block chains on hash(key). Keying the registry by the whole key, not by hash(key) alone, makes
 # the dict compare the tokens on every lookup, so colliding hashes never alias two blocks.
 # Python's hash of ints and tuples is unsalted, so keys are stable across processes too.
+# A key holding fewer than block_size tokens is a partial tail: a finished sequence's last block,
+# kept so that a chat's next turn, whose prompt extends it, need not recompute those tokens. A
+# key claims only its first len(tokens) slots; whoever holds the block may write after them.
 _Key = tuple[int, tuple[int, ...]]
 _ROOT = 0  # the "previous hash" of a sequence's first block
 
@@ -110,6 +113,9 @@ class BlockManager:
         if not self.can_allocate(token_ids):
             raise ValueError(f"not enough free KV blocks for sequence {seq_id}")
         hits, hashes = self._match(token_ids)
+        hit_tokens = len(hashes) * self.block_size
+        if len(hits) > len(hashes):  # the last hit is a partial tail
+            hit_tokens += len(self._block_key[hits[-1]][1])
         # Take the hits before popping fresh blocks, so eviction cannot reclaim a block we just matched.
         for b in hits:
             self._take(b)
@@ -118,9 +124,9 @@ class BlockManager:
         self._hashes[seq_id] = hashes
         if self.enable_prefix_cache:
             self._queried += len(token_ids)
-            self._hit += len(hits) * self.block_size
+            self._hit += hit_tokens
         self._snap = None
-        return len(hits) * self.block_size
+        return hit_tokens
 
     def can_append(self, seq_id: int, num_slots: int) -> bool:
         """Would append(seq_id, num_slots) succeed now."""
@@ -138,9 +144,9 @@ class BlockManager:
             self._ref[old] -= 1  # stays >= 1: the other holders keep it
             table[-1] = new
             pairs.append((old, new))
-        elif num_slots and length % self.block_size and table[-1] in self._block_key:
-            # Sole holder writing into a registered block (left partial by a rollback while shared):
-            # its content is about to change, so it may no longer answer for its prefix.
+        elif num_slots and length % self.block_size and self._claims_from(table[-1], length % self.block_size):
+            # Sole holder writing into slots a registered block's key claims (it was left partial by a
+            # rollback while shared): their content is about to change, so it no longer answers for its prefix.
             self._unregister(table[-1])
         table.extend(self._pop_free() for _ in range(self.blocks_needed(length + num_slots) - len(table)))
         self._lengths[seq_id] = length + num_slots
@@ -172,14 +178,21 @@ class BlockManager:
         del table[keep:]
         del self._hashes[seq_id][length // bs:]
         self._lengths[seq_id] = length
-        if length % bs and self._ref[table[-1]] == 1 and table[-1] in self._block_key:
-            # We alone hold it and will overwrite its tail; a shared one stays registered because
-            # the next append copies it first (COW), leaving the registered content intact.
+        if length % bs and self._ref[table[-1]] == 1 and self._claims_from(table[-1], length % bs):
+            # We alone hold it and will overwrite slots its key claims; a shared one stays registered
+            # because the next append copies it first (COW), leaving the registered content intact.
             self._unregister(table[-1])
         self._snap = None
 
-    def free(self, seq_id: int) -> None:
-        """Drop the sequence; blocks reaching ref 0 become cached-free if registered, else free."""
+    def free(self, seq_id: int, token_ids: list[int] | None = None, num_computed: int = 0) -> None:
+        """Drop the sequence; blocks reaching ref 0 become cached-free if registered, else free.
+
+        Given the sequence's tokens and how many have KV, a partly filled last computed block that
+        only this sequence holds is registered as a partial tail first, so a prompt extending those
+        tokens (the next turn of a chat) finds them; full blocks are committed by commit() as they fill.
+        """
+        if token_ids is not None and self.enable_prefix_cache:
+            self._register_tail(seq_id, token_ids, num_computed)
         table = self._tables.pop(seq_id)
         del self._lengths[seq_id], self._hashes[seq_id]
         # Release the tail first: it enters the LRU first and so is evicted first, because a tail
@@ -199,6 +212,9 @@ class BlockManager:
         prev = hashes[-1] if hashes else _ROOT
         for i in range(len(hashes), full):
             key = (prev, tuple(token_ids[i * bs:(i + 1) * bs]))
+            old = self._block_key.get(table[i])
+            if old is not None and len(old[1]) < bs:  # a revived partial tail, now full: its full key says more
+                self._unregister(table[i])
             # An existing mapping wins: the same prefix may already live in another block.
             if key not in self._registry and table[i] not in self._block_key:
                 self._registry[key], self._block_key[table[i]] = table[i], key
@@ -215,14 +231,20 @@ class BlockManager:
     # ---- private helpers -----------------------------------------------------------------------
 
     def _match(self, token_ids: list[int]) -> tuple[list[int], list[int]]:
-        """Registered blocks matching a prefix of token_ids, and their chained hashes."""
+        """Registered blocks matching a prefix of token_ids, and the chained hashes of the full ones.
+
+        After the full blocks, a cached-free partial tail may match the next few tokens (the longest
+        one wins); it is the last hit, and has no hash. One held by a live sequence is no hit: that
+        sequence writes after the tail's tokens, where this one would write its own.
+        """
         hits: list[int] = []
         hashes: list[int] = []
         if not self.enable_prefix_cache:
             return hits, hashes
         bs, prev = self.block_size, _ROOT
         # Stop one token short: the engine must compute at least the last token to get its logits.
-        for i in range((len(token_ids) - 1) // bs):
+        last = len(token_ids) - 1
+        for i in range(last // bs):
             key = (prev, tuple(token_ids[i * bs:(i + 1) * bs]))
             block = self._registry.get(key)
             if block is None:
@@ -230,7 +252,33 @@ class BlockManager:
             prev = hash(key)
             hits.append(block)
             hashes.append(prev)
+        start = len(hits) * bs
+        for n in range(min(bs - 1, last - start), 0, -1):
+            block = self._registry.get((prev, tuple(token_ids[start:start + n])))
+            if block is not None and block in self._cached:
+                hits.append(block)
+                break
         return hits, hashes
+
+    def _register_tail(self, seq_id: int, token_ids: list[int], num_computed: int) -> None:
+        """Register the sequence's partly filled last computed block under a partial key (see free)."""
+        table, hashes, bs = self._tables[seq_id], self._hashes[seq_id], self.block_size
+        computed = min(num_computed, self._lengths[seq_id], len(token_ids))
+        full, n = divmod(computed, bs)
+        if not n or len(hashes) != full or self._ref[table[full]] != 1:
+            return  # nothing partial, its full blocks not all committed, or shared with another holder
+        key = (hashes[-1] if hashes else _ROOT, tuple(token_ids[full * bs:computed]))
+        old = self._block_key.get(table[full])
+        if key in self._registry or (old is not None and len(old[1]) == bs):
+            return  # the same tail lives in a block already, or this block answers for a full prefix
+        if old is not None:
+            self._unregister(table[full])  # a shorter tail this sequence revived and extended
+        self._registry[key], self._block_key[table[full]] = table[full], key
+
+    def _claims_from(self, block: int, slot: int) -> bool:
+        """Whether the block is registered under a key claiming slot `slot` or later (writing there breaks it)."""
+        key = self._block_key.get(block)
+        return key is not None and len(key[1]) > slot
 
     def _needs_cow(self, seq_id: int, num_slots: int) -> bool:
         """Whether the first new slot lands in a shared block that already holds our slots."""
@@ -288,7 +336,8 @@ class BlockManager:
         for b in self._touched.union(owners):
             ref = self._ref[b]
             state = "used" if ref else "cached" if b in self._cached else "free"
-            info = (state, ref, tuple(owners.get(b, ())), filled[b] if ref else bs if state == "cached" else 0)
+            kept = len(self._block_key[b][1]) if state == "cached" else 0
+            info = (state, ref, tuple(owners.get(b, ())), filled[b] if ref else kept)
             old = self._infos[b]
             if info != (old.state, old.ref_count, old.owners, old.filled):
                 self._num_shared += (ref > 1) - (old.ref_count > 1)

@@ -116,7 +116,7 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> None:
         """Free seq's blocks and put it at the front of the queue; it is recomputed when readmitted."""
         self.running.remove(seq)
-        self.blocks.free(seq.seq_id)
+        self.blocks.free(seq.seq_id, seq.token_ids, seq.num_computed)
         seq.status, seq.num_computed = Status.WAITING, 0
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
@@ -125,7 +125,7 @@ class Scheduler:
         """Release a finished or aborted sequence wherever it is."""
         if seq in self.running:
             self.running.remove(seq)
-            self.blocks.free(seq.seq_id)
+            self.blocks.free(seq.seq_id, seq.token_ids, seq.num_computed)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         seq.status = Status.FINISHED

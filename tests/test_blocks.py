@@ -189,6 +189,53 @@ def test_rollback_then_regrowth_registers_the_new_content():
     assert bm.allocate(3, [1, 2, 3, 4, 0]) == 4  # the old [3, 4] block still answers too
 
 
+def test_finished_tail_is_a_partial_hit_for_the_next_turn():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    turn1 = list(range(10))  # two full blocks and a tail of 2
+    run(bm, 1, turn1)
+    first = bm.table(1)
+    bm.free(1, turn1, 10)
+    snap = bm.snapshot()
+    assert sorted(b.filled for b in snap.blocks if b.state == "cached") == [2, 4, 4]
+    assert bm.allocate(2, turn1 + [50, 51]) == 10  # only the new tokens are left to compute
+    assert bm.table(2) == first
+    assert bm.snapshot().prefix_hit_tokens == 10
+
+
+def test_partial_tail_held_by_a_live_sequence_is_no_hit():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    turn1 = list(range(10))
+    run(bm, 1, turn1)
+    bm.free(1, turn1, 10)
+    run(bm, 2, turn1 + [50])  # revives the tail and writes slot 3 of it
+    assert bm.allocate(3, turn1 + [60, 61]) == 8  # sharing it would overwrite seq 2's slot 3
+    assert bm.table(3)[:2] == bm.table(2)[:2] and bm.table(3)[2] != bm.table(2)[2]
+
+
+def test_tail_of_a_shared_block_is_not_registered_until_its_last_holder_frees():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    turn1 = list(range(10))
+    run(bm, 1, turn1)
+    bm.fork(1, 2)
+    bm.free(1, turn1, 10)
+    assert bm.allocate(3, turn1 + [50]) == 8
+    bm.free(3)
+    bm.free(2, turn1, 10)
+    assert bm.allocate(4, turn1 + [50]) == 10
+
+
+def test_revived_tail_once_full_answers_under_its_full_key():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    turn1, turn2 = list(range(10)), list(range(10)) + [50, 51, 52]
+    run(bm, 1, turn1)
+    bm.free(1, turn1, 10)
+    assert run(bm, 2, turn2) == 10  # fills the tail block: committed under (chain, 8, 9, 50, 51)
+    bm.free(2, turn2, 13)
+    assert bm.allocate(3, turn2 + [7]) == 13  # three full blocks and the new tail [52]
+    bm.free(3)
+    assert bm.allocate(4, turn1 + [70, 71]) == 8  # the 2-token tail key gave way to the full key
+
+
 def test_disabled_prefix_cache_never_hits():
     bm = BlockManager(num_blocks=8, block_size=2, enable_prefix_cache=False)
     run(bm, 1, [1, 2, 3, 4, 5])
@@ -260,8 +307,7 @@ class BlockMachine(RuleBasedStateMachine):
             assert bm.num_free_blocks() == free_before
             return
         hit = bm.allocate(sid, tokens)
-        bs = bm.block_size
-        assert hit % bs == 0 and hit <= max(0, (len(tokens) - 1) // bs * bs)
+        assert hit <= max(0, len(tokens) - 1)  # the last token is always computed
         assert hit == 0 or bm.enable_prefix_cache
         self.tokens[sid], self.computed[sid] = list(tokens), hit
         if prefill:
@@ -329,22 +375,34 @@ class BlockMachine(RuleBasedStateMachine):
             self.extend(parent, [0], step=True)
             self.extend(child, [1], step=True)
 
-    @precondition(lambda self: self.tokens)
-    @rule(i=PICK)
-    def free(self, i):
-        sid = self.pick(i)
-        self.bm.free(sid)
-        del self.tokens[sid], self.computed[sid]
+    def drop(self, sid: int, tail: bool) -> list[int]:
+        """Free a sequence, with tail keeping its partly filled last block as a partial prefix; its tokens."""
+        toks, computed = self.tokens.pop(sid), self.computed.pop(sid)
+        if tail:
+            self.bm.free(sid, toks, computed)
+        else:
+            self.bm.free(sid)
+        return toks
 
     @precondition(lambda self: self.tokens)
-    @rule(i=PICK)
-    def preempt(self, i):
-        """Free a sequence and re-admit its tokens under a new id (preemption by recompute)."""
+    @rule(i=PICK, tail=st.booleans())
+    def free(self, i, tail):
+        self.drop(self.pick(i), tail)
+
+    @precondition(lambda self: self.tokens)
+    @rule(i=PICK, extra=st.lists(TOKENS, min_size=1, max_size=4))
+    def next_turn(self, i, extra):
+        """A chat's next turn: a sequence computed to its last token finishes, and its tokens plus more
+        come back under a new id (the partial tail, if the sequence held it alone, is a hit)."""
         sid = self.pick(i)
-        toks = self.tokens.pop(sid)
-        del self.computed[sid]
-        self.bm.free(sid)
-        self.start(toks, prefill=True)
+        self.compute(sid, max(0, len(self.tokens[sid]) - 1 - self.computed[sid]))
+        self.start(self.drop(sid, tail=True) + extra, prefill=True)
+
+    @precondition(lambda self: self.tokens)
+    @rule(i=PICK, tail=st.booleans())
+    def preempt(self, i, tail):
+        """Free a sequence and re-admit its tokens under a new id (preemption by recompute)."""
+        self.start(self.drop(self.pick(i), tail), prefill=True)
 
     @precondition(lambda self: self.tokens)
     @rule(i=PICK, k=st.integers(0, 5))
@@ -391,7 +449,8 @@ class BlockMachine(RuleBasedStateMachine):
         for s in self.tokens:
             for i, b in enumerate(self.bm.table(s)):
                 fill[b] = max(fill[b], min(bs, self.bm.length(s) - i * bs))
-        assert [b.filled for b in snap.blocks] == [bs if b.state == "cached" else fill[b.block_id] for b in snap.blocks]
+        kept = [len(self.bm._block_key[b.block_id][1]) if b.state == "cached" else fill[b.block_id] for b in snap.blocks]
+        assert [b.filled for b in snap.blocks] == kept
         assert snap.tokens_stored == sum(fill)
         assert snap.prefix_hit_tokens <= snap.prefix_queried_tokens
 
@@ -406,14 +465,14 @@ class BlockMachine(RuleBasedStateMachine):
         """Each registered block's KV is exactly the chain its key claims, so a hit reads true KV."""
         bs = self.bm.block_size
         for key, b in self.bm._registry.items():
-            prefix = self.pool.get(b * bs + bs - 1)
-            assert prefix is not None and len(prefix) % bs == 0
-            prev = _ROOT
-            for i in range(0, len(prefix), bs):
-                expect = (prev, prefix[i:i + bs])
-                prev = hash(expect)
-            assert expect == key
-            assert all(self.pool.get(b * bs + j) == prefix[: len(prefix) - bs + j + 1] for j in range(bs))
+            n = len(key[1])  # bs, or fewer for a partial tail
+            prefix = self.pool.get(b * bs + n - 1)
+            assert prefix is not None and len(prefix) % bs == n % bs
+            prev, start = _ROOT, len(prefix) - n
+            for i in range(0, start, bs):
+                prev = hash((prev, prefix[i:i + bs]))
+            assert (prev, prefix[start:]) == key
+            assert all(self.pool.get(b * bs + j) == prefix[: start + j + 1] for j in range(n))
 
     def teardown(self):
         if not hasattr(self, "bm"):

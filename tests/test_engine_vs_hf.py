@@ -42,15 +42,7 @@ def reference(tiny_models):
         hf = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32).eval()
         engine = Engine(path, fp32())
         prompts = [engine.tokenizer(p).input_ids for p in PROMPTS]
-        gen = copy.deepcopy(hf.generation_config)
-        gen.eos_token_id = None  # like --ignore-eos: always NEW_TOKENS tokens
-        conts = []
-        for ids in prompts:
-            with torch.no_grad():
-                res = hf.generate(torch.tensor([ids]), generation_config=gen, max_new_tokens=NEW_TOKENS,
-                                  do_sample=False, attention_mask=torch.ones(1, len(ids), dtype=torch.long))
-            conts.append(res[0, len(ids):].tolist())
-        out[arch] = (hf, prompts, conts)
+        out[arch] = (hf, prompts, [hf_greedy(hf, ids) for ids in prompts])
     return out
 
 
@@ -118,9 +110,28 @@ def test_prefix_cache_hit_matches(arch, tiny_models, reference):
     hits = []
     [seq] = engine.generate([shared], GREEDY, on_report=lambda r: hits.append(r.prefix_hit_tokens))
     assert sum(hits) == seq.num_cached_tokens > 0
+    assert seq.output_ids == hf_greedy(hf, shared)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_next_turn_resumes_from_the_partial_tail(arch, tiny_models, reference):
+    """A chat's next turn extends the finished turn's tokens: every token with KV is a hit, the partly filled
+    last block included, and the reply is still transformers'."""
+    hf, prompts, conts = reference[arch]
+    engine = Engine(tiny_models[arch], fp32(block_size=16))
+    [first] = engine.generate([prompts[1]], GREEDY)
+    assert first.num_computed % 16, "the turn was meant to end inside a block"
+    turn2 = prompts[1] + first.output_ids + prompts[0]
+    [seq] = engine.generate([turn2], GREEDY)
+    assert seq.num_cached_tokens == first.num_computed == len(prompts[1]) + NEW_TOKENS - 1
+    assert seq.output_ids == hf_greedy(hf, turn2)
+
+
+def hf_greedy(hf, ids: list[int]) -> list[int]:
+    """transformers' greedy continuation of NEW_TOKENS tokens."""
     gen = copy.deepcopy(hf.generation_config)
-    gen.eos_token_id = None
+    gen.eos_token_id = None  # like --ignore-eos: always NEW_TOKENS tokens
     with torch.no_grad():
-        want = hf.generate(torch.tensor([shared]), generation_config=gen, max_new_tokens=NEW_TOKENS, do_sample=False,
-                           attention_mask=torch.ones(1, len(shared), dtype=torch.long))[0, len(shared):].tolist()
-    assert seq.output_ids == want
+        out = hf.generate(torch.tensor([ids]), generation_config=gen, max_new_tokens=NEW_TOKENS, do_sample=False,
+                          attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+    return out[0, len(ids):].tolist()
