@@ -36,7 +36,7 @@ class Workload:
     prompt: list[int]
     batch: list[list[int]]
     turns: list[list[int]]  # user text of each turn
-    replies: list[list[int]]  # fixed assistant text appended after each turn, same for both sides
+    replies: list[list[int]]  # transformers' history after each turn: as long as pagechat's generated reply
 
     @staticmethod
     def make(vocab: int, special: set[int], max_len: int, seed: int = 0) -> "Workload":
@@ -98,11 +98,11 @@ def pagechat_round(engine: Engine, w: Workload) -> dict:
     out["batch8_tok_s"] = sum(s.num_output_tokens for s in seqs) / (time.perf_counter() - t0)
     out["turn_ttft_ms"] = []
     history: list[int] = []
-    for user, reply in zip(w.turns, w.replies):
+    for user in w.turns:
         history += user
-        [s] = engine.generate([list(history)], SamplingParams(max_tokens=1, **GREEDY))
+        [s] = engine.generate([list(history)], SamplingParams(max_tokens=TURN_REPLY, **GREEDY))
         out["turn_ttft_ms"].append(1000 * (s.first_token_time - s.arrival))
-        history += reply  # a fixed reply keeps both sides' histories identical
+        history += s.output_ids  # the reply as a chat keeps it: its KV is in the cache, bar the last token's
     return out
 
 
@@ -151,7 +151,7 @@ def hf_round(models: dict, w: Workload) -> dict:
         for user, reply in zip(w.turns, w.replies):
             history += user
             t = time.perf_counter()
-            _hf_generate(model, torch.tensor([history]), 1)  # a transformers user re-prefills the history
+            _hf_generate(model, torch.tensor([history]), 1)  # a transformers user re-prefills the history (cost: its length)
             r["turn_ttft_ms"].append(1000 * (time.perf_counter() - t))
             history += reply
         out[name] = r
