@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagechat.core.errors import PagechatError
+from pagechat.core.loader import DTYPES
 from pagechat.quant.loaders import QUANT_MODES
 
 _UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20, "MB": 2**20,
@@ -34,8 +35,7 @@ class EngineConfig:
         """Raise PagechatError naming the first bad setting; return self when all are valid."""
         if self.device not in ("auto", "cpu", "cuda"):
             raise PagechatError(f"--device must be auto, cpu or cuda, got {self.device!r}")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise PagechatError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        check_dtype(self.dtype)
         if self.quant is not None and self.quant not in QUANT_MODES:
             raise PagechatError(f"--quant must be {', '.join(QUANT_MODES[:-1])} or {QUANT_MODES[-1]}, got {self.quant!r}")
         if self.draft and self.ngram:
@@ -46,6 +46,13 @@ class EngineConfig:
             if value < 1:
                 raise PagechatError(f"{name} must be >= 1, got {value}")
         return self
+
+
+def check_dtype(name: str) -> None:
+    """Raise PagechatError unless name is auto or a dtype the engine runs (the one --dtype check)."""
+    if name != "auto" and name not in DTYPES:
+        names = ["auto", *DTYPES]
+        raise PagechatError(f"--dtype must be {', '.join(names[:-1])} or {names[-1]}, got {name!r}")
 
 
 def parse_bytes(text: str) -> int:

@@ -87,6 +87,12 @@ def test_bad_bench_speculation_prompt(args, needle, tiny_llama, capsys):
     assert_one_line_error(code, err, needle)
 
 
+@pytest.mark.parametrize("command", [["generate", "-p", "hi"], ["plan"]])
+def test_bad_dtype(command, tiny_llama, capsys):
+    code, _, err = cli([command[0], str(tiny_llama), *command[1:], "--dtype", "int3"], capsys)
+    assert_one_line_error(code, err, "--dtype must be auto, float32, bfloat16 or float16, got 'int3'")
+
+
 def test_prompt_longer_than_context(tiny_llama, capsys):
     code, _, err = cli(["generate", str(tiny_llama), "-p", "word " * 2000], capsys)
     assert_one_line_error(code, err, "the model's context is 512")

@@ -74,11 +74,12 @@ def eval_command(model_dir: Path, text: Path, quant: str | None, seqlen: int | N
 def plan_command(model_dir: Path, quant: str | None, gpu_memory: str, context: int | None, dtype: str,
                  block_size: int, group_size: int) -> None:
     """vLLM-style capacity lines for a budget, from config.json alone."""
-    from pagechat.core.config import parse_bytes
+    from pagechat.core.config import check_dtype, parse_bytes
     from pagechat.core.loader import DTYPES, read_spec
     from pagechat.core.memory import estimate_weights, fmt_bytes, plan_capacity
     from pagechat.quant.loaders import MODE_LABELS, resolve_quant
 
+    check_dtype(dtype)
     spec = read_spec(model_dir)
     hypothetical = quant == "awq" and spec.quantization is None  # planning a `pagechat quantize` first
     plan = None if hypothetical else resolve_quant(spec, quant, model_dir)
@@ -88,8 +89,6 @@ def plan_command(model_dir: Path, quant: str | None, gpu_memory: str, context: i
         # bf16-wo exists for float32 models
         name = "float16" if hypothetical else "float32" if mode == "bf16-wo" else (spec.torch_dtype or "bfloat16")
         dtype = name if name in DTYPES else "bfloat16"
-    if dtype not in DTYPES:
-        raise PagechatError(f"--dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
     if block_size < 1:
         raise PagechatError(f"--block-size must be >= 1, got {block_size}")
     ctx = context or spec.max_position_embeddings
