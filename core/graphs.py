@@ -5,7 +5,8 @@ kernel; for a 135M model on a CPU that is as much time as the matmuls. torch.jit
 step once, and the recording then runs from C++ (GPU engines such as vLLM and nano-vllm capture CUDA graphs
 per batch size for the same reason). A recording keeps no Python branch: sizes are read from the inputs'
 shapes, so one trace serves any step that takes the same branches, which are:
-- every sequence computes the same number of tokens (no padding rows), and every token's logits are wanted;
+- every sequence computes the same number of tokens (no padding rows); the graph computes every token's logits
+  and the runner keeps the rows it wants (a draft's catch-up wants one of two, a short prompt one of a few);
 - at most MAX_GRAPH_TOKENS tokens, the side of bf16-wo's row branch that the trace records (its matmul);
 - which sliding windows need a mask this step (the key of the trace: none when one sequence decodes).
 Everything else runs eagerly. torch.jit is deprecated in favour of torch.compile, whose compile of this
@@ -50,9 +51,9 @@ class StepGraphs:
         self.traces: dict[tuple[int | None, ...], torch.jit.ScriptModule] = {}
 
     @staticmethod
-    def fits(num_tokens: int, meta: AttentionMetadata, num_logits: int) -> bool:
+    def fits(num_tokens: int, meta: AttentionMetadata) -> bool:
         """Whether a step can run as a graph (see the module's docstring)."""
-        return num_tokens <= MAX_GRAPH_TOKENS and meta.q_rows is None and num_logits == num_tokens
+        return num_tokens <= MAX_GRAPH_TOKENS and meta.q_rows is None
 
     def run(self, ids: torch.Tensor, positions: torch.Tensor, pool: torch.Tensor,
             meta: AttentionMetadata) -> torch.Tensor:

@@ -43,8 +43,9 @@ class ModelRunner:
         meta = build_metadata([it.start for it in items], [it.count + len(it.draft) for it in items],
                               [self.blocks.table(it.seq.seq_id) for it in items], self.blocks.block_size, self.device)
         ids_t, positions_t = torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device)
-        if self.graphs is not None and self.graphs.fits(len(ids), meta, len(rows)):
-            return self.graphs.run(ids_t, positions_t, self.pool, meta)
+        if self.graphs is not None and self.graphs.fits(len(ids), meta):
+            logits = self.graphs.run(ids_t, positions_t, self.pool, meta)
+            return logits if len(rows) == len(ids) else logits[torch.tensor(rows, device=self.device)]
         hidden = self.model(ids_t, positions_t, self.pool, meta)
         if not rows:
             return hidden.new_empty((0, self.model.spec.vocab_size), dtype=torch.float32)
