@@ -13,7 +13,7 @@ import torch
 from pagechat.core.blocks import BlockManager
 from pagechat.core.kv import allocate_pool
 from pagechat.core.runner import ModelRunner
-from pagechat.core.sampler import SampleRow, draw_from, target_probs
+from pagechat.core.sampler import SampleRow, draw_from, penalised_logits, target_probs
 from pagechat.core.scheduler import ScheduledSeq
 from pagechat.core.sequence import Sequence
 
@@ -95,7 +95,8 @@ class DraftModelProposer:
         self.computed: dict[int, int] = {}  # seq id -> tokens whose K/V the draft cache holds
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
-        """k_i draft tokens for each sequence (fewer when its draft cache has no room) and their q rows."""
+        """k_i draft tokens for each sequence (fewer when its draft cache has no room) and their q rows (None when
+        every sequence is greedy)."""
         drafts: list[list[int]] = [[] for _ in seqs]
         qs: list[list[torch.Tensor]] = [[] for _ in seqs]
         live = [i for i, (s, k) in enumerate(zip(seqs, ks)) if k and self._reserve(s, k)]
@@ -103,15 +104,20 @@ class DraftModelProposer:
         # one drafted token each
         items = [ScheduledSeq(seqs[i], self.computed[seqs[i].seq_id],
                               len(seqs[i].token_ids) - self.computed[seqs[i].seq_id]) for i in live]
+        greedy = all(seqs[i].params.greedy for i in live)  # greedy verification reads no q: argmax is all it takes
         while live:
             logits = self._fit(self.runner.run(items, [1] * len(items)))
             rows = [SampleRow(seqs[i].seq_id, seqs[i].params, seqs[i].token_ids + drafts[i], seqs[i].generator)
                     for i in live]
-            q = target_probs(logits, rows)
-            picks = self._pick(q, rows)
+            if greedy:
+                picks = penalised_logits(logits, rows).argmax(dim=-1).tolist()
+            else:
+                q = target_probs(logits, rows)
+                picks = self._pick(q, rows)
+                for j, i in enumerate(live):
+                    qs[i].append(q[j])
             for j, i in enumerate(live):
                 drafts[i].append(picks[j])
-                qs[i].append(q[j])
             live = [i for i in live if len(drafts[i]) < ks[i]]
             items = [ScheduledSeq(seqs[i], len(seqs[i].token_ids) + len(drafts[i]) - 1, 0, [drafts[i][-1]])
                      for i in live]
