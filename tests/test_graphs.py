@@ -1,4 +1,5 @@
-"""Step graphs (core/graphs.py): the traced steps compute exactly what the eager engine computes, and they run.
+"""Step graphs (core/graphs.py): the traced steps compute exactly what the eager engine computes (bit for bit where
+every row's logits are wanted), and they run.
 
 Each scenario takes a different trace key or shape: one sequence decoding (no mask), a batch of three of
 different lengths (a padding mask), n-gram speculation (verification steps of several tokens per sequence),
