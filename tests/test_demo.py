@@ -52,6 +52,22 @@ def test_demo_draft_records_are_what_the_reply_got():
     assert sum(r.accepted for r in records) / sum(len(r.drafted) for r in records) >= 0.6
 
 
+def test_a_chat_turn_reuses_every_token_the_last_one_computed():
+    """The next turn's prompt re-renders the reply through the chat template; the prefix cache then serves every
+    token whose KV the finished turn holds, its partly filled last block included."""
+    from pagechat.core.config import EngineConfig
+    from pagechat.core.engine import Engine
+    from pagechat.core.params import SamplingParams
+
+    engine = Engine(demo.chat_model_dir(), EngineConfig(device="cpu", dtype="float32"))
+    messages = [{"role": "user", "content": "Tell me about paged attention."}]
+    [first] = engine.generate([engine.encode_chat(messages)], SamplingParams(temperature=0.0, max_tokens=60))
+    assert first.num_computed % engine.blocks.block_size, "the turn was meant to end inside a block"
+    messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And the KV cache?"}]
+    [second] = engine.generate([engine.encode_chat(messages)], SamplingParams(temperature=0.0, max_tokens=4))
+    assert second.num_cached_tokens == first.num_computed
+
+
 def test_commands_without_a_model_dir_use_the_demo_models(capsys):
     code, out, err = cli(["generate", "-p", "What is the KV cache?", "--max-tokens", "40"], capsys)
     assert code == 0 and "without recomputing" in out  # the chat template is on for the demo model
