@@ -22,11 +22,11 @@ class RMSNorm(nn.Module):
     def __init__(self, weight: torch.Tensor, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
-        self.eps = eps
+        self.eps, self.shape = eps, tuple(weight.shape)  # plain ints: a trace records them as constants
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:  # the same arithmetic as below, in one op instead of seven
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+            return F.rms_norm(x, self.shape, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -104,15 +104,15 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        t = x.shape[0]
+        # -1 and flatten instead of sizes read off x: a traced step then carries no size arithmetic
         qk, v = self.qkv_proj(x).split((self.sizes[0] + self.sizes[1], self.sizes[2]), dim=-1)
-        qk = qk.view(t, self.heads + self.kv_heads, self.head_dim)  # q's heads, then k's: rotated as one tensor
+        qk = qk.view(-1, self.heads + self.kv_heads, self.head_dim)  # q's heads, then k's: rotated as one tensor
         if self.q_norm is not None:
             q, k = qk.split((self.heads, self.kv_heads), dim=1)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
         q, k = rotate(qk, cos, sin).split((self.heads, self.kv_heads), dim=1)
-        out = paged_attention(q, k, v.view(t, self.kv_heads, self.head_dim), kv[0], kv[1], meta, self.window)
-        return self.o_proj(out.reshape(t, -1))
+        out = paged_attention(q, k, v.view(-1, self.kv_heads, self.head_dim), kv[0], kv[1], meta, self.window)
+        return self.o_proj(out.flatten(1))
 
 
 class MLP(nn.Module):
