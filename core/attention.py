@@ -29,6 +29,9 @@ class AttentionMetadata:
         """[B, 1, max_q, max_ctx] bool: causal, within the context, and within the sliding window if any; None
         when every query may read every key (one sequence decoding), so attention runs without a mask."""
         if window not in self._masks:
+            if self.q_pos.shape == (1, 1) and (window is None or self.gather.shape[0] <= window):
+                self._masks[window] = None  # one sequence decoding its newest token: it reads the whole context
+                return None
             k_pos = torch.arange(self.gather.shape[0] // self.q_pos.shape[0], device=self.gather.device)
             q = self.q_pos.unsqueeze(-1)
             allowed = k_pos <= q
@@ -48,15 +51,21 @@ def build_metadata(starts: list[int], counts: list[int], tables: list[list[int]]
     max_ctx = max(ctx)
     max_blocks = max(len(t) for t in tables)
     table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long)
-    pos = torch.arange(max_ctx)
-    gather = table[:, pos // block_size] * block_size + pos % block_size
-    gather = torch.where(pos < torch.tensor(ctx).unsqueeze(1), gather, 0)
-    i = torch.arange(max_q)
-    starts_t, counts_t = torch.tensor(starts).unsqueeze(1), torch.tensor(counts).unsqueeze(1)
-    valid = i < counts_t
-    q_pos = torch.where(valid, starts_t + i, -1)
-    slot_mapping = gather.gather(1, torch.where(valid, starts_t + i, 0))[valid]
-    q_rows = None if bool(valid.all()) else valid.flatten().nonzero().squeeze(1).to(device)
+    # the slot of every context position, row after row: each block's first slot plus the offsets in it
+    gather = (table.unsqueeze(-1) * block_size + torch.arange(block_size)).flatten(1)[:, :max_ctx]
+    if min(ctx) < max_ctx:  # a shorter context reads slot 0 past its end
+        gather = torch.where(torch.arange(max_ctx) < torch.tensor(ctx).unsqueeze(1), gather, 0)
+    if max_q == min(counts) == 1:  # every sequence computes one token (decode): no padding, slots found in Python
+        q_pos = torch.tensor(starts).unsqueeze(1)
+        slot_mapping = torch.tensor([t[s // block_size] * block_size + s % block_size for t, s in zip(tables, starts)])
+        q_rows = None
+    else:
+        i = torch.arange(max_q)
+        starts_t, counts_t = torch.tensor(starts).unsqueeze(1), torch.tensor(counts).unsqueeze(1)
+        valid = i < counts_t
+        q_pos = torch.where(valid, starts_t + i, -1)
+        slot_mapping = gather.gather(1, torch.where(valid, starts_t + i, 0))[valid]
+        q_rows = None if bool(valid.all()) else valid.flatten().nonzero().squeeze(1).to(device)
     return AttentionMetadata(slot_mapping=slot_mapping.to(device), gather=gather.flatten().to(device), q_rows=q_rows,
                              q_pos=q_pos.to(device))
 
