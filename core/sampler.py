@@ -70,8 +70,9 @@ def _column(values: list, like: Tensor, dtype: torch.dtype = torch.float32) -> T
 
 
 def penalised_logits(logits: Tensor, rows: Sequence[SampleRow]) -> Tensor:
-    """A float32 copy of `logits` with each row's repetition penalty applied over its history."""
-    out = logits.float().clone()
+    """`logits` in float32 with each row's repetition penalty applied over its history (`logits` itself when it is
+    float32 and no row has a penalty: nothing downstream writes into it)."""
+    out = logits.float()
     hit = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1 and r.history]
     if not hit:
         return out
@@ -195,13 +196,16 @@ def draw_from(probs: Tensor, generators: Sequence[torch.Generator | None]) -> Te
     # the batch), then a batched search of the float64 CDF. torch.multinomial would do the same draw
     # but costs ~10 ms per 150k-token row on CPU; this is a cumsum and two searchsorted calls.
     n, dev = probs.shape[0], probs.device
-    u = torch.empty(n, 1, dtype=torch.float64, device=dev)
-    free = [i for i, g in enumerate(generators) if g is None]
-    for i, g in enumerate(generators):
-        if g is not None:
-            u[i] = torch.rand(1, dtype=torch.float64, generator=g, device=dev)
-    if free:
-        u[torch.tensor(free, device=dev)] = torch.rand(len(free), 1, dtype=torch.float64, device=dev)
+    if n == 1:  # the same draw as below, in one op
+        u = torch.rand(1, 1, dtype=torch.float64, generator=generators[0], device=dev)
+    else:
+        u = torch.empty(n, 1, dtype=torch.float64, device=dev)
+        free = [i for i, g in enumerate(generators) if g is None]
+        for i, g in enumerate(generators):
+            if g is not None:
+                u[i] = torch.rand(1, dtype=torch.float64, generator=g, device=dev)
+        if free:
+            u[torch.tensor(free, device=dev)] = torch.rand(len(free), 1, dtype=torch.float64, device=dev)
     cdf = probs.double().cumsum(dim=-1)
     total = cdf[:, -1:].contiguous()
     picked = torch.searchsorted(cdf, u * total, right=True)  # first token whose CDF exceeds the target
@@ -243,7 +247,9 @@ class Sampler:
     @staticmethod
     def _draw(pen: Tensor, x: Tensor, rows: Sequence[SampleRow]) -> Tensor:
         greedy = [r.params.greedy for r in rows]
-        tokens = pen.argmax(dim=-1) if any(greedy) else pen.new_zeros(len(rows), dtype=torch.long)
+        if not any(greedy):  # every row draws: no indexing in and out
+            return draw_from(x.softmax(dim=-1), [r.generator for r in rows])
+        tokens = pen.argmax(dim=-1)
         drawn = [i for i, g in enumerate(greedy) if not g]
         if drawn:
             idx = torch.tensor(drawn, device=x.device)
