@@ -275,7 +275,7 @@ class Sampler:
         temps = _column([1.0 if r.params.greedy else r.params.temperature for r in rows], pen)
         ids = torch.cat([pen.topk(top_n, dim=-1).indices, tokens.unsqueeze(1)], dim=1)
         logit = pen.gather(1, ids)
-        prob = (logit / temps - torch.logsumexp(pen / temps, dim=-1, keepdim=True)).exp()
+        prob = (pen / temps).softmax(dim=-1).gather(1, ids)
         greedy = _column([r.params.greedy for r in rows], pen, torch.bool)
         kept = torch.where(greedy, ids == tokens.unsqueeze(1), x.gather(1, ids) > _NEG_INF)
         # Cut code per candidate (index into _CUT_BY): the first filter, in order, whose mask removed it.
