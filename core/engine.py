@@ -111,6 +111,8 @@ class Engine:
         self.attention_backend = "torch-sdpa"
         self.proposer = self._proposer(cfg, num_blocks)
         self.speculate, self.num_draft = self.proposer is not None, cfg.num_draft
+        if self.proposer is not None:
+            self.runner.warm_up(2)  # verification steps take the causal-mask trace: made now, not in the first reply
         self._q: dict[int, torch.Tensor | None] = {}  # draft distributions between _draft and _verify
         self.requests: dict[int, Sequence] = {}
         self._next_id = 0

@@ -18,16 +18,20 @@ class ModelRunner:
                  graphs: bool) -> None:
         self.model, self.pool, self.blocks, self.device = model, pool, blocks, device
         self.graphs = StepGraphs(model) if graphs else None
-        if self.graphs is not None:
-            self._warm_up()
+        self.warm_up(1)
 
     @torch.inference_mode()
-    def _warm_up(self) -> None:
-        """Trace the one-sequence decode step now, while the model loads, not in the first reply (as GPU engines
-        capture their graphs at start-up). It writes one token's K/V into slot 0, which no sequence holds yet."""
-        meta = build_metadata([0], [1], [[0]], self.blocks.block_size, self.device)
-        token = torch.zeros(1, dtype=torch.long, device=self.device)
-        self.graphs.run(token, token, self.pool, meta)
+    def warm_up(self, count: int) -> None:
+        """Trace a one-sequence step of `count` <= MAX_GRAPH_TOKENS tokens now, while the model loads, not in the
+        first reply (as GPU engines capture their graphs at start-up): 1 token is a decode step; more take the
+        causal-mask trace that verification and a draft's catch-up use. It writes K/V into the pool's first
+        slots, which no sequence holds yet. Nothing without graphs."""
+        if self.graphs is None:
+            return
+        table = list(range(self.blocks.blocks_needed(count)))
+        meta = build_metadata([0], [count], [table], self.blocks.block_size, self.device)
+        positions = torch.arange(count, device=self.device)
+        self.graphs.run(torch.zeros_like(positions), positions, self.pool, meta)
 
     @torch.inference_mode()
     def run(self, items: list[ScheduledSeq], logits_per_item: list[int]) -> torch.Tensor:

@@ -92,6 +92,7 @@ class DraftModelProposer:
         self.pool = allocate_pool(loaded.spec, num_blocks, block_size, loaded.dtype, device)
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_cache=False)
         self.runner = ModelRunner(loaded.model, self.pool, self.blocks, device, graphs)
+        self.runner.warm_up(2)  # its catch-up steps (2 tokens after a verification) take the causal-mask trace
         self.computed: dict[int, int] = {}  # seq id -> tokens whose K/V the draft cache holds
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None]]:

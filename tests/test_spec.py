@@ -32,6 +32,17 @@ def plain_outputs(tiny_llama):
     return [s.output_ids for s in engine(tiny_llama).generate(PROMPTS, GREEDY)]
 
 
+@pytest.mark.parametrize("proposer", [None, "ngram", "draft"])
+def test_verification_and_catch_up_graphs_are_traced_at_load(proposer, tiny_llama, draft_dir):
+    """With a proposer, the causal-mask trace (verification; a draft's catch-up) is made while loading, not in the
+    first reply."""
+    kw = {} if proposer is None else {"ngram": True} if proposer == "ngram" else {"draft": str(draft_dir)}
+    eng = engine(tiny_llama, **kw)
+    assert set(eng.runner.graphs.traces) == ({()} if proposer is None else {(), (None,)})
+    if proposer == "draft":
+        assert set(eng.proposer.runner.graphs.traces) == {(), (None,)}
+
+
 @pytest.mark.parametrize("k", [1, 3, 5])
 @pytest.mark.parametrize("proposer", ["ngram", "draft", "self"])
 def test_greedy_equals_plain(proposer, k, tiny_llama, draft_dir, plain_outputs):
