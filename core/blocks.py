@@ -217,7 +217,7 @@ class BlockManager:
                 self._unregister(table[i])
             # An existing mapping wins: the same prefix may already live in another block.
             if key not in self._registry and table[i] not in self._block_key:
-                self._registry[key], self._block_key[table[i]] = table[i], key
+                self._register(table[i], key)
             prev = hash(key)
             hashes.append(prev)
         self._snap = None
@@ -273,7 +273,7 @@ class BlockManager:
             return  # the same tail lives in a block already, or this block answers for a full prefix
         if old is not None:
             self._unregister(table[full])  # a shorter tail this sequence revived and extended
-        self._registry[key], self._block_key[table[full]] = table[full], key
+        self._register(table[full], key)
 
     def _claims_from(self, block: int, slot: int) -> bool:
         """Whether the block is registered under a key claiming slot `slot` or later (writing there breaks it)."""
@@ -312,6 +312,10 @@ class BlockManager:
                 self._cached[block] = None
             else:
                 self._free.append(block)
+
+    def _register(self, block: int, key: _Key) -> None:
+        """Let the block answer for the prefix key."""
+        self._registry[key], self._block_key[block] = block, key
 
     def _unregister(self, block: int) -> None:
         """Forget the prefix a block answered for."""
