@@ -36,7 +36,7 @@ class Workload:
     prompt: list[int]
     batch: list[list[int]]
     turns: list[list[int]]  # user text of each turn
-    replies: list[list[int]]  # transformers' history after each turn: as long as pagechat's generated reply
+    replies: list[list[int]]  # reply tokens transformers' history takes after each turn (pagechat keeps its own, as long)
 
     @staticmethod
     def make(vocab: int, special: set[int], max_len: int, seed: int = 0) -> "Workload":

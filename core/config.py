@@ -29,7 +29,7 @@ class EngineConfig:
     ngram: bool = False  # prompt-lookup speculation
     num_draft: int = 4  # tokens drafted per step
     quant: str | None = None  # None | int8 | int8-wo | bf16-wo | awq (AWQ and bnb-int8 checkpoints are detected anyway)
-    graphs: bool = True  # run small all-sampled steps as traced graphs (core/graphs.py); False: --eager
+    graphs: bool = True  # run small unpadded steps as traced graphs (core/graphs.py); False: --eager
 
     def validate(self) -> "EngineConfig":
         """Raise PagechatError naming the first bad setting; return self when all are valid."""

@@ -45,7 +45,8 @@ def _step(model: DecoderModel, windows: tuple[int | None, ...], masked: tuple[in
 
 
 class StepGraphs:
-    """The traces of one model, made on first use for each mask key (ModelRunner makes the unmasked one at load)."""
+    """The traces of one model, one per mask key: made on first use, or at load by ModelRunner.warm_up (the
+    unmasked one always, the causal-mask one when a proposer will verify or draft)."""
 
     def __init__(self, model: DecoderModel) -> None:
         self.model = model

@@ -70,7 +70,8 @@ def test_sliding_window_graph_matches_transformers(tiny_models, tmp_path):
         want = hf.generate(torch.tensor([ids]), max_new_tokens=GREEDY.max_tokens, do_sample=False, eos_token_id=None,
                            attention_mask=torch.ones(1, len(ids), dtype=torch.long))[0, len(ids):].tolist()
     outs, _, keys, calls = traced_run(path, [ids])
-    assert keys == {(), (8,)} and calls == GREEDY.max_tokens - 1  # (): made at load, for contexts within 8  # one sequence, yet a mask: the window is shorter than the context
+    # (): made at load, used for contexts within 8; (8,): one sequence, yet a mask, as the window is shorter
+    assert keys == {(), (8,)} and calls == GREEDY.max_tokens - 1
     assert outs == [want]
 
 
