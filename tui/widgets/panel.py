@@ -18,18 +18,19 @@ def short_bytes(n: float) -> str:
 
 
 def update_static(static: Static, text: Text | str) -> None:
-    """Static.update, asking for a (whole-screen) layout pass only when the text's wrapped height changed.
+    """Static.update, asking for a (whole-screen) layout pass only when the Static's height must change.
 
-    A layout reflows every widget on the screen; skipping it when the height is unchanged is what keeps
-    a 20 Hz repaint cheap (and the engine thread, which shares the GIL, fast).
+    A layout reflows every widget on the screen; skipping it when the height stays is what keeps a 20 Hz
+    repaint cheap (and the engine thread, which shares the GIL, fast). The height a text needs is its
+    wrapped line count, or the Static's min-height in cells when that is more (no vertical padding here).
     """
-    width = static.content_size.width
+    width, height = static.content_size
     if isinstance(text, Text) and width > 0:
-        lines = len(text.wrap(static.app.console, width))
+        floor = static.styles.min_height
+        lines = max(len(text.wrap(static.app.console, width)), int(floor.value) if floor and floor.is_cells else 0)
+        layout = lines != height
     else:
-        lines = -1  # unknown: always lay out
-    layout = lines < 0 or lines != getattr(static, "_lines", None)
-    static._lines = lines
+        layout = True  # not laid out yet, or markup: the height is unknown
     static.update(text, layout=layout)
 
 
