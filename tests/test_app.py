@@ -9,6 +9,7 @@ import pytest
 from pagechat.core.config import EngineConfig
 from pagechat.core.engine import Engine
 from pagechat.core.params import SamplingParams
+from textual.screen import Screen
 from pagechat.tui.app import PagechatApp
 from pagechat.tui.drive import advance, send_and_advance, tiny_model_dir, type_prompt, wait_reply_done, wait_until
 from pagechat.tui.history import ChatStore
@@ -103,6 +104,36 @@ async def test_a_long_streaming_reply_shows_its_last_screenful(model_dir, tmp_pa
         await wait_reply_done(pilot)
         assert view.has_class("-done") and not body.display  # the whole reply, as Markdown
         await wait_until(pilot, lambda: log.scroll_y == log.max_scroll_y > 0, 5, "the chat to follow the reply's end")
+
+
+async def test_a_streaming_reply_takes_the_room_below_its_prompt_with_no_layout_pass(model_dir, tmp_path, monkeypatch):
+    layouts: list[int] = []  # Textual's whole-screen layout passes: the messages when each ran
+    refresh_layout = Screen._refresh_layout
+
+    def counting(screen, *args, **kwargs):
+        layouts.append(len(app.session.messages))
+        return refresh_layout(screen, *args, **kwargs)
+
+    monkeypatch.setattr(Screen, "_refresh_layout", counting)
+    app = make_app(model_dir, tmp_path)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await send_and_advance(pilot, "an opening question", 10)
+        app.action_stop()
+        await wait_reply_done(pilot)
+        await send_and_advance(pilot, "and a second question, long enough to wrap over two lines of the chat "
+                                      "column beside the panels", 1)
+        layouts.clear()
+        for _ in range(7):  # 350 tokens: longer than the room, so the body shows its tail
+            await advance(pilot, 50)
+        assert layouts == []
+        log, reply = app.query_one(ChatLog), app.session.messages[-1]
+        view, user = log.views[id(reply)], log.views[id(app.session.messages[-2])]
+        assert reply.streaming and len(reply.tokens) == 351
+        assert user.size.height > 1 and log.region.y < user.region.y  # the question, whole, at the top...
+        assert view.region.bottom == log.region.bottom  # ...and the reply down to the chat's bottom edge
+        assert "more lines above" in str(view.query_one(".reply-body").render()).split("\n")[0]
+        app.action_stop()
+        await wait_reply_done(pilot)
 
 
 async def test_temperature_change_mid_reply_applies_from_the_next_token(model_dir, tmp_path):

@@ -27,7 +27,7 @@ def printable(text: str) -> str:
 
 TOKEN_SHADES = ("#262b33", "#1d2129")  # alternate backgrounds make token boundaries visible
 SPECIAL = ("<|", "<s>", "</s>")
-GROW_STEP = 4  # lines the streaming body grows by at a time, at least (half the visible chat when that is more)
+MIN_ROOM = 4  # rows a streaming reply's body takes at least, however tall the message above it
 
 
 class PromptInput(TextArea):
@@ -116,7 +116,8 @@ class ReplyView(Vertical, can_focus=True):
         self.message = message
         self.frozen = frozen
         self._markdown_for: str | None = None
-        self._reserved = 0  # lines reserved for the streaming text
+        self._reserved = 0  # rows the streaming body takes (0: not set yet)
+        self._room_for = 0  # the chat's height when they were set
 
     def compose(self) -> ComposeResult:
         yield Static(classes="reply-body", markup=False)
@@ -151,25 +152,42 @@ class ReplyView(Vertical, can_focus=True):
         return mounted
 
     def fit(self, body: Static, text: Text) -> Text:
-        """The streaming text cut to its last screenful, in a body whose height grows ahead of the text.
+        """The streaming text cut to its tail, in a body that takes the room below the prompt from the start.
 
-        A height change or a scroll makes Textual lay out the whole screen (10-30 ms at 120x36, more in a
-        long chat) and a frame re-renders the whole body; both hold the GIL the engine thread needs
-        between torch calls. So the body grows half a screen at a time up to the chat's visible height
-        and then stays that height, showing the reply's tail (the whole reply, as Markdown, when done).
+        A height change or a scroll makes Textual lay out the whole screen (30-90 ms at 120x36 on the 2-core
+        machine, more in a long chat) and a frame re-renders the whole body; both hold the GIL the engine
+        thread needs between torch calls. So the body gets its final height once, when the reply is
+        mounted: the chat's visible height less the message above it, which stays in view; then it shows
+        the reply's tail (the whole reply, as Markdown, when done).
         """
         width = body.content_size.width or max(10, self.content_size.width)
-        visible = max(GROW_STEP, self.parent.size.height - 1 if self.parent is not None else 0)
+        if not self._reserved or self._room_for != self.parent.size.height:
+            self._room_for = self.parent.size.height
+            self._reserved = self.room()
+            body.styles.height = self._reserved
         lines = text.wrap(self.app.console, width)
-        if len(lines) > visible:
-            hidden = len(lines) - visible + 1
+        if len(lines) > self._reserved:
+            hidden = len(lines) - self._reserved + 1
             note = Text(f"⋯ {hidden} more lines above; the whole reply shows when it is done", "dim italic")
             text = Text("\n").join([note, *lines[hidden:]])
-        shown = min(len(lines), visible)
-        if shown > self._reserved or self._reserved > visible:
-            self._reserved = min(visible, shown + max(GROW_STEP, visible // 2))
-            body.styles.height = self._reserved
         return text
+
+    def room(self) -> int:
+        """Rows below the message this reply answers when the chat is scrolled to its end (at least MIN_ROOM).
+
+        Measured from the message's styles and text, not its laid-out size: the two are mounted together,
+        before any layout, and the body's height is set in the same layout pass.
+        """
+        log = self.parent
+        rows = log.scrollable_content_region.height - self.styles.margin.height - self.styles.gutter.height
+        siblings = log.children
+        i = siblings.index(self)
+        if i > 0:
+            above = siblings[i - 1]
+            st = above.styles
+            width = log.scrollable_content_region.width - st.margin.width - st.gutter.width
+            rows -= above.get_content_height(log.size, log.size, width) + st.gutter.height + st.margin.height
+        return max(MIN_ROOM, rows)
 
     def meta_text(self) -> Text:
         m, t = self.message, self.message.timing
