@@ -15,6 +15,7 @@ from textual.binding import Binding
 from textual.containers import Container, Horizontal, Vertical
 from textual.geometry import Size
 from textual.screen import Screen
+from textual.widget import AwaitMount
 from textual.widgets import Footer, Input, Static, Tab, Tabs
 
 from pagechat.core.engine import Engine
@@ -324,15 +325,30 @@ class PagechatApp(App[None]):
         reply = self.session.add_user(text)
         conversation = self.session.conversation()
         log = self.main.query_one(ChatLog)
-        log.add(self.session.messages[-2])
-        log.add(reply)
+        mounts = [log.add(self.session.messages[-2]), log.add(reply)]
         prompt = self.main.query_one("#prompt", PromptInput)
         prompt.clear()
         prompt.cursor_blink = False  # each blink repaints the screen: none while the engine decodes
         self.pinned = None
-        self.loop.send(reply.ticket, conversation, self.request_params())
+        self.loop.send(reply.ticket, conversation, self.request_params(), hold=True)
         self.save()
         self.refresh_panels()
+        self.run_worker(self._release_when_drawn(mounts), group="send")
+
+    async def _release_when_drawn(self, mounts: list[AwaitMount]) -> None:
+        """Let the engine start the reply once the new turn is mounted, laid out and scrolled into view.
+
+        That is 30-80 ms of Python on the UI thread; run while the engine decodes, it would hold the GIL
+        the engine thread needs between torch calls. Run first, it delays the first token by less, as
+        the two would share the GIL anyway.
+        """
+        try:
+            for mounted in mounts:
+                await mounted
+            await self.screen.wait_for_refresh()  # the layout with the new widgets
+            await self.screen.wait_for_refresh()  # the scroll to them
+        finally:
+            self.loop.release()
 
     def request_params(self) -> SamplingParams:
         return replace(self.session.params)

@@ -93,6 +93,7 @@ class EngineLoop:
         self._first_seen: set[int] = set()
         self.idle = threading.Event()  # set while the engine has no work (tests wait on it)
         self._snapshot = engine.blocks.snapshot()  # the last block snapshot the UI was sent
+        self._held: Callable[[], None] | None = None  # a send held back until release()
 
     # -- UI side: every method only queues a command ---------------------------------------------
     def start(self) -> EngineLoop:
@@ -103,32 +104,49 @@ class EngineLoop:
         """Abort what runs and stop the thread."""
         if not self._closed:
             self._closed = True
-            self._commands.put(self._abort_active)
-            self._commands.put(None)
+            self._put(self._abort_active)
+            self._put(None)
             self._thread.join(timeout)
 
-    def send(self, ticket: int, messages: list[dict], params: SamplingParams) -> None:
-        """Start a reply to the conversation `messages` (chat template applied on the engine thread)."""
-        self._commands.put(lambda: self._send(ticket, messages, replace(params)))
+    def _put(self, cmd: Callable[[], None] | None) -> None:
+        """Queue a command; a held send goes first, so the engine sees commands in the order the UI gave them."""
+        self.release()
+        self._commands.put(cmd)
 
-    def raw(self, ticket: int, token_ids: list[int], params: SamplingParams) -> None:
-        """Start a reply from ready token ids (no chat template)."""
-        self._commands.put(lambda: self._start(ticket, list(token_ids), replace(params)))
+    def send(self, ticket: int, messages: list[dict], params: SamplingParams, hold: bool = False) -> None:
+        """Start a reply to the conversation `messages` (chat template applied on the engine thread).
+
+        hold: keep the command until release() (or the next command): the app draws the new turn first, so
+        that its layout (tens of ms of Python holding the GIL) does not run while the engine decodes.
+        """
+        params = replace(params)
+        cmd = lambda: self._send(ticket, messages, params)  # noqa: E731
+        if hold:
+            self.release()
+            self._held = cmd
+        else:
+            self._put(cmd)
+
+    def release(self) -> None:
+        """Queue the held send, if any."""
+        cmd, self._held = self._held, None
+        if cmd is not None:
+            self._commands.put(cmd)
 
     def update_params(self, params: SamplingParams) -> None:
         """Apply new settings to the reply in flight from its next token."""
-        self._commands.put(lambda: self._update(replace(params)))
+        self._put(lambda: self._update(replace(params)))
 
     def stop(self) -> None:
         """Abort the reply in flight, keeping what it generated."""
-        self._commands.put(self._abort_active)
+        self._put(self._abort_active)
 
     def pause(self) -> None:
         """Stop stepping after the current step (commands are still applied); for tests and benchmarks."""
-        self._commands.put(lambda: setattr(self, "_paused", True))
+        self._put(lambda: setattr(self, "_paused", True))
 
     def resume(self) -> None:
-        self._commands.put(lambda: setattr(self, "_paused", False))
+        self._put(lambda: setattr(self, "_paused", False))
 
     def is_alive(self) -> bool:
         return self._thread.is_alive()
@@ -138,7 +156,7 @@ class EngineLoop:
         if not self.is_alive():
             return False
         done = threading.Event()
-        self._commands.put(done.set)
+        self._put(done.set)
         return done.wait(timeout)
 
     def advance(self, steps: int) -> None:
@@ -147,11 +165,11 @@ class EngineLoop:
             for _ in range(steps):
                 if self.engine.has_unfinished():
                     self._step()
-        self._commands.put(run)
+        self._put(run)
 
     def call(self, fn: Callable[[Engine], None]) -> None:
         """Run fn(engine) on the engine thread between steps."""
-        self._commands.put(lambda: fn(self.engine))
+        self._put(lambda: fn(self.engine))
 
     # -- engine thread ----------------------------------------------------------------------------
     def _send(self, ticket: int, messages: list[dict], params: SamplingParams) -> None:

@@ -11,6 +11,7 @@ from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
 from textual.message import Message as TMessage
 from textual.reactive import reactive
+from textual.widget import AwaitMount
 from textual.widgets import Markdown, Static, TextArea
 
 from pagechat.tui.session import Message
@@ -260,14 +261,15 @@ class ChatLog(VerticalScroll):
         if self.scroll_y < self.max_scroll_y:
             self.scroll_end(animate=False)
 
-    def add(self, message: Message) -> None:
+    def add(self, message: Message) -> AwaitMount:
         """Mount a widget for a new message."""
         follow = self.near_bottom()
         view = ReplyView(message, self.frozen) if message.role == "assistant" else UserMessage(message)
         self.views[id(message)] = view
-        self.mount(view)
+        mounted = self.mount(view)
         if follow:
             self.call_after_refresh(self.follow)
+        return mounted
 
     def update(self, message: Message) -> None:
         """Repaint a message that changed."""
