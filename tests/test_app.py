@@ -136,6 +136,18 @@ async def test_a_streaming_reply_takes_the_room_below_its_prompt_with_no_layout_
         await wait_reply_done(pilot)
 
 
+async def test_the_first_token_is_drawn_at_once_whatever_the_frame_budget(model_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr("pagechat.tui.app.UI_CPU_BUDGET", 1e-9)  # no frame is ever within budget...
+    monkeypatch.setattr("pagechat.tui.app.MAX_FRAME_GAP", 30.0)  # ...nor overdue while advance() waits (10 s)
+    app = make_app(model_dir, tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await send_and_advance(pilot, "hello", 1)  # waits until the UI has drawn the engine's events
+        reply = app.session.messages[-1]
+        assert reply.streaming and len(reply.tokens) == 1
+        assert str(app.query_one(ChatLog).views[id(reply)].query_one(".reply-body").render()).startswith(
+            printable(reply.content))
+
+
 async def test_temperature_change_mid_reply_applies_from_the_next_token(model_dir, tmp_path):
     app = make_app(model_dir, tmp_path)
     async with app.run_test(size=SIZE) as pilot:

@@ -21,7 +21,7 @@ from textual.widgets import Footer, Input, Static, Tab, Tabs
 from pagechat.core.engine import Engine
 from pagechat.core.errors import PagechatError
 from pagechat.core.params import SamplingParams
-from pagechat.tui.bridge import EngineLoop, Finished, Refused
+from pagechat.tui.bridge import EngineLoop, Finished, FirstToken, Refused
 from pagechat.tui.history import ChatRecord, ChatStore, export_markdown
 from pagechat.tui.screens import HelpScreen
 from pagechat.tui.session import ChatSession, Message
@@ -210,7 +210,7 @@ class PagechatApp(App[None]):
         events = self.loop.events
         if not self.is_running or not self.screen_stack:
             return
-        finished, quiet = False, not events  # quiet: the engine produced nothing since the last tick
+        finished, first, quiet = False, False, not events  # quiet: the engine produced nothing since the last tick
         while events:
             ev = events.popleft()
             msg = self.session.apply(ev)
@@ -219,12 +219,13 @@ class PagechatApp(App[None]):
             if isinstance(ev, Refused):
                 self.notify(ev.message, title="refused", severity="error", timeout=8)
             finished |= isinstance(ev, (Finished, Refused))
+            first |= isinstance(ev, FirstToken)
             self._render_due = True
         if finished:
             self.save()
             settle_heap()
             self.main.query_one("#prompt", PromptInput).cursor_blink = self.session.streaming is None
-        if not self._render_due or not (force or finished or quiet or self.within_budget()):
+        if not self._render_due or not (force or finished or first or quiet or self.within_budget()):
             return
         self._render_due = False
         self._time_mark, self._cpu_mark = time.perf_counter(), time.thread_time()
@@ -242,7 +243,8 @@ class PagechatApp(App[None]):
         """
         self.pump()
         delay = 1 / FPS
-        if self.session.streaming is not None:
+        streaming = self.session.streaming
+        if streaming is not None and streaming.tokens:  # until its first token is drawn, a reply is polled at FPS
             used = time.thread_time() - self._cpu_mark
             delay = min(MAX_FRAME_GAP, max(delay, used / UI_CPU_BUDGET - (time.perf_counter() - self._time_mark)))
         self.set_timer(delay, self._tick)
