@@ -315,7 +315,9 @@ class Engine:
         seq.num_drafted += len(draft)
         seq.num_accepted += accepted
         records = self.sampler.record(logits[:len(emitted)], rows[:len(emitted)], emitted)
-        return DraftRecord(seq.seq_id, self.proposer.name, tuple(draft), accepted, tuple(emitted)), records
+        text = self.sampler.text
+        return DraftRecord(seq.seq_id, self.proposer.name, tuple(draft), accepted, tuple(emitted),
+                           tuple(map(text, draft)), tuple(map(text, emitted))), records
 
     def set_speculation(self, enabled: bool, num_draft: int | None = None) -> None:
         """Turn speculation on or off and change the draft length; applies from the next step."""

@@ -29,6 +29,8 @@ class DraftRecord:
     drafted: tuple[int, ...]
     accepted: int  # leading drafted tokens the target accepted
     emitted: tuple[int, ...]  # tokens added to the sequence: the accepted ones, then a correction or bonus
+    drafted_text: tuple[str, ...]  # each drafted token's text as decoded alone (as Candidate.text)
+    emitted_text: tuple[str, ...]
 
     @property
     def bonus(self) -> bool:

@@ -278,7 +278,7 @@ class PagechatApp(App[None]):
             self.main.query_one(TimingPanel).show(s)
         if self.visible("speculation"):
             on, why, k = self.spec_state()
-            self.main.query_one(SpeculationPanel).show(on, why, s.drafts, k, self.engine.sampler.text)
+            self.main.query_one(SpeculationPanel).show(on, why, s.drafts, k)
         if self.visible("memory"):
             if everything:
                 self.refresh_memory()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from rich.text import Text
 from textual.app import ComposeResult
@@ -15,17 +15,17 @@ MARKS = {"accepted": ("✓", "#87d787"), "rejected": ("✗", "#ff8787"), "bonus"
          "correction": ("→", "#5fafff")}
 
 
-def step_line(d, text_of: Callable[[int], str]) -> Text:
+def step_line(d) -> Text:
     """One verify step: each drafted token marked, then the target's own token (bonus or correction)."""
     t = Text()
     if not d.drafted:
         t.append("(no draft) ", "dim")
-    for i, tok in enumerate(d.drafted):
+    for i, text in enumerate(d.drafted_text):
         mark, colour = MARKS["accepted" if i < d.accepted else "rejected"]
-        t.append(f"{mark}{token_label(text_of(tok), 8)} ", colour)
+        t.append(f"{mark}{token_label(text, 8)} ", colour)
     if len(d.emitted) > d.accepted:
         mark, colour = MARKS["bonus" if d.bonus else "correction"]
-        t.append(f"{mark}{token_label(text_of(d.emitted[-1]), 8)}", colour)
+        t.append(f"{mark}{token_label(d.emitted_text[-1], 8)}", colour)
     return t
 
 
@@ -65,7 +65,7 @@ class SpeculationPanel(Panel):
         yield Static(id="spec-summary")
         yield Static(id="spec-steps")
 
-    def show(self, on: bool, why: str, records: Sequence, k: int, text_of: Callable[[int], str]) -> None:
+    def show(self, on: bool, why: str, records: Sequence, k: int) -> None:
         """State line, figures over `records` (the engine's DraftRecords, newest last) and the recent steps."""
         state = Text().append("on" if on else "off", "bold #87d787" if on else "bold #ffaf5f")
         self.set_text("#spec-state", state.append(f"  {why}", "dim"))
@@ -74,7 +74,7 @@ class SpeculationPanel(Panel):
         rows = max(1, self.content_size.height - 7)
         recent = list(records)[-rows:]
         for d in recent:
-            lines.append("\n").append_text(step_line(d, text_of))
+            lines.append("\n").append_text(step_line(d))
         if not recent:
             lines.append("\n  (none yet)", "dim")
         self.set_text("#spec-steps", lines)
