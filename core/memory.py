@@ -8,6 +8,7 @@ computes the same figures from config.json alone (they agree exactly, see tests/
 from __future__ import annotations
 
 import math
+import os
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -193,3 +194,68 @@ def fmt_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     return f"{n:.2f} TiB"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineMemory:
+    """What the engine holds that never changes after load: weights, the pool, its geometry and context."""
+
+    weights: WeightReport
+    pool_bytes: int
+    block_bytes: int
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    device: torch.device
+    dtype: str
+
+    @classmethod
+    def of(cls, engine) -> EngineMemory:
+        pool = engine.pool.numel() * engine.pool.element_size()
+        return cls(weight_report(engine.model), pool, pool // engine.blocks.num_blocks, engine.blocks.num_blocks,
+                   engine.blocks.block_size, engine.max_model_len, engine.device,
+                   dtype_name(engine.dtype))
+
+    def seqs_that_fit(self, tokens: int) -> int:
+        """Sequences of `tokens` tokens the pool holds at once."""
+        return self.num_blocks // -(-tokens // self.block_size)
+
+
+@dataclass(frozen=True, slots=True)
+class Readings:
+    """Live readings: the torch CUDA allocator and mem_get_info, or the RSS of the engine's process on CPU."""
+
+    rss: int | None = None
+    mem_total: int | None = None
+    allocated: int | None = None
+    reserved: int | None = None
+    peak: int | None = None
+    device_free: int | None = None
+    device_total: int | None = None
+
+
+def _meminfo_total() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def read_memory(device: torch.device) -> Readings:
+    """Read the allocator (CUDA) or this process's RSS (CPU): call it where the engine runs."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return Readings(allocated=torch.cuda.memory_allocated(device), reserved=torch.cuda.memory_reserved(device),
+                        peak=torch.cuda.max_memory_allocated(device), device_free=free, device_total=total)
+    try:
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        import resource
+
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return Readings(rss=rss, mem_total=_meminfo_total())

@@ -18,6 +18,7 @@ from pagechat.core.engine import Engine
 from pagechat.core.demo import chat_model_dir, draft_model_dir
 from pagechat.core.params import SamplingParams
 from pagechat.tui.app import PagechatApp
+from pagechat.tui.bridge import ThreadedEngine
 from pagechat.tui.drive import send_and_advance, type_prompt, wait_reply_done
 from pagechat.tui.history import ChatRecord, ChatStore
 from pagechat.tui.widgets.chat import PromptInput
@@ -37,7 +38,7 @@ def save(app: PagechatApp, name: str) -> None:
 
 def make_app(model: Path, store: Path, params: SamplingParams, layout: str, **config) -> PagechatApp:
     engine = Engine(model, EngineConfig(device="cpu", dtype="float32", **config))
-    return PagechatApp(engine, chat=ChatRecord(id="20250101-120000-demo", model=str(model)), params=params,
+    return PagechatApp(ThreadedEngine(engine), chat=ChatRecord(id="20250101-120000-demo", model=str(model)), params=params,
                        store=ChatStore(store), layout=layout, autosave=False)
 
 

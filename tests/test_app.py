@@ -11,7 +11,10 @@ from pagechat.core.engine import Engine
 from pagechat.core.params import SamplingParams
 from textual.screen import Screen
 from pagechat.tui.app import PagechatApp
-from pagechat.tui.drive import advance, send_and_advance, tiny_model_dir, type_prompt, wait_reply_done, wait_until
+from pagechat.tui.bridge import ThreadedEngine
+from pagechat.tui.drive import (advance, send_and_advance, tiny_model_dir, type_prompt, wait_reply_done, wait_tokens,
+                                wait_until)
+from pagechat.tui.engine_process import EngineProcess
 from pagechat.tui.history import ChatStore
 from pagechat.tui.screens import HelpScreen
 from pagechat.tui.widgets.blocks import FREE, BlockGrid, BlocksPanel
@@ -36,7 +39,7 @@ def model_dir():
 
 def make_app(model_dir, tmp_path, params: SamplingParams = LONG, **config) -> PagechatApp:
     engine = Engine(model_dir, EngineConfig(device="cpu", dtype="float32", **config))
-    return PagechatApp(engine, params=params, store=ChatStore(tmp_path / "chats"), layout="tabs")
+    return PagechatApp(ThreadedEngine(engine), params=params, store=ChatStore(tmp_path / "chats"), layout="tabs")
 
 
 def spy_reports(engine: Engine) -> list:
@@ -74,7 +77,7 @@ async def test_prompt_streams_a_reply(model_dir, tmp_path, monkeypatch):
         app.loop.resume()
         await wait_reply_done(pilot)
         reply = app.session.messages[-1]
-        seq = app.engine.requests[reply.request_id]
+        seq = app.loop.engine.requests[reply.request_id]
         partial = [(n, body) for streaming, n, body in shown if streaming and 0 < n < 60]
         assert len({n for n, _ in partial}) >= 3, "the reply was not painted as it grew"
         texts = [(n, *body.rsplit("\n", 1)) for n, body in partial]  # the streaming text, then its meta line
@@ -161,7 +164,7 @@ async def test_temperature_change_mid_reply_applies_from_the_next_token(model_di
         await advance(pilot, 4)
         temps = [t.record.params.temperature for t in reply.tokens]
         assert temps[:n] == [0.8] * n and set(temps[n:]) == {0.3}, (n, len(temps), reply.streaming, reply.finish_reason, reply.error, app.session.notices)
-        assert app.engine.requests[reply.request_id].params.temperature == 0.3
+        assert app.loop.engine.requests[reply.request_id].params.temperature == 0.3
         app.action_stop()
         await wait_reply_done(pilot)
 
@@ -173,7 +176,7 @@ async def test_block_panel_counts_equal_the_block_manager_while_decoding(model_d
         for steps in (5, 20):
             await advance(pilot, steps)
             panel = app.query_one(BlocksPanel)
-            truth = app.engine.blocks.snapshot()
+            truth = app.loop.engine.blocks.snapshot()
             shown = panel.snapshot
             for name in ("num_used", "num_cached", "num_free", "num_shared", "tokens_stored"):
                 assert getattr(shown, name) == getattr(truth, name), name
@@ -193,11 +196,42 @@ async def test_escape_stops_the_reply_and_keeps_its_text(model_dir, tmp_path):
         await pilot.press("escape")
         await wait_reply_done(pilot)
         reply = app.session.messages[-1]
-        seq = app.engine.requests[reply.request_id]
+        seq = app.loop.engine.requests[reply.request_id]
         assert reply.finish_reason == "abort" == seq.finish_reason
         assert reply.content == seq.text and 4 <= len(reply.tokens) < 400
-        assert app.engine.blocks.snapshot().num_used == 0
+        assert app.loop.engine.blocks.snapshot().num_used == 0
         assert app.store.load(app.session.record.id).messages[-1]["finish_reason"] == "abort"
+
+
+async def test_the_app_on_an_engine_process(model_dir, tmp_path):
+    """What `pagechat run` uses: the reply, the block map and the memory readings come from the child process."""
+    config = EngineConfig(device="cpu", dtype="float32", kv_blocks=64)
+    greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    engine = Engine(model_dir, config)  # the oracle: the same engine run in this process
+    engine.add_request(engine.encode_chat([{"role": "user", "content": "hello there"}]), greedy)
+    while engine.has_unfinished():
+        engine.step()
+    app = PagechatApp(EngineProcess(model_dir, config), params=greedy, store=ChatStore(tmp_path / "chats"),
+                      layout="tabs")
+    async with app.run_test(size=SIZE) as pilot:
+        await type_prompt(pilot, "hello there")
+        await wait_reply_done(pilot)
+        reply = app.session.messages[-1]
+        assert [t.token_id for t in reply.tokens] == engine.requests[0].output_ids
+        assert reply.content == engine.requests[0].text and reply.finish_reason == "length"
+        await wait_until(pilot, lambda: app.query_one(BlocksPanel).snapshot == engine.blocks.snapshot(), 10,
+                         "the block map of the child's pool")
+        assert app.readings is not None and app.readings.rss > 0
+        app.set_params(replace(greedy, max_tokens=400))
+        await type_prompt(pilot, "go on")
+        await wait_tokens(pilot, 3)
+        await pilot.press("escape")
+        await wait_reply_done(pilot)
+        assert app.session.messages[-1].finish_reason == "abort" and 3 <= len(app.session.messages[-1].tokens) < 400
+        await pilot.press("ctrl+n")
+        await wait_until(pilot, lambda: app.query_one(BlocksPanel).snapshot.num_used == 0, 10, "blocks freed")
+        assert app.query_one(BlocksPanel).snapshot.num_cached > 0
+    assert not app.loop.is_alive()  # the app closed its engine
 
 
 async def test_ctrl_n_frees_the_chats_blocks_and_keeps_the_prefix_cache(model_dir, tmp_path):
@@ -205,11 +239,11 @@ async def test_ctrl_n_frees_the_chats_blocks_and_keeps_the_prefix_cache(model_di
     async with app.run_test(size=SIZE) as pilot:
         await send_and_advance(pilot, "a prompt long enough to fill some blocks", 6)
         rid = app.session.messages[-1].request_id
-        assert any(rid in b.owners for b in app.engine.blocks.snapshot().blocks)
+        assert any(rid in b.owners for b in app.loop.engine.blocks.snapshot().blocks)
         old_id = app.session.record.id
         await pilot.press("ctrl+n")
         await wait_until(pilot, lambda: app.query_one(BlocksPanel).snapshot.num_used == 0, 10, "blocks freed on screen")
-        truth = app.engine.blocks.snapshot()
+        truth = app.loop.engine.blocks.snapshot()
         assert truth.num_used == 0 and not any(rid in b.owners for b in truth.blocks)
         assert truth.num_cached > 0  # the prompt's full blocks stay in the prefix cache
         assert app.session.record.id != old_id and not app.session.messages
@@ -219,7 +253,7 @@ async def test_ctrl_n_frees_the_chats_blocks_and_keeps_the_prefix_cache(model_di
 
 async def test_selecting_a_reply_token_shows_the_samplers_record(model_dir, tmp_path):
     app = make_app(model_dir, tmp_path, replace(LONG, max_tokens=12, top_k=5))
-    reports = spy_reports(app.engine)
+    reports = spy_reports(app.loop.engine)
     async with app.run_test(size=SIZE) as pilot:
         await type_prompt(pilot, "pick one")
         await wait_reply_done(pilot)
@@ -294,7 +328,7 @@ async def test_speculation_panel_shows_the_engines_draft_records(model_dir, tmp_
     engine = Engine(model_dir, EngineConfig(device="cpu", dtype="float32", ngram=True, num_draft=3))
     reports = spy_reports(engine)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    app = PagechatApp(engine, params=params, store=ChatStore(tmp_path / "chats"), layout="tabs")
+    app = PagechatApp(ThreadedEngine(engine), params=params, store=ChatStore(tmp_path / "chats"), layout="tabs")
     async with app.run_test(size=SIZE) as pilot:
         await type_prompt(pilot, "the the the the the the")
         await wait_reply_done(pilot)

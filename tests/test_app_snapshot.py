@@ -12,6 +12,7 @@ from pagechat.core.config import EngineConfig
 from pagechat.core.engine import Engine
 from pagechat.core.params import SamplingParams
 from pagechat.tui.app import PagechatApp
+from pagechat.tui.bridge import ThreadedEngine
 from pagechat.tui.drive import send_and_advance, tiny_model_dir, type_prompt, wait_reply_done
 from pagechat.tui.history import ChatRecord, ChatStore
 from pagechat.tui.widgets.chat import PromptInput
@@ -21,7 +22,7 @@ PARAMS = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=40, seed=7, igno
 
 def snapshot_app(tmp_path, layout: str) -> PagechatApp:
     engine = Engine(tiny_model_dir(), EngineConfig(device="cpu", dtype="float32", kv_blocks=96))
-    return PagechatApp(engine, chat=ChatRecord(id="snapshot", model="tiny-llama"), params=PARAMS,
+    return PagechatApp(ThreadedEngine(engine), chat=ChatRecord(id="snapshot", model="tiny-llama"), params=PARAMS,
                        store=ChatStore(tmp_path / "chats"), frozen=True, layout=layout)
 
 

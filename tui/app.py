@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import time
 from collections.abc import Iterable
 from dataclasses import replace
@@ -18,17 +17,16 @@ from textual.screen import Screen
 from textual.widget import AwaitMount
 from textual.widgets import Footer, Input, Static, Tab, Tabs
 
-from pagechat.core.engine import Engine
 from pagechat.core.errors import PagechatError
 from pagechat.core.params import SamplingParams
-from pagechat.tui.bridge import EngineLoop, Finished, FirstToken, Refused
+from pagechat.tui.bridge import EngineClient, Finished, FirstToken, MemoryRead, Refused, SpeculationSet, settle_heap
 from pagechat.tui.history import ChatRecord, ChatStore, export_markdown
 from pagechat.tui.screens import HelpScreen
 from pagechat.tui.session import ChatSession, Message
 from pagechat.tui.widgets.blocks import BlocksPanel
 from pagechat.tui.widgets.chat import ChatColumn, ChatLog, PromptInput, ReplyView
 from pagechat.tui.widgets.controls import ControlsPanel
-from pagechat.tui.widgets.memory import EngineMemory, MemoryPanel, read_memory
+from pagechat.tui.widgets.memory import MemoryPanel
 from pagechat.tui.widgets.panel import Panel
 from pagechat.tui.widgets.sampling import SamplingPanel, token_label
 from pagechat.tui.widgets.speculation import SpeculationPanel
@@ -42,30 +40,13 @@ UI_CPU_BUDGET = 0.03  # while decoding, the UI thread's share of one core (see w
 MAX_FRAME_GAP = 0.5  # ...but draw at least twice a second
 
 
-def settle_heap(full: bool = False) -> None:
-    """Take what exists now out of the cyclic GC's reach (gc.freeze), so no full collection runs mid-reply.
-
-    A full (generation 2) collection walks every tracked object, ~200 ms with torch, transformers and
-    Textual loaded, and it runs in whichever thread allocates, the engine thread too: a 200 ms step in
-    the middle of a reply. Called between replies. `full` first unfreezes and collects everything, so the
-    garbage of a cleared chat is freed rather than frozen; otherwise only the young generations are
-    collected before freezing.
-    """
-    if full:
-        gc.unfreeze()
-        gc.collect()
-    else:
-        gc.collect(1)
-    gc.freeze()
-
-
 class StatusBar(Static):
     """One line: model, dtype and device, chat id, and what the engine is doing."""
 
     def show(self, app: PagechatApp) -> None:
-        e, s = app.engine, app.session
+        e, s = app.loop.info, app.session
         t = Text().append(" pagechat ", "bold #1c1c1c on #5fafff")
-        t.append(f" {app.model_name} ", "bold").append(f"{e.precision} on {e.device}", "dim")
+        t.append(f" {e.model_name} ", "bold").append(f"{e.precision} on {e.device}", "dim")
         turns = sum(1 for m in s.messages if m.role == "user")
         t.append(f" │ chat {s.record.id} · {turns} turn{'s' * (turns != 1)}", "dim")
         msg = s.streaming
@@ -102,22 +83,23 @@ class PagechatApp(App[None]):
         Binding("f8", "nudge('top_p', 0.05)", "top-p+", show=False, priority=True),
     ]
 
-    def __init__(self, engine: Engine, *, chat: ChatRecord | None = None, params: SamplingParams | None = None,
+    def __init__(self, loop: EngineClient, *, chat: ChatRecord | None = None, params: SamplingParams | None = None,
                  store: ChatStore | None = None, save_path: Path | None = None, frozen: bool = False,
                  layout: str = "auto", autosave: bool = True) -> None:
+        """`loop`: the engine's client, not started yet (the app starts it when mounted and closes it)."""
         super().__init__()
-        self.engine = engine
-        self.model_name = Path(engine.model_dir).name
+        self.loop, info = loop, loop.info
         base = params or SamplingParams(temperature=0.7, top_p=0.95, max_tokens=512)
-        self.session = ChatSession(chat or ChatRecord(model=str(engine.model_dir)), base)
+        self.session = ChatSession(chat or ChatRecord(model=info.model_dir), base)
         self.store = store or ChatStore()
         self.save_path = save_path
         self.autosave = autosave
         self.frozen = frozen  # hide numbers that vary between runs (snapshot tests)
         self.layout_mode = layout  # auto | tabs | grid
-        self.loop = EngineLoop(engine)
-        self.session.blocks = engine.blocks.snapshot()  # before the engine thread starts
-        self.memory = EngineMemory.of(engine)
+        self.session.blocks = info.blocks
+        self.memory = info.memory
+        self.speculation = (info.speculate, info.num_draft)  # as the engine has it (SpeculationSet events)
+        self.readings = None  # the engine's latest MemoryRead
         self.pinned: tuple[Message, int] | None = None  # selected reply token shown in the sampling panel
         self.active_panel = "blocks"
         self.term_size: Size | None = None
@@ -213,6 +195,11 @@ class PagechatApp(App[None]):
         finished, first, quiet = False, False, not events  # quiet: the engine produced nothing since the last tick
         while events:
             ev = events.popleft()
+            if isinstance(ev, MemoryRead):
+                self.readings = ev.readings
+                continue
+            if isinstance(ev, SpeculationSet):
+                self.speculation = (ev.enabled, ev.num_draft)
             msg = self.session.apply(ev)
             if msg is not None:
                 self._dirty[id(msg)] = msg
@@ -238,8 +225,8 @@ class PagechatApp(App[None]):
     def _tick(self) -> None:
         """Pump, then sleep until the next frame; while decoding, as long as the last frame's CPU cost over the budget.
 
-        Waking the UI thread costs the engine a GIL hand-off even when nothing is drawn, so a frame that
-        cannot be afforded is not woken up for either.
+        Waking the UI thread takes a core from the engine's thread pool (and, with a ThreadedEngine, the GIL)
+        even when nothing is drawn, so a frame that cannot be afforded is not woken up for either.
         """
         self.pump()
         delay = 1 / FPS
@@ -257,8 +244,9 @@ class PagechatApp(App[None]):
     def within_budget(self) -> bool:
         """While a reply streams, draw only if the UI thread used at most UI_CPU_BUDGET of the time since the last draw.
 
-        Rendering holds the GIL, which the engine thread needs between its torch calls; capping the UI's
-        share of CPU caps what it can take from decoding, whatever a frame costs on this machine.
+        Rendering takes CPU from the engine: it preempts one of the engine's torch threads (each parallel op
+        waits for the slowest), and with a ThreadedEngine it also holds the GIL the engine needs between torch
+        calls. Capping the UI's share of CPU caps what it can take from decoding, whatever a frame costs here.
         """
         if self.session.streaming is None:
             return True
@@ -287,20 +275,19 @@ class PagechatApp(App[None]):
 
     def spec_controls(self) -> tuple[bool, bool, int]:
         """(a proposer exists, speculation on, draft length) as the engine has them."""
-        e = self.engine
-        return getattr(e, "proposer", None) is not None, bool(getattr(e, "speculate", False)), getattr(e, "num_draft", 4)
+        return self.loop.info.proposer is not None, *self.speculation
 
     def spec_state(self) -> tuple[bool, str, int]:
         """(on, why, draft length) for the speculation panel, read from the engine's settings."""
         available, on, k = self.spec_controls()
         if not available:
             return False, "no proposer: start with --draft DIR or --ngram", k
-        name = getattr(self.engine.proposer, "name", "draft")
-        return on, f"{name} proposer · draft length {k}" + ("" if on else " · switched off in Controls"), k
+        why = f"{self.loop.info.proposer} proposer · draft length {k}"
+        return on, why + ("" if on else " · switched off in Controls"), k
 
     def refresh_memory(self) -> None:
         if self.visible("memory"):
-            self.main.query_one(MemoryPanel).show(self.session.blocks, read_memory(self.engine.device))
+            self.main.query_one(MemoryPanel).show(self.session.blocks, self.readings)
 
     def show_sampling(self) -> None:
         panel = self.main.query_one(SamplingPanel)
@@ -340,9 +327,9 @@ class PagechatApp(App[None]):
     async def _release_when_drawn(self, mounts: list[AwaitMount]) -> None:
         """Let the engine start the reply once the new turn is mounted, laid out and scrolled into view.
 
-        That is 30-80 ms of Python on the UI thread; run while the engine decodes, it would hold the GIL
-        the engine thread needs between torch calls. Run first, it delays the first token by less, as
-        the two would share the GIL anyway.
+        That is 30-80 ms of Python on the UI thread; run while the engine decodes, it would take a core from
+        the engine's first decode steps (and, with a ThreadedEngine, the GIL). Run first, it delays the first
+        token by less.
         """
         try:
             for mounted in mounts:
@@ -371,7 +358,7 @@ class PagechatApp(App[None]):
         self.pump_now()
         self.save()
         old = self.session
-        self.session = ChatSession(ChatRecord(model=str(self.engine.model_dir), system=old.system), old.params)
+        self.session = ChatSession(ChatRecord(model=self.loop.info.model_dir, system=old.system), old.params)
         self.session.latest, self.session.blocks = old.latest, old.blocks
         self.pinned = None
         self.main.query_one(ChatLog).clear()
@@ -380,9 +367,9 @@ class PagechatApp(App[None]):
         self.call_after_refresh(settle_heap, True)
         self.notify(f"new chat {self.session.record.id}", timeout=3)
 
-    def pump_now(self) -> None:
-        """Wait briefly for the engine thread to apply queued commands, then drain its events."""
-        self.loop.sync(timeout=2.0)
+    def pump_now(self, timeout: float = 2.0) -> None:
+        """Wait briefly for the engine to apply the commands posted so far, then drain its events."""
+        self.loop.sync(timeout)
         self.pump(force=True)
 
     def action_export(self) -> None:
@@ -439,9 +426,8 @@ class PagechatApp(App[None]):
     @on(ControlsPanel.SpeculationChanged)
     def _speculation_changed(self, event: ControlsPanel.SpeculationChanged) -> None:
         enabled, k = event.enabled, event.num_draft
-        self.loop.call(lambda engine: engine.set_speculation(enabled, k))
-        self.loop.sync(timeout=1.0)
-        self.refresh_panels()
+        self.loop.set_speculation(enabled, k)
+        self.pump_now(timeout=1.0)
         self.notify(f"speculation {'on' if enabled else 'off'} · draft length {k} (from the next step)",
                     title="settings", timeout=2)
 

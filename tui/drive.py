@@ -64,7 +64,7 @@ async def wait_tokens(pilot: Pilot, n: int, timeout: float = 60.0) -> None:
 
 
 async def hold_engine(pilot: Pilot) -> None:
-    """Pause the engine thread after its current step and let the UI render everything it produced."""
+    """Pause the engine after its current step and let the UI render everything it produced."""
     app: PagechatApp = pilot.app  # type: ignore[assignment]
     app.loop.pause()
     app.loop.sync()

@@ -156,8 +156,8 @@ class ReplyView(Vertical, can_focus=True):
         """The streaming text cut to its tail, in a body that takes the room below the prompt from the start.
 
         A height change or a scroll makes Textual lay out the whole screen (30-90 ms at 120x36 on the 2-core
-        machine, more in a long chat) and a frame re-renders the whole body; both hold the GIL the engine
-        thread needs between torch calls. So the body gets its final height once, when the reply is
+        machine, more in a long chat) and a frame re-renders the whole body; both take CPU the engine's
+        threads could use. So the body gets its final height once, when the reply is
         mounted: the chat's visible height less the message above it, which stays in view; then it shows
         the reply's tail (the whole reply, as Markdown, when done).
         """

@@ -2,87 +2,15 @@
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
-
-import torch
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.widgets import Static
 
 from pagechat.core.blocks import BlockSnapshot
-from pagechat.core.loader import dtype_name
-from pagechat.core.memory import WeightReport
+from pagechat.core.memory import EngineMemory, Readings
 from pagechat.tui.widgets.panel import Panel, short_bytes
 
 BAR_COLOURS = {"weights": "#5fafff", "kv used": "#87d787", "kv free": "#2e5e2e", "other": "#d787ff", "free": "#3a3a3a"}
-
-
-@dataclass(frozen=True, slots=True)
-class EngineMemory:
-    """What the engine holds that never changes after load: weights, the pool, its geometry and context."""
-
-    weights: WeightReport
-    pool_bytes: int
-    block_bytes: int
-    num_blocks: int
-    block_size: int
-    max_model_len: int
-    device: torch.device
-    dtype: str
-
-    @classmethod
-    def of(cls, engine) -> EngineMemory:
-        from pagechat.core.memory import weight_report
-
-        pool = engine.pool.numel() * engine.pool.element_size()
-        return cls(weight_report(engine.model), pool, pool // engine.blocks.num_blocks, engine.blocks.num_blocks,
-                   engine.blocks.block_size, engine.max_model_len, engine.device,
-                   dtype_name(engine.dtype))
-
-    def seqs_that_fit(self, tokens: int) -> int:
-        """Sequences of `tokens` tokens the pool holds at once."""
-        return self.num_blocks // -(-tokens // self.block_size)
-
-
-@dataclass(frozen=True, slots=True)
-class Readings:
-    """Live readings: the torch CUDA allocator and mem_get_info, or the process RSS on CPU."""
-
-    rss: int | None = None
-    mem_total: int | None = None
-    allocated: int | None = None
-    reserved: int | None = None
-    peak: int | None = None
-    device_free: int | None = None
-    device_total: int | None = None
-
-
-def _meminfo_total() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def read_memory(device: torch.device) -> Readings:
-    """Read the allocator (CUDA) or the process RSS (CPU)."""
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        return Readings(allocated=torch.cuda.memory_allocated(device), reserved=torch.cuda.memory_reserved(device),
-                        peak=torch.cuda.max_memory_allocated(device), device_free=free, device_total=total)
-    try:
-        with open("/proc/self/statm") as f:
-            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError):
-        import resource
-
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return Readings(rss=rss, mem_total=_meminfo_total())
 
 
 def bar_legend() -> Text:
@@ -175,7 +103,7 @@ class MemoryPanel(Panel):
             return t.append_text(bar(parts, r.device_total, width)).append("\n").append_text(bar_legend())
         other = r.rss - w - i.pool_bytes
         t.append("activation peak ", "dim").append("not tracked on CPU", "italic dim")
-        t.append("\nprocess RSS ", "dim").append(short_bytes(r.rss), "bold")
+        t.append("\nengine RSS ", "dim").append(short_bytes(r.rss), "bold")
         t.append(" · other ", "dim").append(short_bytes(max(0, other)), "bold").append(" (RSS − weights − KV)", "dim")
         if r.mem_total:
             t.append("\n")

@@ -1,0 +1,204 @@
+"""EngineProcess: the engine loop in a child process of its own, which `pagechat run` uses.
+
+On a thread of the app's process the engine shares one GIL with the UI, and torch's thread pool shares
+the cores with it: each parallel op waits for the worker the UI thread preempted. Measured on the 2-core
+machine (README): in its own process the engine keeps every core and the UI costs it only the CPU the UI
+really uses.
+
+Commands go down the pipe as they are posted. Events come up in batches: the child sends what it has
+when an event the UI must show at once is pending (a reply started, its first token, its end, a refusal,
+an answer to a command), when the engine goes idle, and otherwise at most FLUSH_HZ times a second, so
+pickling costs the engine a few batches a second rather than a message per token. The block map crosses
+as a delta: the BlockInfos that are not the ones last sent (the BlockManager keeps unchanged ones as the
+same objects), applied to the UI's copy of the last snapshot.
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import operator
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import replace
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+from pagechat.core.blocks import BlockSnapshot
+from pagechat.core.config import EngineConfig
+from pagechat.core.errors import PagechatError
+from pagechat.core.report import StepReport
+from pagechat.tui.bridge import (NOTHING, BlocksChanged, Command, EngineClient, EngineInfo, EngineLoop, Finished,
+                                 FirstToken, ParamsApplied, Refused, SpeculationSet, Started, Synced, settle_heap)
+
+FLUSH_HZ = 20  # batches a second at most while decoding; the UI draws at most this often
+URGENT = (Started, FirstToken, Finished, Refused, ParamsApplied, SpeculationSet, Synced)
+
+Delta = tuple[BlockSnapshot, tuple]  # (the new snapshot with no blocks, the BlockInfos that changed)
+
+
+def blocks_delta(old: BlockSnapshot, new: BlockSnapshot) -> Delta:
+    """What turns `old` into `new`: the totals and every block record that is not old's own object."""
+    changed = tuple(itertools.compress(new.blocks, map(operator.is_not, new.blocks, old.blocks)))
+    return replace(new, blocks=()), changed
+
+
+def apply_delta(old: BlockSnapshot, delta: Delta) -> BlockSnapshot:
+    totals, changed = delta
+    blocks = list(old.blocks)
+    for info in changed:
+        blocks[info.block_id] = info
+    return replace(totals, blocks=tuple(blocks))
+
+
+def pack(events: list, sent: BlockSnapshot) -> tuple[tuple[list, Delta | None], BlockSnapshot]:
+    """A batch to send: the events with their snapshots taken out, and the newest snapshot as a delta from `sent`."""
+    snap, out = sent, []
+    for ev in events:
+        if isinstance(ev, StepReport):
+            snap, ev = ev.blocks, replace(ev, blocks=None)
+        elif isinstance(ev, BlocksChanged):
+            snap, ev = ev.snapshot, BlocksChanged(None)
+        out.append(ev)
+    return (out, None if snap is sent else blocks_delta(sent, snap)), snap
+
+
+def unpack(batch: tuple[list, Delta | None], held: BlockSnapshot) -> tuple[list, BlockSnapshot]:
+    """The events of a batch, each snapshot field set to the batch's newest snapshot (the UI draws only that)."""
+    events, delta = batch
+    snap = held if delta is None else apply_delta(held, delta)
+    out = []
+    for ev in events:
+        if isinstance(ev, StepReport):
+            ev = replace(ev, blocks=snap)
+        elif isinstance(ev, BlocksChanged):
+            ev = BlocksChanged(snap)
+        out.append(ev)
+    return out, snap
+
+
+class _PipePort:
+    """The child's end: commands from the pipe, events batched into it."""
+
+    def __init__(self, conn: Connection, snapshot: BlockSnapshot) -> None:
+        self.conn, self.sent = conn, snapshot
+        self.pending: list = []
+        self.urgent = False
+        self.last = 0.0
+
+    def take(self, block: bool):
+        try:
+            if block or self.conn.poll():
+                return self.conn.recv()
+        except (EOFError, OSError):  # the app is gone: close the loop
+            return None
+        return NOTHING
+
+    def emit(self, ev) -> None:
+        self.pending.append(ev)
+        self.urgent = self.urgent or isinstance(ev, URGENT)
+
+    def flush(self, idle: bool) -> None:
+        now = time.perf_counter()
+        if not self.pending or not (idle or self.urgent or now - self.last >= 1 / FLUSH_HZ):
+            return
+        batch, self.sent = pack(self.pending, self.sent)
+        self.pending, self.urgent, self.last = [], False, now
+        try:
+            self.conn.send(batch)
+        except (EOFError, OSError):
+            pass  # the app is gone; take() closes the loop
+        if idle:
+            settle_heap()
+
+
+def serve(conn: Connection, model_dir: str, config: EngineConfig) -> None:
+    """The child's body: load the engine, send its EngineInfo (or a one-line error), then run the loop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C belongs to the app; it closes this process
+    from pagechat.core.engine import Engine
+
+    try:
+        engine = Engine(Path(model_dir), config)
+    except PagechatError as e:
+        conn.send(str(e))
+        return
+    except Exception as e:  # noqa: BLE001 - reported by the app as a one-line error
+        conn.send(f"loading {model_dir} failed: {type(e).__name__}: {e}")
+        return
+    info = EngineInfo.of(engine)
+    settle_heap(True)
+    conn.send(info)
+    # Nothing may write to the terminal the app draws on: warnings of torch or the tokenizer included.
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.dup2(devnull, 2)
+    sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
+    EngineLoop(engine, _PipePort(conn, info.blocks)).run()
+
+
+class EngineProcess(EngineClient):
+    """The engine in a child process (spawned: no state of the app's process is inherited)."""
+
+    def __init__(self, model_dir: Path, config: EngineConfig) -> None:
+        """Start the child and wait until the engine is loaded; a failure to load raises PagechatError."""
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=serve, args=(child, str(model_dir), config), name="pagechat-engine",
+                                 daemon=True)
+        self._proc.start()
+        child.close()
+        try:
+            first = self._conn.recv()
+        except EOFError:
+            self._proc.join(5)
+            raise PagechatError(f"the engine process exited while loading {model_dir} "
+                                f"(exit code {self._proc.exitcode})") from None
+        except BaseException:  # Ctrl+C while loading
+            self._proc.terminate()
+            raise
+        if isinstance(first, str):
+            self._proc.join(5)
+            raise PagechatError(first)
+        super().__init__(first)
+        self._snapshot = first.blocks
+        self._reader = threading.Thread(target=self._read, name="pagechat-engine-reader", daemon=True)
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid
+
+    def start(self) -> EngineProcess:
+        self._reader.start()
+        return self
+
+    def _read(self) -> None:
+        while True:
+            try:
+                batch = self._conn.recv()
+            except (EOFError, OSError):
+                if not self._closed:
+                    self._proc.join(1)
+                    self._deliver(Refused(None, f"the engine process exited (exit code {self._proc.exitcode})"))
+                return
+            events, self._snapshot = unpack(batch, self._snapshot)
+            for ev in events:
+                self._deliver(ev)
+
+    def _post(self, cmd: Command | None) -> None:
+        try:
+            self._conn.send(cmd)
+        except OSError:
+            pass  # the reader reports the exit
+
+    def is_alive(self) -> bool:
+        return self._proc.is_alive()
+
+    def _join(self, timeout: float) -> None:
+        self._proc.join(timeout)
+        if self._proc.is_alive():
+            self._proc.terminate()
+            self._proc.join(timeout)
+        self._conn.close()
