@@ -10,6 +10,7 @@ from pagechat.core.config import EngineConfig
 from pagechat.core.engine import Engine
 from pagechat.core.params import SamplingParams
 from textual.screen import Screen
+from textual.widgets import Tabs
 from pagechat.tui.app import PagechatApp
 from pagechat.tui.bridge import ThreadedEngine
 from pagechat.tui.drive import (advance, send_and_advance, tiny_model_dir, type_prompt, wait_reply_done, wait_tokens,
@@ -21,6 +22,7 @@ from pagechat.tui.widgets.blocks import FREE, BlockGrid, BlocksPanel
 from pagechat.tui.widgets.chat import ChatLog, ReplyView, TokenView, printable
 from pagechat.tui.widgets.controls import ControlsPanel
 from pagechat.tui.widgets.sampling import SamplingPanel
+from pagechat.tui.widgets.timing import TimingPanel
 
 pytestmark = pytest.mark.anyio
 SIZE = (120, 36)
@@ -322,6 +324,13 @@ async def test_keys_nudge_params_help_and_resize(model_dir, tmp_path):
         assert app.screen.has_class("-tabs")
         await pilot.press("f2")
         assert app.active_panel == "sampling" and app.query_one(SamplingPanel).display
+        for _ in range(3):  # keys in one burst (as a terminal delivers them): each switch counts
+            app.action_next_panel()
+        await pilot.pause(0.2)
+        assert app.active_panel == "memory" == app.query_one("#panel-tabs", Tabs).active
+        await pilot.click("#panel-tabs Tab#timing")  # a click on a tab still switches
+        await pilot.pause(0.2)
+        assert app.active_panel == "timing" and app.query_one(TimingPanel).display
 
 
 async def test_speculation_panel_shows_the_engines_draft_records(model_dir, tmp_path):

@@ -180,7 +180,9 @@ class PagechatApp(App[None]):
 
     @on(Tabs.TabActivated, "#panel-tabs")
     def _tab(self, event: Tabs.TabActivated) -> None:
-        if event.tab.id and event.tab.id != self.active_panel:
+        """A tab clicked. Keys switch panels too, and each switch posts this event: one that arrives after a
+        later switch (keys pressed in a burst) names a tab no longer active and is not a request."""
+        if event.tab.id and event.tab.id == event.tabs.active != self.active_panel:
             self.show_panel(event.tab.id)
 
     def visible(self, key: str) -> bool:
