@@ -148,11 +148,9 @@ class EngineInfo:
 
     @classmethod
     def of(cls, engine: Engine) -> EngineInfo:
-        proposer = getattr(engine, "proposer", None)
-        return cls(str(engine.model_dir), engine.precision, engine.device, bool(engine.graphs),
-                   torch.get_num_threads(), EngineMemory.of(engine), engine.blocks.snapshot(),
-                   getattr(proposer, "name", "draft") if proposer is not None else None,
-                   bool(getattr(engine, "speculate", False)), getattr(engine, "num_draft", 4))
+        proposer = engine.proposer.name if engine.proposer is not None else None
+        return cls(str(engine.model_dir), engine.precision, engine.device, engine.graphs, torch.get_num_threads(),
+                   EngineMemory.of(engine), engine.blocks.snapshot(), proposer, engine.speculate, engine.num_draft)
 
     @property
     def model_name(self) -> str:

@@ -88,6 +88,7 @@ class _PipePort:
         self.pending: list = []
         self.urgent = False
         self.last = 0.0
+        self.idle = True  # the engine had no work at the last flush
 
     def take(self, block: bool):
         try:
@@ -102,16 +103,16 @@ class _PipePort:
         self.urgent = self.urgent or isinstance(ev, URGENT)
 
     def flush(self, idle: bool) -> None:
-        now = time.perf_counter()
-        if not self.pending or not (idle or self.urgent or now - self.last >= 1 / FLUSH_HZ):
-            return
-        batch, self.sent = pack(self.pending, self.sent)
-        self.pending, self.urgent, self.last = [], False, now
-        try:
-            self.conn.send(batch)
-        except (EOFError, OSError):
-            pass  # the app is gone; take() closes the loop
-        if idle:
+        now, replied = time.perf_counter(), idle and not self.idle
+        self.idle = idle
+        if self.pending and (idle or self.urgent or now - self.last >= 1 / FLUSH_HZ):
+            batch, self.sent = pack(self.pending, self.sent)
+            self.pending, self.urgent, self.last = [], False, now
+            try:
+                self.conn.send(batch)
+            except (EOFError, OSError):
+                pass  # the app is gone; take() closes the loop
+        if replied:  # between replies, after the reply's last events went out
             settle_heap()
 
 

@@ -21,8 +21,8 @@ def update_static(static: Static, text: Text | str) -> None:
     """Static.update, asking for a (whole-screen) layout pass only when the Static's height must change.
 
     A layout reflows every widget on the screen; skipping it when the height stays is what keeps a 20 Hz
-    repaint cheap (and out of the engine's way). The height a text needs is its
-    wrapped line count, or the Static's min-height in cells when that is more (no vertical padding here).
+    repaint cheap (and out of the engine's way). The height a text needs is its wrapped line count, or the
+    Static's min-height in cells when that is more (no vertical padding here).
     """
     width, height = static.content_size
     if isinstance(text, Text) and width > 0:
