@@ -20,8 +20,12 @@ class AttentionMetadata:
     """Per-step tensors every layer's attention shares: where to write K/V and what each query reads."""
 
     slot_mapping: torch.Tensor  # [T] pool slot of each new token
-    gather: torch.Tensor  # [B * max_ctx] pool slots of each sequence's context, row after row (padded with slot 0)
-    q_rows: torch.Tensor | None  # [T] row of each token in the padded [B * max_q] layout; None: no padding
+    gather: (
+        torch.Tensor
+    )  # [B * max_ctx] pool slots of each sequence's context, row after row (padded with slot 0)
+    q_rows: (
+        torch.Tensor | None
+    )  # [T] row of each token in the padded [B * max_q] layout; None: no padding
     q_pos: torch.Tensor  # [B, max_q] position of each padded query (-1 for padding)
     _masks: dict = field(default_factory=dict)
 
@@ -30,9 +34,13 @@ class AttentionMetadata:
         when every query may read every key (one sequence decoding), so attention runs without a mask."""
         if window not in self._masks:
             if self.q_pos.shape == (1, 1) and (window is None or self.gather.shape[0] <= window):
-                self._masks[window] = None  # one sequence decoding its newest token: it reads the whole context
+                self._masks[window] = (
+                    None  # one sequence decoding its newest token: it reads the whole context
+                )
                 return None
-            k_pos = torch.arange(self.gather.shape[0] // self.q_pos.shape[0], device=self.gather.device)
+            k_pos = torch.arange(
+                self.gather.shape[0] // self.q_pos.shape[0], device=self.gather.device
+            )
             q = self.q_pos.unsqueeze(-1)
             allowed = k_pos <= q
             if window is not None:
@@ -43,8 +51,13 @@ class AttentionMetadata:
         return self._masks[window]
 
 
-def build_metadata(starts: list[int], counts: list[int], tables: list[list[int]], block_size: int,
-                   device: torch.device) -> AttentionMetadata:
+def build_metadata(
+    starts: list[int],
+    counts: list[int],
+    tables: list[list[int]],
+    block_size: int,
+    device: torch.device,
+) -> AttentionMetadata:
     """Metadata for sequences that compute `counts[i]` tokens after `starts[i]` already cached ones."""
     max_q = max(counts)
     ctx = [s + c for s, c in zip(starts, counts)]
@@ -55,9 +68,13 @@ def build_metadata(starts: list[int], counts: list[int], tables: list[list[int]]
     gather = (table.unsqueeze(-1) * block_size + torch.arange(block_size)).flatten(1)[:, :max_ctx]
     if min(ctx) < max_ctx:  # a shorter context reads slot 0 past its end
         gather = torch.where(torch.arange(max_ctx) < torch.tensor(ctx).unsqueeze(1), gather, 0)
-    if max_q == min(counts) == 1:  # every sequence computes one token (decode): no padding, slots found in Python
+    if (
+        max_q == min(counts) == 1
+    ):  # every sequence computes one token (decode): no padding, slots found in Python
         q_pos = torch.tensor(starts).unsqueeze(1)
-        slot_mapping = torch.tensor([t[s // block_size] * block_size + s % block_size for t, s in zip(tables, starts)])
+        slot_mapping = torch.tensor(
+            [t[s // block_size] * block_size + s % block_size for t, s in zip(tables, starts)]
+        )
         q_rows = None
     else:
         i = torch.arange(max_q)
@@ -66,12 +83,23 @@ def build_metadata(starts: list[int], counts: list[int], tables: list[list[int]]
         q_pos = torch.where(valid, starts_t + i, -1)
         slot_mapping = gather.gather(1, torch.where(valid, starts_t + i, 0))[valid]
         q_rows = None if bool(valid.all()) else valid.flatten().nonzero().squeeze(1).to(device)
-    return AttentionMetadata(slot_mapping=slot_mapping.to(device), gather=gather.flatten().to(device), q_rows=q_rows,
-                             q_pos=q_pos.to(device))
+    return AttentionMetadata(
+        slot_mapping=slot_mapping.to(device),
+        gather=gather.flatten().to(device),
+        q_rows=q_rows,
+        q_pos=q_pos.to(device),
+    )
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, window: int | None) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    window: int | None,
+) -> torch.Tensor:
     """Write this step's k/v [T, KV, D] into the caches [slots, KV, D], then attend q [T, H, D] -> [T, H, D]."""
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
@@ -80,14 +108,22 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     if meta.q_rows is None:
         qp = q.unflatten(0, (b, -1))
     else:
-        qp = q.new_zeros(meta.q_pos.numel(), *q.shape[1:]).index_copy_(0, meta.q_rows, q).unflatten(0, (b, -1))
+        qp = (
+            q.new_zeros(meta.q_pos.numel(), *q.shape[1:])
+            .index_copy_(0, meta.q_rows, q)
+            .unflatten(0, (b, -1))
+        )
     # index_select, not k_cache[meta.gather]: on CPU advanced indexing copies ~5x slower (2000 slots: 67 vs 363 us)
-    keys = k_cache.index_select(0, meta.gather).unflatten(0, (b, -1)).transpose(1, 2)  # [B, KV, ctx, D]
+    keys = (
+        k_cache.index_select(0, meta.gather).unflatten(0, (b, -1)).transpose(1, 2)
+    )  # [B, KV, ctx, D]
     values = v_cache.index_select(0, meta.gather).unflatten(0, (b, -1)).transpose(1, 2)
     if not _SDPA_GQA and keys.shape[1] != q.shape[1]:
         keys = keys.repeat_interleave(q.shape[1] // keys.shape[1], dim=1)
         values = values.repeat_interleave(q.shape[1] // values.shape[1], dim=1)
     extra = {"enable_gqa": True} if _SDPA_GQA else {}
-    out = F.scaled_dot_product_attention(qp.transpose(1, 2), keys, values, attn_mask=meta.mask(window), **extra)
+    out = F.scaled_dot_product_attention(
+        qp.transpose(1, 2), keys, values, attn_mask=meta.mask(window), **extra
+    )
     out = out.transpose(1, 2).flatten(0, 1)
     return out if meta.q_rows is None else out[meta.q_rows]

@@ -15,7 +15,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-
 from pagechat.core.engine import Engine
 from pagechat.core.errors import PagechatError
 from pagechat.core.loader import dtype_name
@@ -36,18 +35,23 @@ class Workload:
     prompt: list[int]
     batch: list[list[int]]
     turns: list[list[int]]  # user text of each turn
-    replies: list[list[int]]  # reply tokens transformers' history takes after each turn (pagechat keeps its own, as long)
+    replies: list[
+        list[int]
+    ]  # reply tokens transformers' history takes after each turn (pagechat keeps its own, as long)
 
     @staticmethod
-    def make(vocab: int, special: set[int], max_len: int, seed: int = 0) -> "Workload":
+    def make(vocab: int, special: set[int], max_len: int, seed: int = 0) -> Workload:
         rng = random.Random(seed)
         ids = [i for i in range(min(vocab, 32000)) if i not in special]
         draw = lambda n: [rng.choice(ids) for _ in range(n)]  # noqa: E731
         # a model with a short context gets the same mix, scaled down to fit
         scale = min(1.0, (max_len - max(BATCH_OUTPUTS)) / max(BATCH_PROMPTS))
-        return Workload(draw(PROMPT_TOKENS), [draw(int(n * scale)) for n in BATCH_PROMPTS],
-                        [draw(TURN_USER) for _ in range(TURNS)],
-                        [draw(TURN_REPLY) for _ in range(TURNS)])
+        return Workload(
+            draw(PROMPT_TOKENS),
+            [draw(int(n * scale)) for n in BATCH_PROMPTS],
+            [draw(TURN_USER) for _ in range(TURNS)],
+            [draw(TURN_REPLY) for _ in range(TURNS)],
+        )
 
 
 def measure_bandwidth(device: torch.device, mib: int = 256) -> float:
@@ -87,7 +91,9 @@ def pagechat_round(engine: Engine, w: Workload) -> dict:
             seen["decode_n"] += r.decode_tokens
 
     t0 = time.perf_counter()
-    [seq] = engine.generate([w.prompt], SamplingParams(max_tokens=DECODE_TOKENS, **GREEDY), on_report=count)
+    [seq] = engine.generate(
+        [w.prompt], SamplingParams(max_tokens=DECODE_TOKENS, **GREEDY), on_report=count
+    )
     out["ttft_ms"] = 1000 * (seq.first_token_time - seq.arrival)
     out["prefill_tok_s"] = PROMPT_TOKENS / (seq.first_token_time - seq.arrival)
     out["decode_ms"] = 1000 * seen["decode_s"] / seen["decode_n"]
@@ -102,7 +108,9 @@ def pagechat_round(engine: Engine, w: Workload) -> dict:
         history += user
         [s] = engine.generate([list(history)], SamplingParams(max_tokens=TURN_REPLY, **GREEDY))
         out["turn_ttft_ms"].append(1000 * (s.first_token_time - s.arrival))
-        history += s.output_ids  # the reply as a chat keeps it: its KV is in the cache, bar the last token's
+        history += (
+            s.output_ids
+        )  # the reply as a chat keeps it: its KV is in the cache, bar the last token's
     return out
 
 
@@ -113,14 +121,20 @@ def spec_round(engine: Engine, prompt: list[int]) -> dict:
     for on in (False, True):
         engine.set_speculation(on)
         decode_s = []
-        [seq] = engine.generate([prompt], SamplingParams(max_tokens=DECODE_TOKENS, temperature=0.0),
-                                on_report=lambda r: decode_s.append(r.elapsed_s) if r.kind == "decode" else None)
+        [seq] = engine.generate(
+            [prompt],
+            SamplingParams(max_tokens=DECODE_TOKENS, temperature=0.0),
+            on_report=lambda r: decode_s.append(r.elapsed_s) if r.kind == "decode" else None,
+        )
         if not decode_s:
-            raise PagechatError("the speculation prompt's reply ended after its first token; nothing to measure")
+            raise PagechatError(
+                "the speculation prompt's reply ended after its first token; nothing to measure"
+            )
         res["spec" if on else "plain"] = {
             "decode_tok_s": (seq.num_output_tokens - 1) / sum(decode_s),
             "target_forwards_per_token": seq.target_forwards / seq.num_output_tokens,
-            "acceptance_rate": seq.num_accepted / seq.num_drafted if seq.num_drafted else 0.0}
+            "acceptance_rate": seq.num_accepted / seq.num_drafted if seq.num_drafted else 0.0,
+        }
     return res
 
 
@@ -151,7 +165,9 @@ def hf_round(models: dict, w: Workload) -> dict:
         for user, reply in zip(w.turns, w.replies):
             history += user
             t = time.perf_counter()
-            _hf_generate(model, torch.tensor([history]), 1)  # a transformers user re-prefills the history (cost: its length)
+            _hf_generate(
+                model, torch.tensor([history]), 1
+            )  # a transformers user re-prefills the history (cost: its length)
             r["turn_ttft_ms"].append(1000 * (time.perf_counter() - t))
             history += reply
         out[name] = r
@@ -161,8 +177,14 @@ def hf_round(models: dict, w: Workload) -> dict:
 @torch.inference_mode()
 def _hf_generate(model, ids: torch.Tensor, new: int, mask: torch.Tensor | None = None) -> None:
     mask = torch.ones_like(ids) if mask is None else mask
-    model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                   pad_token_id=0)
+    model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=new,
+        min_new_tokens=new,
+        do_sample=False,
+        pad_token_id=0,
+    )
 
 
 def median_of(rounds: list[dict]) -> dict:
@@ -188,16 +210,28 @@ class BenchResult:
     machine: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
-        return {"pagechat": self.pagechat, "transformers": self.transformers, "ratios": self.ratios,
-                "machine": self.machine}
+        return {
+            "pagechat": self.pagechat,
+            "transformers": self.transformers,
+            "ratios": self.ratios,
+            "machine": self.machine,
+        }
 
 
-def run_bench(engine: Engine, rounds: int = 3, vs_hf: bool = False, spec_prompt: list[int] | None = None,
-              log: Callable[[str], None] = lambda s: None) -> BenchResult:
+def run_bench(
+    engine: Engine,
+    rounds: int = 3,
+    vs_hf: bool = False,
+    spec_prompt: list[int] | None = None,
+    log: Callable[[str], None] = lambda s: None,
+) -> BenchResult:
     """Warm up, then `rounds` interleaved repetitions of every figure; medians, MBU and ratios."""
     special = set(engine.tokenizer.all_special_ids)
     # a fresh workload each round (and one for warm-up), so no round is served from an earlier round's cache
-    loads = [Workload.make(engine.spec.vocab_size, special, engine.max_model_len, seed) for seed in range(rounds + 1)]
+    loads = [
+        Workload.make(engine.spec.vocab_size, special, engine.max_model_len, seed)
+        for seed in range(rounds + 1)
+    ]
     hf = _load_hf(engine, log) if vs_hf else {}
     log("warming up")
     pagechat_round(engine, loads[-1])
@@ -225,9 +259,13 @@ def run_bench(engine: Engine, rounds: int = 3, vs_hf: bool = False, spec_prompt:
     p["graphs"] = engine.graphs
     if specs:
         s = median_of(specs)
-        p["speculation"] = {"proposer": engine.proposer.name, "num_draft": engine.num_draft,
-                            "prompt_tokens": len(spec_prompt or loads[0].prompt), **s,
-                            "speedup": s["spec"]["decode_tok_s"] / s["plain"]["decode_tok_s"]}
+        p["speculation"] = {
+            "proposer": engine.proposer.name,
+            "num_draft": engine.num_draft,
+            "prompt_tokens": len(spec_prompt or loads[0].prompt),
+            **s,
+            "speedup": s["spec"]["decode_tok_s"] / s["plain"]["decode_tok_s"],
+        }
     result = BenchResult(p, machine=_machine(engine))
     if hf:
         per = median_of(theirs)
@@ -255,14 +293,23 @@ def _load_hf(engine: Engine, log) -> dict:
     out = {}
     for dtype in (torch.float32, torch.bfloat16):
         log(f"loading transformers at {dtype_name(dtype)}")
-        out[dtype_name(dtype)] = AutoModelForCausalLM.from_pretrained(
-            str(engine.model_dir), local_files_only=True, dtype=dtype).to(engine.device).eval()
+        out[dtype_name(dtype)] = (
+            AutoModelForCausalLM.from_pretrained(
+                str(engine.model_dir), local_files_only=True, dtype=dtype
+            )
+            .to(engine.device)
+            .eval()
+        )
     return out
 
 
 def _machine(engine: Engine) -> dict:
-    info = {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "device": str(engine.device)}
+    info = {
+        "cpu": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "device": str(engine.device),
+    }
     if engine.device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(engine.device)
     return info

@@ -50,7 +50,11 @@ class BlockSnapshot:
     @property
     def hit_rate(self) -> float:
         """Prefix-cache hit tokens over queried tokens (0 when nothing was queried)."""
-        return self.prefix_hit_tokens / self.prefix_queried_tokens if self.prefix_queried_tokens else 0.0
+        return (
+            self.prefix_hit_tokens / self.prefix_queried_tokens
+            if self.prefix_queried_tokens
+            else 0.0
+        )
 
 
 class BlockManager:
@@ -58,7 +62,9 @@ class BlockManager:
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_cache: bool = True) -> None:
         if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+            raise ValueError(
+                f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}"
+            )
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_cache = enable_prefix_cache
         self._ref = [0] * num_blocks
@@ -68,10 +74,14 @@ class BlockManager:
         self._block_key: dict[int, _Key] = {}  # block -> its prefix key (the inverse)
         self._tables: dict[int, list[int]] = {}
         self._lengths: dict[int, int] = {}
-        self._hashes: dict[int, list[int]] = {}  # chained hashes of each seq's committed full blocks
+        self._hashes: dict[
+            int, list[int]
+        ] = {}  # chained hashes of each seq's committed full blocks
         self._queried = self._hit = 0
         self._snap: BlockSnapshot | None = None  # cached until the next mutation
-        self._infos = [BlockInfo(b, "free", 0, (), 0) for b in range(num_blocks)]  # as last snapshotted
+        self._infos = [
+            BlockInfo(b, "free", 0, (), 0) for b in range(num_blocks)
+        ]  # as last snapshotted
         self._touched: set[int] = set()  # blocks taken, released or evicted since the last snapshot
         self._num_shared = self._tokens_stored = 0  # totals over self._infos, kept up to date
 
@@ -103,7 +113,9 @@ class BlockManager:
     def can_allocate(self, token_ids: list[int]) -> bool:
         """Would allocate() succeed now for these tokens."""
         hits, _ = self._match(token_ids)
-        revived = sum(1 for b in hits if self._ref[b] == 0)  # a cached-free hit is no longer evictable
+        revived = sum(
+            1 for b in hits if self._ref[b] == 0
+        )  # a cached-free hit is no longer evictable
         return self.blocks_needed(len(token_ids)) - len(hits) <= self.num_free_blocks() - revived
 
     def allocate(self, seq_id: int, token_ids: list[int]) -> int:
@@ -144,11 +156,17 @@ class BlockManager:
             self._ref[old] -= 1  # stays >= 1: the other holders keep it
             table[-1] = new
             pairs.append((old, new))
-        elif num_slots and length % self.block_size and self._claims_from(table[-1], length % self.block_size):
+        elif (
+            num_slots
+            and length % self.block_size
+            and self._claims_from(table[-1], length % self.block_size)
+        ):
             # Sole holder writing into slots a registered block's key claims (it was left partial by a
             # rollback while shared): their content is about to change, so it no longer answers for its prefix.
             self._unregister(table[-1])
-        table.extend(self._pop_free() for _ in range(self.blocks_needed(length + num_slots) - len(table)))
+        table.extend(
+            self._pop_free() for _ in range(self.blocks_needed(length + num_slots) - len(table))
+        )
         self._lengths[seq_id] = length + num_slots
         self._snap = None
         return pairs
@@ -176,7 +194,7 @@ class BlockManager:
         for b in reversed(table[keep:]):
             self._release(b)
         del table[keep:]
-        del self._hashes[seq_id][length // bs:]
+        del self._hashes[seq_id][length // bs :]
         self._lengths[seq_id] = length
         if length % bs and self._ref[table[-1]] == 1 and self._claims_from(table[-1], length % bs):
             # We alone hold it and will overwrite slots its key claims; a shared one stays registered
@@ -211,9 +229,11 @@ class BlockManager:
         full = min(num_computed, self._lengths[seq_id], len(token_ids)) // bs
         prev = hashes[-1] if hashes else _ROOT
         for i in range(len(hashes), full):
-            key = (prev, tuple(token_ids[i * bs:(i + 1) * bs]))
+            key = (prev, tuple(token_ids[i * bs : (i + 1) * bs]))
             old = self._block_key.get(table[i])
-            if old is not None and len(old[1]) < bs:  # a revived partial tail, now full: its full key says more
+            if (
+                old is not None and len(old[1]) < bs
+            ):  # a revived partial tail, now full: its full key says more
                 self._unregister(table[i])
             # An existing mapping wins: the same prefix may already live in another block.
             if key not in self._registry and table[i] not in self._block_key:
@@ -245,7 +265,7 @@ class BlockManager:
         # Stop one token short: the engine must compute at least the last token to get its logits.
         last = len(token_ids) - 1
         for i in range(last // bs):
-            key = (prev, tuple(token_ids[i * bs:(i + 1) * bs]))
+            key = (prev, tuple(token_ids[i * bs : (i + 1) * bs]))
             block = self._registry.get(key)
             if block is None:
                 break  # hits are a prefix only: block i's KV depends on every token before it
@@ -254,7 +274,7 @@ class BlockManager:
             hashes.append(prev)
         start = len(hits) * bs
         for n in range(min(bs - 1, last - start), 0, -1):
-            block = self._registry.get((prev, tuple(token_ids[start:start + n])))
+            block = self._registry.get((prev, tuple(token_ids[start : start + n])))
             if block is not None and block in self._cached:
                 hits.append(block)
                 break
@@ -267,7 +287,7 @@ class BlockManager:
         full, n = divmod(computed, bs)
         if not n or len(hashes) != full or self._ref[table[full]] != 1:
             return  # nothing partial, its full blocks not all committed, or shared with another holder
-        key = (hashes[-1] if hashes else _ROOT, tuple(token_ids[full * bs:computed]))
+        key = (hashes[-1] if hashes else _ROOT, tuple(token_ids[full * bs : computed]))
         old = self._block_key.get(table[full])
         if key in self._registry or (old is not None and len(old[1]) == bs):
             return  # the same tail lives in a block already, or this block answers for a full prefix
@@ -283,7 +303,9 @@ class BlockManager:
     def _needs_cow(self, seq_id: int, num_slots: int) -> bool:
         """Whether the first new slot lands in a shared block that already holds our slots."""
         length = self._lengths[seq_id]
-        return bool(num_slots and length % self.block_size and self._ref[self._tables[seq_id][-1]] > 1)
+        return bool(
+            num_slots and length % self.block_size and self._ref[self._tables[seq_id][-1]] > 1
+        )
 
     def _take(self, block: int) -> None:
         """Add a holder to a hit block, reviving it from the LRU if it was cached-free."""
@@ -345,14 +367,22 @@ class BlockManager:
             old = self._infos[b]
             if info != (old.state, old.ref_count, old.owners, old.filled):
                 self._num_shared += (ref > 1) - (old.ref_count > 1)
-                self._tokens_stored += (info[3] if ref else 0) - (old.filled if old.ref_count else 0)
+                self._tokens_stored += (info[3] if ref else 0) - (
+                    old.filled if old.ref_count else 0
+                )
                 self._infos[b] = BlockInfo(b, *info)
         self._touched = set()
         num_cached, num_free = len(self._cached), len(self._free)
         num_used = self.num_blocks - num_cached - num_free
         return BlockSnapshot(
-            block_size=bs, blocks=tuple(self._infos), num_used=num_used, num_cached=num_cached, num_free=num_free,
-            num_shared=self._num_shared, tokens_stored=self._tokens_stored,
-            slots_reserved=num_used * bs, prefix_queried_tokens=self._queried,
+            block_size=bs,
+            blocks=tuple(self._infos),
+            num_used=num_used,
+            num_cached=num_cached,
+            num_free=num_free,
+            num_shared=self._num_shared,
+            tokens_stored=self._tokens_stored,
+            slots_reserved=num_used * bs,
+            prefix_queried_tokens=self._queried,
             prefix_hit_tokens=self._hit,
         )

@@ -8,8 +8,19 @@ from pagechat.core.errors import PagechatError
 from pagechat.core.loader import DTYPES
 from pagechat.quant.loaders import QUANT_MODES
 
-_UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20, "MB": 2**20,
-          "MIB": 2**20, "G": 2**30, "GB": 2**30, "GIB": 2**30}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "K": 2**10,
+    "KB": 2**10,
+    "KIB": 2**10,
+    "M": 2**20,
+    "MB": 2**20,
+    "MIB": 2**20,
+    "G": 2**30,
+    "GB": 2**30,
+    "GIB": 2**30,
+}
 
 
 @dataclass(slots=True)
@@ -28,21 +39,32 @@ class EngineConfig:
     draft: str | None = None  # draft model directory for speculative decoding
     ngram: bool = False  # prompt-lookup speculation
     num_draft: int = 4  # tokens drafted per step
-    quant: str | None = None  # None | int8 | int8-wo | bf16-wo | awq (AWQ and bnb-int8 checkpoints are detected anyway)
-    graphs: bool = True  # run small unpadded steps as traced graphs (core/graphs.py); False: --eager
+    quant: str | None = (
+        None  # None | int8 | int8-wo | bf16-wo | awq (AWQ and bnb-int8 checkpoints are detected anyway)
+    )
+    graphs: bool = (
+        True  # run small unpadded steps as traced graphs (core/graphs.py); False: --eager
+    )
 
-    def validate(self) -> "EngineConfig":
+    def validate(self) -> EngineConfig:
         """Raise PagechatError naming the first bad setting; return self when all are valid."""
         if self.device not in ("auto", "cpu", "cuda"):
             raise PagechatError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         check_dtype(self.dtype)
         if self.quant is not None and self.quant not in QUANT_MODES:
-            raise PagechatError(f"--quant must be {', '.join(QUANT_MODES[:-1])} or {QUANT_MODES[-1]}, got {self.quant!r}")
+            raise PagechatError(
+                f"--quant must be {', '.join(QUANT_MODES[:-1])} or {QUANT_MODES[-1]}, got {self.quant!r}"
+            )
         if self.draft and self.ngram:
             raise PagechatError("choose one proposer: --draft DIR or --ngram, not both")
-        for name, value in (("--num-draft", self.num_draft), ("--block-size", self.block_size), ("--max-batch-tokens", self.max_batch_tokens),
-                            ("--max-seqs", self.max_seqs), ("--kv-blocks", self.kv_blocks or 1),
-                            ("--kv-memory", self.kv_memory or 1)):
+        for name, value in (
+            ("--num-draft", self.num_draft),
+            ("--block-size", self.block_size),
+            ("--max-batch-tokens", self.max_batch_tokens),
+            ("--max-seqs", self.max_seqs),
+            ("--kv-blocks", self.kv_blocks or 1),
+            ("--kv-memory", self.kv_memory or 1),
+        ):
             if value < 1:
                 raise PagechatError(f"{name} must be >= 1, got {value}")
         return self
@@ -59,7 +81,7 @@ def parse_bytes(text: str) -> int:
     """'2GiB' / '512M' / '1048576' -> bytes; PagechatError on anything else."""
     s = text.strip().upper().replace(" ", "")
     num = s.rstrip("KMGIB")
-    unit = s[len(num):]
+    unit = s[len(num) :]
     try:
         value = float(num)
     except ValueError:

@@ -17,5 +17,5 @@ def update_text(tokenizer, seq: Sequence) -> None:
     after = tokenizer.decode(out[prefix:], skip_special_tokens=True)
     if after.endswith("\ufffd") or len(after) < len(before):
         return
-    seq.text += after[len(before):]
+    seq.text += after[len(before) :]
     seq.detok[:] = [read, len(out)]

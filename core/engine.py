@@ -9,14 +9,20 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-
 from pagechat.core.blocks import BlockManager
 from pagechat.core.config import EngineConfig
 from pagechat.core.detok import update_text
 from pagechat.core.errors import PagechatError
 from pagechat.core.graphs import TRACE_SUPPORTED
 from pagechat.core.kv import allocate_pool, copy_blocks, pool_blocks
-from pagechat.core.loader import DTYPES, ModelSpec, WeightReader, dtype_name, load_tokenizer, read_spec
+from pagechat.core.loader import (
+    DTYPES,
+    ModelSpec,
+    WeightReader,
+    dtype_name,
+    load_tokenizer,
+    read_spec,
+)
 from pagechat.core.model import DecoderModel
 from pagechat.core.params import SamplingParams
 from pagechat.core.report import DraftRecord, StepReport, TokenOutput
@@ -26,6 +32,7 @@ from pagechat.core.scheduler import ScheduledSeq, Scheduler
 from pagechat.core.sequence import Sequence, Status
 from pagechat.core.spec import DraftModelProposer, NgramProposer, verify
 from pagechat.quant.loaders import resolve_quant
+
 
 def resolve_device(name: str) -> torch.device:
     """auto -> cuda when available, else cpu; asking for cuda without one is an error."""
@@ -57,8 +64,14 @@ def resolve_quant_mode(cfg: EngineConfig, spec: ModelSpec, device: torch.device)
     """--quant, else bf16-wo for a bf16 checkpoint under --dtype auto on a CPU without native bf16: its linear
     weights stay in bf16 as stored (half the bytes float32 streams per token; decode 16.3 -> 28.0 tok/s on the
     135M model here) while prefill, activations and the KV pool stay float32."""
-    if cfg.quant is None and cfg.dtype == "auto" and device.type == "cpu" and spec.quantization is None \
-            and spec.torch_dtype == "bfloat16" and not cpu_has_native_bf16():
+    if (
+        cfg.quant is None
+        and cfg.dtype == "auto"
+        and device.type == "cpu"
+        and spec.quantization is None
+        and spec.torch_dtype == "bfloat16"
+        and not cpu_has_native_bf16()
+    ):
         return "bf16-wo"
     return cfg.quant
 
@@ -78,12 +91,20 @@ class LoadedModel:
 def load_checkpoint(model_dir: Path, cfg: EngineConfig, device: torch.device) -> LoadedModel:
     """Read, check and load one checkpoint directory (the target model, or a speculative draft)."""
     spec = read_spec(model_dir)
-    quant = resolve_quant(spec, resolve_quant_mode(cfg, spec, device), model_dir)  # refuses what cannot run
+    quant = resolve_quant(
+        spec, resolve_quant_mode(cfg, spec, device), model_dir
+    )  # refuses what cannot run
     dtype = resolve_dtype(cfg.dtype, device, spec.torch_dtype)
     tokenizer = load_tokenizer(model_dir)
     max_len = min(cfg.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
-    model = DecoderModel(spec, WeightReader(model_dir), dtype, max_len, load=quant.loader(device),
-                         head=quant.head(device, dtype))
+    model = DecoderModel(
+        spec,
+        WeightReader(model_dir),
+        dtype,
+        max_len,
+        load=quant.loader(device),
+        head=quant.head(device, dtype),
+    )
     return LoadedModel(spec, quant, tokenizer, model.to(device).eval(), dtype, max_len)
 
 
@@ -102,7 +123,9 @@ class Engine:
         self.pool = allocate_pool(spec, num_blocks, cfg.block_size, self.dtype, self.device)
         self.blocks = BlockManager(num_blocks, cfg.block_size, enable_prefix_cache=cfg.prefix_cache)
         self.scheduler = Scheduler(self.blocks, cfg.max_batch_tokens, cfg.max_seqs)
-        self.runner = ModelRunner(self.model, self.pool, self.blocks, self.device, self._graphs(self.quant))
+        self.runner = ModelRunner(
+            self.model, self.pool, self.blocks, self.device, self._graphs(self.quant)
+        )
         self.sampler = Sampler(lambda i: self.tokenizer.decode([i]))
         eos = set(spec.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -112,8 +135,12 @@ class Engine:
         self.proposer = self._proposer(cfg, num_blocks)
         self.speculate, self.num_draft = self.proposer is not None, cfg.num_draft
         if self.proposer is not None:
-            self.runner.warm_up(2)  # verification steps take the causal-mask trace: made now, not in the first reply
-        self._q: dict[int, torch.Tensor | None] = {}  # draft distributions between _draft and _verify
+            self.runner.warm_up(
+                2
+            )  # verification steps take the causal-mask trace: made now, not in the first reply
+        self._q: dict[
+            int, torch.Tensor | None
+        ] = {}  # draft distributions between _draft and _verify
         self.requests: dict[int, Sequence] = {}
         self._next_id = 0
         self._steps = 0
@@ -127,12 +154,22 @@ class Engine:
         # --quant names the target's mode; a draft is quantised only if its own checkpoint is. It runs at the
         # target's dtype, never as an automatic bf16-wo: a draft is small, so overhead-bound, and bf16-wo's casts
         # made the demo draft's speculation slower (1.07-1.19x -> 0.90-0.98x of plain decode)
-        draft = load_checkpoint(Path(cfg.draft), replace(cfg, quant=None, dtype=dtype_name(self.dtype)), self.device)
+        draft = load_checkpoint(
+            Path(cfg.draft), replace(cfg, quant=None, dtype=dtype_name(self.dtype)), self.device
+        )
         if draft.tokenizer.get_vocab() != self.tokenizer.get_vocab():
-            raise PagechatError(f"the draft model's tokenizer ({cfg.draft}) differs from the target's "
-                                f"({self.model_dir}); a draft must share the target's vocabulary")
-        return DraftModelProposer(draft, num_blocks, cfg.block_size, self.device, self.spec.vocab_size,
-                                  self._graphs(draft.quant))
+            raise PagechatError(
+                f"the draft model's tokenizer ({cfg.draft}) differs from the target's "
+                f"({self.model_dir}); a draft must share the target's vocabulary"
+            )
+        return DraftModelProposer(
+            draft,
+            num_blocks,
+            cfg.block_size,
+            self.device,
+            self.spec.vocab_size,
+            self._graphs(draft.quant),
+        )
 
     def _graphs(self, quant) -> bool:
         """Whether a model's small steps run as traced graphs: unless --eager, on a Python torch.jit supports,
@@ -144,14 +181,20 @@ class Engine:
         """Token ids of a plain prompt, or of one user turn wrapped in the model's chat template."""
         if not chat:
             return self.tokenizer(prompt).input_ids
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        messages = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": prompt}
+        ]
         return self.encode_chat(messages)
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         """Token ids of a whole conversation through the chat template, ready for the assistant's turn."""
         if not getattr(self.tokenizer, "chat_template", None):
-            raise PagechatError(f"the tokenizer in {self.model_dir} has no chat template; run without --chat")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            raise PagechatError(
+                f"the tokenizer in {self.model_dir} has no chat template; run without --chat"
+            )
+        text = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> int:
@@ -161,13 +204,19 @@ class Engine:
         if not ids:
             raise PagechatError("the prompt is empty")
         if len(ids) >= self.max_model_len:
-            raise PagechatError(f"the prompt has {len(ids)} tokens; the model's context is {self.max_model_len} "
-                                "(shorten the prompt)")
+            raise PagechatError(
+                f"the prompt has {len(ids)} tokens; the model's context is {self.max_model_len} "
+                "(shorten the prompt)"
+            )
         bad = [t for t in ids if not 0 <= t < self.spec.vocab_size]
         if bad:
-            raise PagechatError(f"token id {bad[0]} is outside the model's vocabulary (0..{self.spec.vocab_size - 1})")
+            raise PagechatError(
+                f"token id {bad[0]} is outside the model's vocabulary (0..{self.spec.vocab_size - 1})"
+            )
         seq_id = self._new_id()
-        seq = Sequence(seq_id, ids, len(ids), params, time.perf_counter(), self._generator(params.seed))
+        seq = Sequence(
+            seq_id, ids, len(ids), params, time.perf_counter(), self._generator(params.seed)
+        )
         self.requests[seq_id] = seq
         self.scheduler.add(seq)
         return seq_id
@@ -232,11 +281,22 @@ class Engine:
                 self._draft(spec)
             sizes = [1 + len(it.draft) if it.samples else 0 for it in batch.items]
             logits = self.runner.run(batch.items, sizes).split(sizes)
-            plain = [(it, lg) for it, lg in zip(batch.items, logits) if it.samples and not it.lookahead]
-            forks = [(ScheduledSeq(kid, it.start, it.count), lg) for it, lg in plain for kid in self._fork(it)]
+            plain = [
+                (it, lg) for it, lg in zip(batch.items, logits) if it.samples and not it.lookahead
+            ]
+            forks = [
+                (ScheduledSeq(kid, it.start, it.count), lg)
+                for it, lg in plain
+                for kid in self._fork(it)
+            ]
             plain += forks
-            rows = [SampleRow(it.seq.seq_id, it.seq.params, it.seq.token_ids, it.seq.generator) for it, _ in plain]
-            tokens, samples = self.sampler.sample(torch.cat([lg for _, lg in plain]) if plain else logits[0][:0], rows)
+            rows = [
+                SampleRow(it.seq.seq_id, it.seq.params, it.seq.token_ids, it.seq.generator)
+                for it, _ in plain
+            ]
+            tokens, samples = self.sampler.sample(
+                torch.cat([lg for _, lg in plain]) if plain else logits[0][:0], rows
+            )
             emitted = {id(it): [t] for (it, _), t in zip(plain, tokens)}
             for it, lg in zip(batch.items, logits):
                 if it.lookahead:
@@ -248,11 +308,15 @@ class Engine:
                 seq, new = it.seq, emitted.get(id(it), [])
                 is_decode = len(seq.token_ids) - it.start == 1 and seq.num_output_tokens > 0
                 decode += len(new) if is_decode else 0
-                prefill += 0 if is_decode or seq.parent is not None and not seq.output_ids else it.count
+                prefill += (
+                    0 if is_decode or seq.parent is not None and not seq.output_ids else it.count
+                )
                 seq.target_forwards += 1
                 seq.num_computed += it.count + max(len(new) - 1, 0) * bool(it.draft)
                 if it.lookahead:  # give back the slots of rejected (or never drafted) tokens
-                    self.blocks.rollback(seq.seq_id, self.blocks.length(seq.seq_id) - seq.num_computed)
+                    self.blocks.rollback(
+                        seq.seq_id, self.blocks.length(seq.seq_id) - seq.num_computed
+                    )
                 self.blocks.commit(seq.seq_id, seq.token_ids, seq.num_computed)
                 for token in new:
                     outputs.append(self._append_token(seq, token))
@@ -260,25 +324,56 @@ class Engine:
                         break
         if self.proposer is not None:
             self.proposer.release_missing({s.seq_id for s in self.scheduler.running})
-        kind = "idle" if not batch.items else "prefill" if not decode else "decode" if not prefill else "mixed"
-        return StepReport(step=self._steps, kind=kind, num_seqs=len(batch.items), prefill_tokens=prefill,
-                          decode_tokens=decode, prefix_hit_tokens=batch.prefix_hit_tokens,
-                          elapsed_s=time.perf_counter() - t0, outputs=tuple(outputs), samples=tuple(samples),
-                          blocks=self.blocks.snapshot(), preempted=tuple(s.seq_id for s in batch.preempted),
-                          attention_backend=self.attention_backend, drafts=tuple(drafts),
-                          cow_copies=len(batch.copies))
+        kind = (
+            "idle"
+            if not batch.items
+            else "prefill"
+            if not decode
+            else "decode"
+            if not prefill
+            else "mixed"
+        )
+        return StepReport(
+            step=self._steps,
+            kind=kind,
+            num_seqs=len(batch.items),
+            prefill_tokens=prefill,
+            decode_tokens=decode,
+            prefix_hit_tokens=batch.prefix_hit_tokens,
+            elapsed_s=time.perf_counter() - t0,
+            outputs=tuple(outputs),
+            samples=tuple(samples),
+            blocks=self.blocks.snapshot(),
+            preempted=tuple(s.seq_id for s in batch.preempted),
+            attention_backend=self.attention_backend,
+            drafts=tuple(drafts),
+            cow_copies=len(batch.copies),
+        )
 
     def _fork(self, it: ScheduledSeq) -> list[Sequence]:
         """At the end of a prompt with n > 1, fork n - 1 samples that share its blocks (copy-on-write)."""
         parent = it.seq
-        if parent.params.n == 1 or parent.children or parent.parent is not None or parent.output_ids:
+        if (
+            parent.params.n == 1
+            or parent.children
+            or parent.parent is not None
+            or parent.output_ids
+        ):
             return []
         kids = []
         for j in range(1, parent.params.n):
             seed = None if parent.params.seed is None else parent.params.seed + j
-            kid = Sequence(self._new_id(), list(parent.token_ids), parent.num_prompt_tokens, parent.params,
-                           parent.arrival, self._generator(seed), status=Status.RUNNING, num_computed=it.start,
-                           parent=parent.seq_id)
+            kid = Sequence(
+                self._new_id(),
+                list(parent.token_ids),
+                parent.num_prompt_tokens,
+                parent.params,
+                parent.arrival,
+                self._generator(seed),
+                status=Status.RUNNING,
+                num_computed=it.start,
+                parent=parent.seq_id,
+            )
             self.blocks.fork(parent.seq_id, kid.seq_id)
             self.scheduler.running.append(kid)
             self.requests[kid.seq_id] = kid
@@ -289,11 +384,19 @@ class Engine:
     def _draft(self, items: list[ScheduledSeq]) -> None:
         """Ask the proposer for drafts, at most as many as each item's reserved slots and limits allow."""
         limit = min(self.max_model_len, self.proposer.max_len)
-        ks = [min(it.lookahead, limit - len(it.seq.token_ids),
-                  it.seq.params.max_tokens - it.seq.num_output_tokens - 1) for it in items]
+        ks = [
+            min(
+                it.lookahead,
+                limit - len(it.seq.token_ids),
+                it.seq.params.max_tokens - it.seq.num_output_tokens - 1,
+            )
+            for it in items
+        ]
         drafts, qs = self.proposer.propose([it.seq for it in items], [max(k, 0) for k in ks])
         for it, d, q in zip(items, drafts, qs):
-            end = self._through_eos(it.seq, d)  # nothing after a drafted end of sequence could be kept
+            end = self._through_eos(
+                it.seq, d
+            )  # nothing after a drafted end of sequence could be kept
             it.draft, self._q[it.seq.seq_id] = d[:end], None if q is None else q[:end]
 
     def _through_eos(self, seq: Sequence, tokens: list[int]) -> int:
@@ -305,19 +408,32 @@ class Engine:
     def _verify(self, it: ScheduledSeq, logits: torch.Tensor) -> tuple[DraftRecord, list]:
         """Rejection-sample it.draft against the target logits [len(draft) + 1, V]."""
         seq, draft = it.seq, it.draft
-        rows = [SampleRow(seq.seq_id, seq.params, seq.token_ids + draft[:i], seq.generator)
-                for i in range(len(draft) + 1)]
+        rows = [
+            SampleRow(seq.seq_id, seq.params, seq.token_ids + draft[:i], seq.generator)
+            for i in range(len(draft) + 1)
+        ]
         p = target_probs(logits, rows)
-        accepted, nxt = verify(p, self._q.pop(seq.seq_id, None), draft, seq.params.greedy, seq.generator)
+        accepted, nxt = verify(
+            p, self._q.pop(seq.seq_id, None), draft, seq.params.greedy, seq.generator
+        )
         emitted = draft[:accepted] + [nxt]
-        emitted = emitted[:self._through_eos(seq, emitted)]  # no bonus after an accepted end of sequence
+        emitted = emitted[
+            : self._through_eos(seq, emitted)
+        ]  # no bonus after an accepted end of sequence
         self.proposer.accept(seq, len(seq.token_ids), len(draft), accepted)
         seq.num_drafted += len(draft)
         seq.num_accepted += accepted
-        records = self.sampler.record(logits[:len(emitted)], rows[:len(emitted)], emitted)
+        records = self.sampler.record(logits[: len(emitted)], rows[: len(emitted)], emitted)
         text = self.sampler.text
-        return DraftRecord(seq.seq_id, self.proposer.name, tuple(draft), accepted, tuple(emitted),
-                           tuple(map(text, draft)), tuple(map(text, emitted))), records
+        return DraftRecord(
+            seq.seq_id,
+            self.proposer.name,
+            tuple(draft),
+            accepted,
+            tuple(emitted),
+            tuple(map(text, draft)),
+            tuple(map(text, emitted)),
+        ), records
 
     def set_speculation(self, enabled: bool, num_draft: int | None = None) -> None:
         """Turn speculation on or off and change the draft length; applies from the next step."""
@@ -340,7 +456,7 @@ class Engine:
         if token in self.eos_ids and not p.ignore_eos:
             reason = "stop"
         elif p.stop and any(s in seq.text for s in p.stop):
-            seq.text = seq.text[:min(seq.text.find(s) for s in p.stop if s in seq.text)]
+            seq.text = seq.text[: min(seq.text.find(s) for s in p.stop if s in seq.text)]
             reason = "stop"
         elif seq.num_output_tokens >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
             reason = "length"
@@ -354,11 +470,13 @@ class Engine:
         end = len(seq.text)
         if not seq.finished and seq.params.stop:
             end -= max(len(s) for s in seq.params.stop) - 1
-        delta = seq.text[seq.emitted:max(end, seq.emitted)]
+        delta = seq.text[seq.emitted : max(end, seq.emitted)]
         seq.emitted += len(delta)
         if seq.finished and seq.finish_time is None:
             seq.finish_time = time.perf_counter()
-        return TokenOutput(seq.seq_id, tuple(tokens), delta, seq.finished, seq.finish_reason, seq.error)
+        return TokenOutput(
+            seq.seq_id, tuple(tokens), delta, seq.finished, seq.finish_reason, seq.error
+        )
 
     def stream(self, request_id: int) -> Iterator[str]:
         """Step the engine until the request finishes, yielding its text deltas as they come."""
@@ -370,8 +488,12 @@ class Engine:
         if seq.error:
             raise PagechatError(seq.error)
 
-    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
-                 on_report=None) -> list[Sequence]:
+    def generate(
+        self,
+        prompts: list[str | list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        on_report=None,
+    ) -> list[Sequence]:
         """Run prompts as one continuous batch to completion; returns their sequences in order (with n > 1,
         each prompt's samples one after another)."""
         plist = params if isinstance(params, list) else [params] * len(prompts)

@@ -19,13 +19,15 @@ import sys
 import warnings
 
 import torch
-
 from pagechat.core.attention import AttentionMetadata
 from pagechat.core.model import DecoderModel
 from pagechat.quant.layers import Bf16WOLinear
 
 MAX_GRAPH_TOKENS = Bf16WOLinear.MAX_BF16_ROWS
-TRACE_SUPPORTED = sys.version_info < (3, 14)  # torch.jit warns that it may break on Python 3.14 and later
+TRACE_SUPPORTED = sys.version_info < (
+    3,
+    14,
+)  # torch.jit warns that it may break on Python 3.14 and later
 
 
 def _step(model: DecoderModel, windows: tuple[int | None, ...], masked: tuple[int | None, ...]):
@@ -36,6 +38,7 @@ def _step(model: DecoderModel, windows: tuple[int | None, ...], masked: tuple[in
     per weight): bit-equal logits, one-token graph forward 2.68 -> 2.44 ms (demo, 1 thread) and 29.1 -> 27.5 ms
     (135M bf16-wo, 2 threads), CPU time, interleaved.
     """
+
     def step(ids, positions, pool, slot_mapping, gather, q_pos, *masks):
         masks_by_window = dict.fromkeys(windows) | dict(zip(masked, masks))
         meta = AttentionMetadata(slot_mapping, gather, None, q_pos, masks_by_window)
@@ -58,8 +61,13 @@ class StepGraphs:
         """Whether a step can run as a graph (see the module's docstring)."""
         return num_tokens <= MAX_GRAPH_TOKENS and meta.q_rows is None
 
-    def run(self, ids: torch.Tensor, positions: torch.Tensor, pool: torch.Tensor,
-            meta: AttentionMetadata) -> torch.Tensor:
+    def run(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        pool: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         """float32 logits [T, vocab] of every token; the step's K/V are written into pool as eagerly."""
         masks = {w: m for w in self.windows if (m := meta.mask(w)) is not None}
         key = tuple(masks)
@@ -67,7 +75,13 @@ class StepGraphs:
         # the executor's optimising passes cost ~1 s on the first two calls and gained nothing measurable here
         with torch.jit.optimized_execution(False):
             if key not in self.traces:
-                with warnings.catch_warnings():  # the deprecation notice, and tracer notes on baked-in Python ints
+                with (
+                    warnings.catch_warnings()
+                ):  # the deprecation notice, and tracer notes on baked-in Python ints
                     warnings.simplefilter("ignore")
-                    self.traces[key] = torch.jit.trace(_step(self.model, self.windows, key), args, check_trace=False)
-            return self.traces[key](*args)  # after a trace this writes the step's K/V a second time, the same values
+                    self.traces[key] = torch.jit.trace(
+                        _step(self.model, self.windows, key), args, check_trace=False
+                    )
+            return self.traces[key](
+                *args
+            )  # after a trace this writes the step's K/V a second time, the same values

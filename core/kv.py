@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-
 from pagechat.core.config import EngineConfig
 from pagechat.core.errors import PagechatError
 from pagechat.core.loader import ModelSpec
@@ -19,7 +18,9 @@ def block_bytes(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
     return spec.num_layers * 2 * block_size * spec.num_kv_heads * spec.head_dim * elem
 
 
-def pool_blocks(spec: ModelSpec, cfg: EngineConfig, dtype: torch.dtype, device: torch.device, max_len: int) -> int:
+def pool_blocks(
+    spec: ModelSpec, cfg: EngineConfig, dtype: torch.dtype, device: torch.device, max_len: int
+) -> int:
     """How many blocks the pool gets: --kv-blocks, else --kv-memory, else a default budget."""
     if cfg.kv_blocks is not None:
         return cfg.kv_blocks
@@ -29,24 +30,33 @@ def pool_blocks(spec: ModelSpec, cfg: EngineConfig, dtype: torch.dtype, device: 
             free, _ = torch.cuda.mem_get_info(device)
             budget = int(free * CUDA_FREE_FRACTION)
         else:
-            full = -(-max_len // cfg.block_size) * CPU_DEFAULT_CONTEXTS * block_bytes(spec, cfg.block_size, dtype)
+            full = (
+                -(-max_len // cfg.block_size)
+                * CPU_DEFAULT_CONTEXTS
+                * block_bytes(spec, cfg.block_size, dtype)
+            )
             budget = min(CPU_DEFAULT_KV_BYTES, full)
     n = budget // block_bytes(spec, cfg.block_size, dtype)
     if n < 1:
-        raise PagechatError(f"--kv-memory {budget} B is smaller than one KV block "
-                            f"({block_bytes(spec, cfg.block_size, dtype)} B)")
+        raise PagechatError(
+            f"--kv-memory {budget} B is smaller than one KV block "
+            f"({block_bytes(spec, cfg.block_size, dtype)} B)"
+        )
     return int(n)
 
 
-def allocate_pool(spec: ModelSpec, num_blocks: int, block_size: int, dtype: torch.dtype,
-                  device: torch.device) -> torch.Tensor:
+def allocate_pool(
+    spec: ModelSpec, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
     """The zeroed KV pool tensor."""
     shape = (spec.num_layers, 2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
     try:
         return torch.zeros(shape, dtype=dtype, device=device)
     except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
-        raise PagechatError(f"cannot allocate a KV pool of {num_blocks} blocks on {device}: {str(e).splitlines()[0]}; "
-                            "lower --kv-blocks or --kv-memory") from None
+        raise PagechatError(
+            f"cannot allocate a KV pool of {num_blocks} blocks on {device}: {str(e).splitlines()[0]}; "
+            "lower --kv-blocks or --kv-memory"
+        ) from None
 
 
 def copy_blocks(pool: torch.Tensor, pairs: list[tuple[int, int]]) -> None:

@@ -10,9 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-
 from pagechat.core.errors import PagechatError
+from safetensors import safe_open
 
 SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -54,9 +53,13 @@ class ModelSpec:
 def check_model_dir(path: Path) -> Path:
     """The directory must exist and be a directory."""
     if not path.exists():
-        raise PagechatError(f"model directory {path} does not exist; make one with `pagechat make-model {path}`")
+        raise PagechatError(
+            f"model directory {path} does not exist; make one with `pagechat make-model {path}`"
+        )
     if not path.is_dir():
-        raise PagechatError(f"{path} is a file, not a model directory (give the folder holding config.json)")
+        raise PagechatError(
+            f"{path} is a file, not a model directory (give the folder holding config.json)"
+        )
     return path
 
 
@@ -73,7 +76,9 @@ def _rope(cfg: dict) -> tuple[float, dict | None]:
     theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ROPE_TYPES:
-        raise PagechatError(f"config.json: rope type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+        raise PagechatError(
+            f"config.json: rope type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})"
+        )
     return theta, (None if rope_type == "default" else {**params, "rope_type": rope_type})
 
 
@@ -96,11 +101,15 @@ def read_spec(model_dir: Path) -> ModelSpec:
     """Parse config.json into a ModelSpec; refuse architectures and settings the engine does not run."""
     path = check_model_dir(model_dir) / "config.json"
     if not path.is_file():
-        raise PagechatError(f"{model_dir} has no config.json: is it a Hugging Face model directory?")
+        raise PagechatError(
+            f"{model_dir} has no config.json: is it a Hugging Face model directory?"
+        )
     cfg = _read_json(path)
     arch = (cfg.get("architectures") or ["?"])[0]
     if arch not in SUPPORTED_ARCHS:
-        raise PagechatError(f"{path}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHS)})")
+        raise PagechatError(
+            f"{path}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHS)})"
+        )
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise PagechatError(f"{path}: hidden_act {act!r} is not supported (only silu)")
@@ -115,16 +124,23 @@ def read_spec(model_dir: Path) -> ModelSpec:
             eos = _read_json(gen).get("eos_token_id", eos)
         is_qwen2 = arch == "Qwen2ForCausalLM"
         return ModelSpec(
-            arch=arch, vocab_size=int(cfg["vocab_size"]), hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]), num_layers=n, num_heads=heads,
+            arch=arch,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=n,
+            num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=is_qwen2 or bool(cfg.get("attention_bias", False)),
             o_bias=(not is_qwen2) and bool(cfg.get("attention_bias", False)),
-            mlp_bias=bool(cfg.get("mlp_bias", False)), qk_norm=arch == "Qwen3ForCausalLM",
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
             sliding_windows=_windows(cfg, arch, n),
             eos_token_ids=tuple([eos] if isinstance(eos, int) else (eos or [])),
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
@@ -151,8 +167,11 @@ def weight_files(model_dir: Path) -> list[Path]:
         raise PagechatError(
             f"{model_dir} holds only pickle weights ({pickles[0]}); pagechat loads safetensors only, because "
             "unpickling can run arbitrary code. Convert once in a trusted environment: "
-            "AutoModelForCausalLM.from_pretrained(dir).save_pretrained(out, safe_serialization=True)")
-    raise PagechatError(f"{model_dir} has no model.safetensors (nor a sharded model.safetensors.index.json)")
+            "AutoModelForCausalLM.from_pretrained(dir).save_pretrained(out, safe_serialization=True)"
+        )
+    raise PagechatError(
+        f"{model_dir} has no model.safetensors (nor a sharded model.safetensors.index.json)"
+    )
 
 
 class WeightReader:
@@ -165,7 +184,9 @@ class WeightReader:
         for f in self.files:
             try:
                 h = safe_open(str(f), framework="pt")
-            except Exception as e:  # safetensors raises its own error types for truncated / bad headers
+            except (
+                Exception
+            ) as e:  # safetensors raises its own error types for truncated / bad headers
                 raise PagechatError(f"{f} is truncated or not a safetensors file ({e})") from None
             self._handles[f] = h
             for k in h.keys():
@@ -178,13 +199,19 @@ class WeightReader:
         """The tensor `name`; PagechatError if it is missing, unreadable or not of `shape`."""
         f = self.where.get(name)
         if f is None:
-            raise PagechatError(f"tensor {name} is missing from the checkpoint ({', '.join(p.name for p in self.files)})")
+            raise PagechatError(
+                f"tensor {name} is missing from the checkpoint ({', '.join(p.name for p in self.files)})"
+            )
         try:
             t = self._handles[f].get_tensor(name)
         except Exception as e:
-            raise PagechatError(f"{f.name}: cannot read tensor {name} ({e}); the file may be truncated") from None
+            raise PagechatError(
+                f"{f.name}: cannot read tensor {name} ({e}); the file may be truncated"
+            ) from None
         if shape is not None and tuple(t.shape) != tuple(shape):
-            raise PagechatError(f"{f.name}: tensor {name} has shape {tuple(t.shape)}, config.json implies {tuple(shape)}")
+            raise PagechatError(
+                f"{f.name}: tensor {name} has shape {tuple(t.shape)}, config.json implies {tuple(shape)}"
+            )
         return t
 
 
@@ -192,9 +219,17 @@ def load_tokenizer(model_dir: Path):
     """The checkpoint's own tokenizer, from local files only, never remote code."""
     from transformers import AutoTokenizer  # slow import: only when a model is loaded
 
-    if not any((model_dir / n).is_file() for n in ("tokenizer.json", "tokenizer.model", "vocab.json")):
-        raise PagechatError(f"{model_dir} has no tokenizer (tokenizer.json, tokenizer.model or vocab.json)")
+    if not any(
+        (model_dir / n).is_file() for n in ("tokenizer.json", "tokenizer.model", "vocab.json")
+    ):
+        raise PagechatError(
+            f"{model_dir} has no tokenizer (tokenizer.json, tokenizer.model or vocab.json)"
+        )
     try:
-        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True, trust_remote_code=False)
+        return AutoTokenizer.from_pretrained(
+            str(model_dir), local_files_only=True, trust_remote_code=False
+        )
     except Exception as e:
-        raise PagechatError(f"cannot load the tokenizer in {model_dir}: {str(e).splitlines()[0]}") from None
+        raise PagechatError(
+            f"cannot load the tokenizer in {model_dir}: {str(e).splitlines()[0]}"
+        ) from None

@@ -1,5 +1,6 @@
 """Random-initialised checkpoints of each supported architecture, made offline with transformers'
 own classes: the test oracle's fixtures and the `pagechat make-model` command."""
+
 from __future__ import annotations
 
 import contextlib
@@ -12,10 +13,9 @@ from pathlib import Path
 
 import torch
 import transformers
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
 from pagechat.core.errors import PagechatError
 from pagechat.core.loader import dtype_name
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END]  # the trainer gives them ids 0, 1, 2
@@ -40,11 +40,46 @@ SMALL_TOKENIZER_VOCAB = 8192
 # Pure-Python or platform-neutral modules only: their docstrings depend on the Python version alone
 # (os, socket, hashlib, decimal... differ between platforms or build options, so they are left out).
 _CORPUS_MODULES = (
-    "abc", "argparse", "base64", "bisect", "calendar", "collections", "contextlib", "copy", "csv",
-    "dataclasses", "datetime", "difflib", "enum", "fractions", "functools", "gzip", "heapq",
-    "html", "inspect", "json", "logging", "math", "pathlib", "pickle", "pprint", "queue", "random",
-    "re", "shlex", "shutil", "statistics", "string", "tarfile", "textwrap", "threading", "operator",
-    "unittest", "urllib.parse", "uuid", "zipfile",
+    "abc",
+    "argparse",
+    "base64",
+    "bisect",
+    "calendar",
+    "collections",
+    "contextlib",
+    "copy",
+    "csv",
+    "dataclasses",
+    "datetime",
+    "difflib",
+    "enum",
+    "fractions",
+    "functools",
+    "gzip",
+    "heapq",
+    "html",
+    "inspect",
+    "json",
+    "logging",
+    "math",
+    "pathlib",
+    "pickle",
+    "pprint",
+    "queue",
+    "random",
+    "re",
+    "shlex",
+    "shutil",
+    "statistics",
+    "string",
+    "tarfile",
+    "textwrap",
+    "threading",
+    "operator",
+    "unittest",
+    "urllib.parse",
+    "uuid",
+    "zipfile",
 )
 _PAGECHAT_LINES = [
     "pagechat chats with a local language model through its own paged key-value cache engine.",
@@ -72,8 +107,11 @@ def _member_docs(module) -> list[str]:
         if inspect.isclass(obj) or inspect.isroutine(obj):
             docs.append(inspect.getdoc(obj))
         if inspect.isclass(obj):
-            docs += [inspect.getdoc(v) for k, v in sorted(vars(obj).items())
-                     if not k.startswith("_") and inspect.isroutine(v)]
+            docs += [
+                inspect.getdoc(v)
+                for k, v in sorted(vars(obj).items())
+                if not k.startswith("_") and inspect.isroutine(v)
+            ]
     return [d for d in docs if d]
 
 
@@ -92,7 +130,9 @@ def _train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # all 256 bytes: any text encodes
     )
     tok.train_from_iterator(texts, trainer=trainer)
@@ -102,8 +142,13 @@ def _train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
 def _wrap(tok: Tokenizer) -> transformers.PreTrainedTokenizerFast:
     """The transformers tokenizer: <|im_end|> is eos so generation stops at the end of a turn."""
     return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token=IM_END, pad_token=ENDOFTEXT, bos_token=None,
-        unk_token=None, chat_template=CHATML_TEMPLATE, clean_up_tokenization_spaces=False,
+        tokenizer_object=tok,
+        eos_token=IM_END,
+        pad_token=ENDOFTEXT,
+        bos_token=None,
+        unk_token=None,
+        chat_template=CHATML_TEMPLATE,
+        clean_up_tokenization_spaces=False,
     )
 
 
@@ -134,9 +179,17 @@ def _check_choice(arch: str, size: str) -> None:
 def _tiny_extras(arch: str) -> dict:
     """Per-arch differences, so the four tiny models together cover the engine's features."""
     if arch == "llama":  # llama3 rope scaling, untied
-        return dict(rope_theta=500000.0, tie_word_embeddings=False, rope_scaling={
-            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+        return dict(
+            rope_theta=500000.0,
+            tie_word_embeddings=False,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        )
     if arch == "mistral":  # window larger than the context, as Mistral v0.1 has
         return dict(rope_theta=10000.0, sliding_window=4096, tie_word_embeddings=False)
     if arch == "qwen2":  # tied; qkv bias is built into Qwen2
@@ -150,15 +203,33 @@ def model_config(arch: str, size: str, vocab_size: int | None = None):
     _check_choice(arch, size)
     ids = dict(bos_token_id=None, pad_token_id=ENDOFTEXT_ID, eos_token_id=EOS_IDS)
     if size == "small":  # SmolLM2-135M shape
-        shape = dict(vocab_size=49152, hidden_size=576, num_hidden_layers=30,
-                     num_attention_heads=9, num_key_value_heads=3, head_dim=64,
-                     intermediate_size=1536, max_position_embeddings=2048, rope_theta=10000.0,
-                     tie_word_embeddings=True, rms_norm_eps=1e-5, initializer_range=0.02)
+        shape = dict(
+            vocab_size=49152,
+            hidden_size=576,
+            num_hidden_layers=30,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            head_dim=64,
+            intermediate_size=1536,
+            max_position_embeddings=2048,
+            rope_theta=10000.0,
+            tie_word_embeddings=True,
+            rms_norm_eps=1e-5,
+            initializer_range=0.02,
+        )
     else:  # wide init (0.1) gives clear argmax gaps for greedy comparisons between implementations
-        shape = dict(vocab_size=vocab_size or TINY_VOCAB, hidden_size=64, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
-                     max_position_embeddings=512, rms_norm_eps=1e-6, initializer_range=0.1,
-                     **_tiny_extras(arch))
+        shape = dict(
+            vocab_size=vocab_size or TINY_VOCAB,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=128,
+            max_position_embeddings=512,
+            rms_norm_eps=1e-6,
+            initializer_range=0.1,
+            **_tiny_extras(arch),
+        )
     # rope_theta/rope_scaling kwargs are accepted by 4.x and converted to rope_parameters by 5.x
     cls = getattr(transformers, ARCHS[arch][0])
     return cls(architectures=[ARCHS[arch][1]], **shape, **ids)
@@ -217,7 +288,8 @@ def make_model(out_dir: Path, arch: str, size: str, seed: int = 0) -> Path:
     out_dir = Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise PagechatError(
-            f"{out_dir} exists and is not an empty directory; choose a new directory")
+            f"{out_dir} exists and is not an empty directory; choose a new directory"
+        )
     tokenizer = builtin_tokenizer(TINY_VOCAB if size == "tiny" else SMALL_TOKENIZER_VOCAB)
     config = model_config(arch, size, len(tokenizer))
     tokenizer.model_max_length = config.max_position_embeddings
@@ -231,7 +303,8 @@ def make_model(out_dir: Path, arch: str, size: str, seed: int = 0) -> Path:
     model.tie_weights()  # to_empty gives each meta tensor its own storage, undoing the tie
     _init_weights(model, config.initializer_range, seed)
     model.generation_config = transformers.GenerationConfig(
-        bos_token_id=None, pad_token_id=ENDOFTEXT_ID, eos_token_id=EOS_IDS)
+        bos_token_id=None, pad_token_id=ENDOFTEXT_ID, eos_token_id=EOS_IDS
+    )
     out_dir.mkdir(parents=True, exist_ok=True)
     with _quiet_transformers():
         model.save_pretrained(out_dir, safe_serialization=True)

@@ -13,11 +13,10 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
-from torch import nn
-
 from pagechat.core.kv import CUDA_FREE_FRACTION, block_bytes
 from pagechat.core.loader import ModelSpec, dtype_name
 from pagechat.quant.layers import INT4_GROUPS, Bf16WOLinear, bf16_head, quant_tensors
+from torch import nn
 
 KINDS = ("embedding", "attention", "mlp", "norm", "lm_head")
 
@@ -72,14 +71,18 @@ def weight_report(model: nn.Module) -> WeightReport:
         info = quant_tensors(mod)
         if info is not None:
             fmt, path, tensors = info
-            params = mod.in_features * mod.out_features + (mod.out_features if mod.bias is not None else 0)
+            params = mod.in_features * mod.out_features + (
+                mod.out_features if mod.bias is not None else 0
+            )
         else:
             tensors = list(mod.parameters(recurse=False))
             fmt, path = (dtype_name(tensors[0].dtype), "dense") if tensors else ("", "")
             params = sum(t.numel() for t in tensors)
         fresh = [t for t in tensors if t.data_ptr() not in seen]
         if tensors and not fresh:
-            acc[(module_kind(name), "tied to embedding", "-")][1] += 0  # a row of 0 bytes that says why
+            acc[(module_kind(name), "tied to embedding", "-")][1] += (
+                0  # a row of 0 bytes that says why
+            )
             continue
         seen.update(t.data_ptr() for t in fresh)
         if fresh:
@@ -90,8 +93,9 @@ def weight_report(model: nn.Module) -> WeightReport:
     return WeightReport(tuple(sorted(rows, key=lambda r: KINDS.index(r.kind))))
 
 
-def _linear_bytes(n: int, k: int, bias: bool, mode: str | None, elem: int, group: int | None,
-                  device_type: str) -> tuple[str, str, int]:
+def _linear_bytes(
+    n: int, k: int, bias: bool, mode: str | None, elem: int, group: int | None, device_type: str
+) -> tuple[str, str, int]:
     """(format, path, bytes) of one decoder linear out=n, in=k as quant/layers.py stores it."""
     b = n * elem if bias else 0
     if mode is None:
@@ -103,22 +107,39 @@ def _linear_bytes(n: int, k: int, bias: bool, mode: str | None, elem: int, group
     if mode == "bf16-wo":
         return "bf16-wo", Bf16WOLinear.path, 2 * n * k + b
     g = group or 128
-    fast = g in INT4_GROUPS and (n % 16 == 0 if device_type == "cpu" else n % 8 == 0 and k % 32 == 0)
+    fast = g in INT4_GROUPS and (
+        n % 16 == 0 if device_type == "cpu" else n % 8 == 0 and k % 32 == 0
+    )
     if fast:  # packed int4 [n, k/2] bytes + bf16 (scale, zero) per group and column
         return f"awq-int4 g{g}", f"int4pack-{device_type}", n * k // 2 + 4 * n * (k // g) + b
     # the checkpoint's tensors as they are: qweight, qzeros, fp16 scales
     return f"awq-int4 g{g}", "dequant", n * k // 2 + n * (k // g) // 2 + 2 * n * (k // g) + b
 
 
-def estimate_weights(spec: ModelSpec, mode: str | None, dtype: torch.dtype, group: int | None = None,
-                     device_type: str = "cuda") -> WeightReport:
+def estimate_weights(
+    spec: ModelSpec,
+    mode: str | None,
+    dtype: torch.dtype,
+    group: int | None = None,
+    device_type: str = "cuda",
+) -> WeightReport:
     """What weight_report would say for this config loaded with `mode` on device_type, from config alone."""
     elem = torch.empty((), dtype=dtype).element_size()
     name = dtype_name(dtype)
-    h, d, kv, hid, inter = spec.num_heads, spec.head_dim, spec.num_kv_heads, spec.hidden_size, spec.intermediate_size
+    h, d, kv, hid, inter = (
+        spec.num_heads,
+        spec.head_dim,
+        spec.num_kv_heads,
+        spec.hidden_size,
+        spec.intermediate_size,
+    )
     acc: dict[tuple[str, str, str], list[int]] = defaultdict(lambda: [0, 0])
-    linears = (("attention", (h + 2 * kv) * d, hid, spec.qkv_bias), ("attention", hid, h * d, spec.o_bias),
-               ("mlp", 2 * inter, hid, spec.mlp_bias), ("mlp", hid, inter, spec.mlp_bias))
+    linears = (
+        ("attention", (h + 2 * kv) * d, hid, spec.qkv_bias),
+        ("attention", hid, h * d, spec.o_bias),
+        ("mlp", 2 * inter, hid, spec.mlp_bias),
+        ("mlp", hid, inter, spec.mlp_bias),
+    )
     for kind, n, k, bias in linears:
         fmt, path, nbytes = _linear_bytes(n, k, bias, mode, elem, group, device_type)
         row = acc[(kind, fmt or name, path)]
@@ -135,7 +156,10 @@ def estimate_weights(spec: ModelSpec, mode: str | None, dtype: torch.dtype, grou
         acc[("lm_head", "tied to embedding", "-")] = [0, 0]
     else:
         acc[("embedding", name, "dense")] = [vocab, vocab * elem]
-        acc[("lm_head", "bf16-wo", Bf16WOLinear.path) if head16 else ("lm_head", name, "dense")] = [vocab, head_bytes]
+        acc[("lm_head", "bf16-wo", Bf16WOLinear.path) if head16 else ("lm_head", name, "dense")] = [
+            vocab,
+            head_bytes,
+        ]
     rows = [WeightRow(k, f, p, v[0], v[1]) for (k, f, p), v in acc.items()]
     return WeightReport(tuple(sorted(rows, key=lambda r: KINDS.index(r.kind))))
 
@@ -177,14 +201,27 @@ class CapacityPlan:
         return self.num_blocks * self.block_size / self.context
 
 
-def plan_capacity(spec: ModelSpec, weights: WeightReport, kv_dtype: torch.dtype, budget: int, context: int,
-                  block_size: int = 16) -> CapacityPlan:
+def plan_capacity(
+    spec: ModelSpec,
+    weights: WeightReport,
+    kv_dtype: torch.dtype,
+    budget: int,
+    context: int,
+    block_size: int = 16,
+) -> CapacityPlan:
     """Blocks that fit when the KV pool takes CUDA_FREE_FRACTION of the budget left after the weights."""
     per_token = kv_bytes_per_token(spec, kv_dtype)
     kv_budget = max(0, int((budget - weights.total) * CUDA_FREE_FRACTION))
-    return CapacityPlan(budget=budget, weights=weights, kv_dtype=dtype_name(kv_dtype),
-                        kv_per_token=per_token, block_size=block_size, kv_budget=kv_budget,
-                        num_blocks=kv_budget // (per_token * block_size), context=context)
+    return CapacityPlan(
+        budget=budget,
+        weights=weights,
+        kv_dtype=dtype_name(kv_dtype),
+        kv_per_token=per_token,
+        block_size=block_size,
+        kv_budget=kv_budget,
+        num_blocks=kv_budget // (per_token * block_size),
+        context=context,
+    )
 
 
 def fmt_bytes(n: float) -> str:
@@ -212,9 +249,16 @@ class EngineMemory:
     @classmethod
     def of(cls, engine) -> EngineMemory:
         pool = engine.pool.numel() * engine.pool.element_size()
-        return cls(weight_report(engine.model), pool, pool // engine.blocks.num_blocks, engine.blocks.num_blocks,
-                   engine.blocks.block_size, engine.max_model_len, engine.device,
-                   dtype_name(engine.dtype))
+        return cls(
+            weight_report(engine.model),
+            pool,
+            pool // engine.blocks.num_blocks,
+            engine.blocks.num_blocks,
+            engine.blocks.block_size,
+            engine.max_model_len,
+            engine.device,
+            dtype_name(engine.dtype),
+        )
 
     def seqs_that_fit(self, tokens: int) -> int:
         """Sequences of `tokens` tokens the pool holds at once."""
@@ -249,8 +293,13 @@ def read_memory(device: torch.device) -> Readings:
     """Read the allocator (CUDA) or this process's RSS (CPU): call it where the engine runs."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        return Readings(allocated=torch.cuda.memory_allocated(device), reserved=torch.cuda.memory_reserved(device),
-                        peak=torch.cuda.max_memory_allocated(device), device_free=free, device_total=total)
+        return Readings(
+            allocated=torch.cuda.memory_allocated(device),
+            reserved=torch.cuda.memory_reserved(device),
+            peak=torch.cuda.max_memory_allocated(device),
+            device_free=free,
+            device_total=total,
+        )
     try:
         with open("/proc/self/statm") as f:
             rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

@@ -10,10 +10,9 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from pagechat.core.attention import AttentionMetadata, paged_attention
 from pagechat.core.loader import ModelSpec, WeightReader
+from torch import nn
 
 
 class RMSNorm(nn.Module):
@@ -22,7 +21,10 @@ class RMSNorm(nn.Module):
     def __init__(self, weight: torch.Tensor, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
-        self.eps, self.shape = eps, tuple(weight.shape)  # plain ints: a trace records them as constants
+        self.eps, self.shape = (
+            eps,
+            tuple(weight.shape),
+        )  # plain ints: a trace records them as constants
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:  # the same arithmetic as below, in one op instead of seven
@@ -41,17 +43,31 @@ def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Linear:
     return layer
 
 
-def dense_linear(w: WeightReader, names: list[str], out_sizes: tuple[int, ...], in_size: int, bias: bool,
-                 dtype: torch.dtype) -> nn.Linear:
+def dense_linear(
+    w: WeightReader,
+    names: list[str],
+    out_sizes: tuple[int, ...],
+    in_size: int,
+    bias: bool,
+    dtype: torch.dtype,
+) -> nn.Linear:
     """One nn.Linear whose output rows are the named checkpoint linears stacked in order (fused qkv, gate/up)."""
-    weight = torch.cat([w.get(f"{n}.weight", (o, in_size)).to(dtype) for n, o in zip(names, out_sizes)])
-    b = torch.cat([w.get(f"{n}.bias", (o,)).to(dtype) for n, o in zip(names, out_sizes)]) if bias else None
+    weight = torch.cat(
+        [w.get(f"{n}.weight", (o, in_size)).to(dtype) for n, o in zip(names, out_sizes)]
+    )
+    b = (
+        torch.cat([w.get(f"{n}.bias", (o,)).to(dtype) for n, o in zip(names, out_sizes)])
+        if bias
+        else None
+    )
     return linear(weight, b)
 
 
 # How decoder linears are built from the checkpoint: dense_linear here; quant/ provides loaders for
 # quantised checkpoints with the same signature, so fused layers stay fused whatever the format.
-LinearLoader = Callable[[WeightReader, list[str], tuple[int, ...], int, bool, torch.dtype], nn.Module]
+LinearLoader = Callable[
+    [WeightReader, list[str], tuple[int, ...], int, bool, torch.dtype], nn.Module
+]
 
 
 def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
@@ -89,39 +105,62 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 class Attention(nn.Module):
     """Self-attention with fused qkv, optional q/k norm, rotary embedding and a sliding window."""
 
-    def __init__(self, spec: ModelSpec, w: WeightReader, p: str, dtype: torch.dtype, window: int | None,
-                 load: LinearLoader) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        w: WeightReader,
+        p: str,
+        dtype: torch.dtype,
+        window: int | None,
+        load: LinearLoader,
+    ) -> None:
         super().__init__()
         h, kv, d, hid = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.hidden_size
         self.sizes = (h * d, kv * d, kv * d)
         self.heads, self.kv_heads, self.head_dim, self.window = h, kv, d, window
-        self.qkv_proj = load(w, [f"{p}.q_proj", f"{p}.k_proj", f"{p}.v_proj"], self.sizes, hid, spec.qkv_bias, dtype)
+        self.qkv_proj = load(
+            w, [f"{p}.q_proj", f"{p}.k_proj", f"{p}.v_proj"], self.sizes, hid, spec.qkv_bias, dtype
+        )
         self.o_proj = load(w, [f"{p}.o_proj"], (hid,), h * d, spec.o_bias, dtype)
         self.q_norm = self.k_norm = None
         if spec.qk_norm:
             self.q_norm = RMSNorm(w.get(f"{p}.q_norm.weight", (d,)).to(dtype), spec.rms_norm_eps)
             self.k_norm = RMSNorm(w.get(f"{p}.k_norm.weight", (d,)).to(dtype), spec.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         # -1 and flatten instead of sizes read off x: a traced step then carries no size arithmetic
         qk, v = self.qkv_proj(x).split((self.sizes[0] + self.sizes[1], self.sizes[2]), dim=-1)
-        qk = qk.view(-1, self.heads + self.kv_heads, self.head_dim)  # q's heads, then k's: rotated as one tensor
+        qk = qk.view(
+            -1, self.heads + self.kv_heads, self.head_dim
+        )  # q's heads, then k's: rotated as one tensor
         if self.q_norm is not None:
             q, k = qk.split((self.heads, self.kv_heads), dim=1)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
         q, k = rotate(qk, cos, sin).split((self.heads, self.kv_heads), dim=1)
-        out = paged_attention(q, k, v.view(-1, self.kv_heads, self.head_dim), kv[0], kv[1], meta, self.window)
+        out = paged_attention(
+            q, k, v.view(-1, self.kv_heads, self.head_dim), kv[0], kv[1], meta, self.window
+        )
         return self.o_proj(out.flatten(1))
 
 
 class MLP(nn.Module):
     """SwiGLU feed-forward with gate and up fused into one matmul."""
 
-    def __init__(self, spec: ModelSpec, w: WeightReader, p: str, dtype: torch.dtype, load: LinearLoader) -> None:
+    def __init__(
+        self, spec: ModelSpec, w: WeightReader, p: str, dtype: torch.dtype, load: LinearLoader
+    ) -> None:
         super().__init__()
         hid, inter = spec.hidden_size, spec.intermediate_size
-        self.gate_up_proj = load(w, [f"{p}.gate_proj", f"{p}.up_proj"], (inter, inter), hid, spec.mlp_bias, dtype)
+        self.gate_up_proj = load(
+            w, [f"{p}.gate_proj", f"{p}.up_proj"], (inter, inter), hid, spec.mlp_bias, dtype
+        )
         self.down_proj = load(w, [f"{p}.down_proj"], (hid,), inter, spec.mlp_bias, dtype)
         self.inter = inter
 
@@ -133,10 +172,14 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm attention and MLP blocks with residual connections."""
 
-    def __init__(self, spec: ModelSpec, w: WeightReader, i: int, dtype: torch.dtype, load: LinearLoader) -> None:
+    def __init__(
+        self, spec: ModelSpec, w: WeightReader, i: int, dtype: torch.dtype, load: LinearLoader
+    ) -> None:
         super().__init__()
         p = f"model.layers.{i}"
-        norm = lambda name: RMSNorm(w.get(f"{p}.{name}.weight", (spec.hidden_size,)).to(dtype), spec.rms_norm_eps)  # noqa: E731
+        norm = lambda name: RMSNorm(
+            w.get(f"{p}.{name}.weight", (spec.hidden_size,)).to(dtype), spec.rms_norm_eps
+        )  # noqa: E731
         self.input_layernorm = norm("input_layernorm")
         self.post_attention_layernorm = norm("post_attention_layernorm")
         self.self_attn = Attention(spec, w, f"{p}.self_attn", dtype, spec.sliding_windows[i], load)
@@ -150,8 +193,15 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """Embeddings, decoder layers, final norm and LM head; forward works on one flat ragged batch."""
 
-    def __init__(self, spec: ModelSpec, w: WeightReader, dtype: torch.dtype, max_len: int,
-                 load: LinearLoader = dense_linear, head: Callable[[torch.Tensor], nn.Module] = linear) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        w: WeightReader,
+        dtype: torch.dtype,
+        max_len: int,
+        load: LinearLoader = dense_linear,
+        head: Callable[[torch.Tensor], nn.Module] = linear,
+    ) -> None:
         """`head` builds lm_head from its weight (quant/ gives weight-only modes a bf16 one); when it keeps the
         tied embedding's weight in another dtype, the embedding reads that same table and casts its rows."""
         super().__init__()
@@ -159,9 +209,15 @@ class DecoderModel(nn.Module):
         self.spec = spec
         vh = (spec.vocab_size, spec.hidden_size)
         self.embed_tokens = nn.Embedding(*vh, device="meta")
-        self.embed_tokens.weight = nn.Parameter(w.get("model.embed_tokens.weight", vh).to(dtype), requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(spec, w, i, dtype, load) for i in range(spec.num_layers))
-        self.norm = RMSNorm(w.get("model.norm.weight", (spec.hidden_size,)).to(dtype), spec.rms_norm_eps)
+        self.embed_tokens.weight = nn.Parameter(
+            w.get("model.embed_tokens.weight", vh).to(dtype), requires_grad=False
+        )
+        self.layers = nn.ModuleList(
+            DecoderLayer(spec, w, i, dtype, load) for i in range(spec.num_layers)
+        )
+        self.norm = RMSNorm(
+            w.get("model.norm.weight", (spec.hidden_size,)).to(dtype), spec.rms_norm_eps
+        )
         if spec.tie_word_embeddings or not w.has("lm_head.weight"):
             self.lm_head = head(self.embed_tokens.weight)
             if self.lm_head.weight.dtype != dtype:  # one table in the head's dtype, not two copies
@@ -172,13 +228,20 @@ class DecoderModel(nn.Module):
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_pool: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_pool: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for tokens input_ids [T] at positions [T]."""
         x = self.embed_tokens(input_ids).to(self.dtype)
         cos = self.cos[positions].to(x.dtype).unsqueeze(1)
         sin = self.sin[positions].to(x.dtype).unsqueeze(1)
-        for layer, kv in zip(self.layers, kv_pool.flatten(2, 3)):  # each layer's K and V as [slots, kv_heads, D]
+        for layer, kv in zip(
+            self.layers, kv_pool.flatten(2, 3)
+        ):  # each layer's K and V as [slots, kv_heads, D]
             x = layer(x, cos, sin, kv, meta)
         return self.norm(x)
 

@@ -24,15 +24,19 @@ class SamplingParams:
     num_candidates: int = 8  # top-N candidates recorded per sampled token
     n: int = 1  # samples per prompt: forks sharing the prompt's KV blocks (copy-on-write)
 
-    def validate(self) -> "SamplingParams":
+    def validate(self) -> SamplingParams:
         """Raise PagechatError naming the first out-of-range field; return self when all are valid."""
         checks = [
             ("temperature", self.temperature, "must be >= 0", self.temperature >= 0),
             ("top-p", self.top_p, "must be in (0, 1]", 0 < self.top_p <= 1),
             ("top-k", self.top_k, "must be >= 0 (0 = off)", self.top_k >= 0),
             ("min-p", self.min_p, "must be in [0, 1]", 0 <= self.min_p <= 1),
-            ("repetition-penalty", self.repetition_penalty, "must be > 0",
-             self.repetition_penalty > 0),
+            (
+                "repetition-penalty",
+                self.repetition_penalty,
+                "must be > 0",
+                self.repetition_penalty > 0,
+            ),
             ("max-tokens", self.max_tokens, "must be >= 1", self.max_tokens >= 1),
             ("num-candidates", self.num_candidates, "must be >= 0", self.num_candidates >= 0),
             ("n", self.n, "must be >= 1", self.n >= 1),

@@ -28,7 +28,9 @@ class DraftRecord:
     proposer: str  # "draft" | "ngram"
     drafted: tuple[int, ...]
     accepted: int  # leading drafted tokens the target accepted
-    emitted: tuple[int, ...]  # tokens added to the sequence: the accepted ones, then a correction or bonus
+    emitted: tuple[
+        int, ...
+    ]  # tokens added to the sequence: the accepted ones, then a correction or bonus
     drafted_text: tuple[str, ...]  # each drafted token's text as decoded alone (as Candidate.text)
     emitted_text: tuple[str, ...]
 

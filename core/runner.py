@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-
 from pagechat.core.attention import build_metadata
 from pagechat.core.blocks import BlockManager
 from pagechat.core.graphs import StepGraphs
@@ -14,8 +13,14 @@ from pagechat.core.scheduler import ScheduledSeq
 class ModelRunner:
     """Runs the model over the KV pool for a list of scheduled chunks: eagerly, or as a step graph where one fits."""
 
-    def __init__(self, model: DecoderModel, pool: torch.Tensor, blocks: BlockManager, device: torch.device,
-                 graphs: bool) -> None:
+    def __init__(
+        self,
+        model: DecoderModel,
+        pool: torch.Tensor,
+        blocks: BlockManager,
+        device: torch.device,
+        graphs: bool,
+    ) -> None:
         self.model, self.pool, self.blocks, self.device = model, pool, blocks, device
         self.graphs = StepGraphs(model) if graphs else None
         self.warm_up(1)
@@ -41,15 +46,25 @@ class ModelRunner:
         positions: list[int] = []
         rows: list[int] = []
         for it, n in zip(items, logits_per_item):
-            ids += it.seq.token_ids[it.start:it.start + it.count] + it.draft
+            ids += it.seq.token_ids[it.start : it.start + it.count] + it.draft
             positions += range(it.start, it.start + it.count + len(it.draft))
             rows += range(len(ids) - n, len(ids))
-        meta = build_metadata([it.start for it in items], [it.count + len(it.draft) for it in items],
-                              [self.blocks.table(it.seq.seq_id) for it in items], self.blocks.block_size, self.device)
-        ids_t, positions_t = torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device)
+        meta = build_metadata(
+            [it.start for it in items],
+            [it.count + len(it.draft) for it in items],
+            [self.blocks.table(it.seq.seq_id) for it in items],
+            self.blocks.block_size,
+            self.device,
+        )
+        ids_t, positions_t = (
+            torch.tensor(ids, device=self.device),
+            torch.tensor(positions, device=self.device),
+        )
         if self.graphs is not None and self.graphs.fits(len(ids), meta):
             logits = self.graphs.run(ids_t, positions_t, self.pool, meta)
-            return logits if len(rows) == len(ids) else logits[torch.tensor(rows, device=self.device)]
+            return (
+                logits if len(rows) == len(ids) else logits[torch.tensor(rows, device=self.device)]
+            )
         hidden = self.model(ids_t, positions_t, self.pool, meta)
         if not rows:
             return hidden.new_empty((0, self.model.spec.vocab_size), dtype=torch.float32)

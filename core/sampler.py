@@ -13,14 +13,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
-
 from pagechat.core.params import SamplingParams
+from torch import Tensor
 
 _CUT_BY = (None, "top-k", "top-p", "min-p")  # index = the cut code used below
 _NEG_INF = float("-inf")
 TOP_P_SHORTLIST = 256  # tokens top-p looks at before it sorts the whole vocabulary...
-TOP_P_SHORTLIST_VOCAB = 4096  # ...in vocabularies this large: below, one sort is cheaper (2048 logits: 0.08 ms vs 0.24)
+TOP_P_SHORTLIST_VOCAB = (
+    4096  # ...in vocabularies this large: below, one sort is cheaper (2048 logits: 0.08 ms vs 0.24)
+)
 # Closer than this to the top-p limit, a token's fate is left to the full sort: transformers' float32 cumulative
 # sum (a double accumulator on CPU) is within ~1e-7 of the exact sum, so 1e-5 leaves a wide berth.
 TOP_P_MARGIN = 1e-5
@@ -43,10 +44,14 @@ class Candidate:
     token_id: int
     text: str  # the token's text as the tokenizer decodes it alone
     logit: float  # after repetition penalty, before temperature
-    prob: float  # softmax(logit / T) over the whole vocabulary, before any filter (T = 1 when greedy)
+    prob: (
+        float  # softmax(logit / T) over the whole vocabulary, before any filter (T = 1 when greedy)
+    )
     cum_prob: float  # cumulative prob down the candidate list (sorted by logit, descending)
     kept: bool  # survived the filters; a greedy row keeps only its argmax
-    cut_by: str | None  # "top-k" | "top-p" | "min-p": the first filter that cut it; None if kept / greedy
+    cut_by: (
+        str | None
+    )  # "top-k" | "top-p" | "min-p": the first filter that cut it; None if kept / greedy
     chosen: bool
 
 
@@ -79,7 +84,9 @@ def penalised_logits(logits: Tensor, rows: Sequence[SampleRow]) -> Tensor:
     n, vocab = out.shape
     dev = out.device
     # One scatter for the whole batch: flat (row, token) pairs mark every token seen in a history.
-    tokens = torch.tensor(list(itertools.chain.from_iterable(rows[i].history for i in hit)), device=dev)
+    tokens = torch.tensor(
+        list(itertools.chain.from_iterable(rows[i].history for i in hit)), device=dev
+    )
     lengths = torch.tensor([len(rows[i].history) for i in hit], device=dev)
     row_ids = torch.repeat_interleave(torch.tensor(hit, device=dev), lengths)
     valid = (tokens >= 0) & (tokens < vocab)  # ids outside the vocabulary are skipped
@@ -112,7 +119,9 @@ def top_p_removed(x: Tensor, tops: list[float]) -> Tensor:
     TOP_P_MARGIN of the limit (float32 rounding of transformers' cumulative sum could decide it), or two equally
     likely tokens straddle the cut (the sort's tie order decides it).
     """
-    thresholds = _column([1 - t for t in tops], x)  # 1 - p in double, then float32, as transformers compares
+    thresholds = _column(
+        [1 - t for t in tops], x
+    )  # 1 - p in double, then float32, as transformers compares
     if x.shape[1] < TOP_P_SHORTLIST_VOCAB:
         return _top_p_by_sort(x, thresholds)
     probs = x.softmax(dim=-1)
@@ -126,7 +135,9 @@ def top_p_removed(x: Tensor, tops: list[float]) -> Tensor:
     kept = keep.sum(dim=-1, keepdim=True)  # the cut: tokens ranked >= kept are removed
     ranks = torch.arange(k, device=x.device)
     near = (above - limit).abs() < TOP_P_MARGIN
-    near &= ((ranks == kept - 1) & (ranks > 0)) | (ranks == kept)  # the last kept and the first removed token
+    near &= ((ranks == kept - 1) & (ranks > 0)) | (
+        ranks == kept
+    )  # the last kept and the first removed token
     tied = (top[:, :-1] == top[:, 1:]) & (ranks[1:] == kept)  # the first removed ties the last kept
     beyond = (kept == k).squeeze(1)
     on = thresholds.squeeze(1) > 0  # top_p == 1 is off
@@ -138,7 +149,9 @@ def top_p_removed(x: Tensor, tops: list[float]) -> Tensor:
     return removed
 
 
-def _process(logits: Tensor, rows: Sequence[SampleRow]) -> tuple[Tensor, Tensor, list[Tensor | None]]:
+def _process(
+    logits: Tensor, rows: Sequence[SampleRow]
+) -> tuple[Tensor, Tensor, list[Tensor | None]]:
     """(penalised logits, processed logits, [top-k, top-p, min-p] removal masks, None if not applied)."""
     pen = penalised_logits(logits, rows)
     vocab = pen.shape[1]
@@ -205,10 +218,14 @@ def draw_from(probs: Tensor, generators: Sequence[torch.Generator | None]) -> Te
             if g is not None:
                 u[i] = torch.rand(1, dtype=torch.float64, generator=g, device=dev)
         if free:
-            u[torch.tensor(free, device=dev)] = torch.rand(len(free), 1, dtype=torch.float64, device=dev)
+            u[torch.tensor(free, device=dev)] = torch.rand(
+                len(free), 1, dtype=torch.float64, device=dev
+            )
     cdf = probs.double().cumsum(dim=-1)
     total = cdf[:, -1:].contiguous()
-    picked = torch.searchsorted(cdf, u * total, right=True)  # first token whose CDF exceeds the target
+    picked = torch.searchsorted(
+        cdf, u * total, right=True
+    )  # first token whose CDF exceeds the target
     # u * total can round up to total: fall back to the last token with nonzero probability.
     last = torch.searchsorted(cdf, total, right=False)
     return torch.minimum(picked, last).squeeze(1)
@@ -228,7 +245,9 @@ class Sampler:
             text = self._texts[token_id] = self._token_text(token_id)
         return text
 
-    def sample(self, logits: Tensor, rows: Sequence[SampleRow]) -> tuple[list[int], list[SampleRecord]]:
+    def sample(
+        self, logits: Tensor, rows: Sequence[SampleRow]
+    ) -> tuple[list[int], list[SampleRecord]]:
         """One token per row (argmax for greedy rows, a seeded draw otherwise) and one record per row."""
         if not rows:
             return [], []
@@ -237,7 +256,9 @@ class Sampler:
         chosen = tokens.tolist()
         return chosen, self._records(pen, x, cuts, tokens, chosen, rows)
 
-    def record(self, logits: Tensor, rows: Sequence[SampleRow], chosen: list[int]) -> list[SampleRecord]:
+    def record(
+        self, logits: Tensor, rows: Sequence[SampleRow], chosen: list[int]
+    ) -> list[SampleRecord]:
         """Records for tokens picked elsewhere (speculative verification) from the logits they were judged by."""
         if not rows:
             return []
@@ -257,8 +278,15 @@ class Sampler:
             tokens[idx] = draw_from(x[idx].softmax(dim=-1), [rows[i].generator for i in drawn])
         return tokens
 
-    def _records(self, pen: Tensor, x: Tensor, cuts: list[Tensor | None], tokens: Tensor,
-                 chosen: list[int], rows: Sequence[SampleRow]) -> list[SampleRecord]:
+    def _records(
+        self,
+        pen: Tensor,
+        x: Tensor,
+        cuts: list[Tensor | None],
+        tokens: Tensor,
+        chosen: list[int],
+        rows: Sequence[SampleRow],
+    ) -> list[SampleRecord]:
         wants = [r.params.num_candidates for r in rows]
         top_n = min(max(wants), pen.shape[1])
         copies: dict[int, SamplingParams] = {}  # one copy per params object in this batch
@@ -293,7 +321,17 @@ class Sampler:
             cum, cands = 0.0, []
             for j in picks:
                 cum += p_[j]
-                cands.append(Candidate(i_[j], self.text(i_[j]), l_[j], p_[j], cum, k_[j],
-                                       _CUT_BY[c_[j]], i_[j] == token))
+                cands.append(
+                    Candidate(
+                        i_[j],
+                        self.text(i_[j]),
+                        l_[j],
+                        p_[j],
+                        cum,
+                        k_[j],
+                        _CUT_BY[c_[j]],
+                        i_[j] == token,
+                    )
+                )
             records.append(SampleRecord(r.seq_id, token, tuple(cands), frozen(r.params)))
         return records

@@ -16,7 +16,9 @@ class ScheduledSeq:
     seq: Sequence
     start: int
     count: int
-    draft: list[int] = field(default_factory=list)  # speculative tokens fed after the chunk (not in token_ids)
+    draft: list[int] = field(
+        default_factory=list
+    )  # speculative tokens fed after the chunk (not in token_ids)
     lookahead: int = 0  # extra slots reserved for drafted tokens
 
     @property
@@ -74,13 +76,22 @@ class Scheduler:
             budget -= count + extra
             i += 1
         # Admit new work only when nothing had to be preempted: memory is tight otherwise.
-        while self.waiting and budget > 0 and len(self.running) < self.max_seqs and not batch.preempted:
+        while (
+            self.waiting
+            and budget > 0
+            and len(self.running) < self.max_seqs
+            and not batch.preempted
+        ):
             seq = self.waiting[0]
             if self.blocks.blocks_needed(len(seq.token_ids) + 1) > self.blocks.num_blocks:
                 self.waiting.popleft()
-                self._fail(seq, batch, f"the request needs {len(seq.token_ids) + 1} tokens of KV but the whole pool "
-                                       f"holds {self.blocks.num_blocks * self.blocks.block_size}; raise --kv-blocks "
-                                       "or --kv-memory")
+                self._fail(
+                    seq,
+                    batch,
+                    f"the request needs {len(seq.token_ids) + 1} tokens of KV but the whole pool "
+                    f"holds {self.blocks.num_blocks * self.blocks.block_size}; raise --kv-blocks "
+                    "or --kv-memory",
+                )
                 continue
             if not self.blocks.can_allocate(seq.token_ids):
                 break
@@ -102,8 +113,12 @@ class Scheduler:
             return True
         while not self.blocks.can_append(seq.seq_id, missing):
             if self.running == [seq]:
-                self._fail(seq, batch, f"the KV pool ({self.blocks.num_blocks} blocks of {self.blocks.block_size} "
-                                       "tokens) is full with this request alone; raise --kv-blocks or --kv-memory")
+                self._fail(
+                    seq,
+                    batch,
+                    f"the KV pool ({self.blocks.num_blocks} blocks of {self.blocks.block_size} "
+                    "tokens) is full with this request alone; raise --kv-blocks or --kv-memory",
+                )
                 return False
             victim = self.running[-1]
             self.preempt(victim)

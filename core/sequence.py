@@ -6,7 +6,6 @@ import enum
 from dataclasses import dataclass, field
 
 import torch
-
 from pagechat.core.params import SamplingParams
 
 
@@ -34,18 +33,22 @@ class Sequence:
     num_drafted: int = 0
     num_accepted: int = 0
     parent: int | None = None  # the sequence this sample was forked from
-    children: list[int] = field(default_factory=list)  # ids of the samples forked from this one (n > 1)
+    children: list[int] = field(
+        default_factory=list
+    )  # ids of the samples forked from this one (n > 1)
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
     text: str = ""  # detokenised output so far (stop strings already cut)
     emitted: int = 0  # chars of text handed out as stream deltas
-    detok: list[int] = field(default_factory=lambda: [0, 0])  # prefix / read offsets of incremental decode
+    detok: list[int] = field(
+        default_factory=lambda: [0, 0]
+    )  # prefix / read offsets of incremental decode
 
     @property
     def output_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_output_tokens(self) -> int:

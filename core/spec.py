@@ -9,7 +9,6 @@ equals the target's argmax. An n-gram draft is deterministic: q is one-hot.
 from __future__ import annotations
 
 import torch
-
 from pagechat.core.blocks import BlockManager
 from pagechat.core.kv import allocate_pool
 from pagechat.core.runner import ModelRunner
@@ -18,8 +17,13 @@ from pagechat.core.scheduler import ScheduledSeq
 from pagechat.core.sequence import Sequence
 
 
-def verify(p: torch.Tensor, q: torch.Tensor | None, draft: list[int], greedy: bool,
-           generator: torch.Generator | None) -> tuple[int, int]:
+def verify(
+    p: torch.Tensor,
+    q: torch.Tensor | None,
+    draft: list[int],
+    greedy: bool,
+    generator: torch.Generator | None,
+) -> tuple[int, int]:
     """Judge draft against target probs p [len(draft) + 1, V]; returns (accepted count, next token).
 
     q [len(draft), V] is what each draft token was sampled from (None: one-hot, a deterministic draft). The
@@ -45,7 +49,7 @@ def verify(p: torch.Tensor, q: torch.Tensor | None, draft: list[int], greedy: bo
         dist = residual / total if total > 0 else p[i]
         return i, int(draw_from(dist.unsqueeze(0), [generator])[0])
     m = len(draft)
-    nxt = int(p[m].argmax()) if greedy else int(draw_from(p[m:m + 1], [generator])[0])
+    nxt = int(p[m].argmax()) if greedy else int(draw_from(p[m : m + 1], [generator])[0])
     return m, nxt
 
 
@@ -56,8 +60,8 @@ def ngram_propose(tokens: list[int], k: int, max_n: int = 3) -> list[int]:
     for n in range(min(max_n, size - 1), 0, -1):
         tail = tokens[-n:]
         for start in range(size - n - 1, -1, -1):
-            if tokens[start:start + n] == tail:
-                return tokens[start + n:start + n + k]
+            if tokens[start : start + n] == tail:
+                return tokens[start + n : start + n + k]
     return []
 
 
@@ -67,8 +71,12 @@ class NgramProposer:
     name = "ngram"
     max_len = 1 << 62  # no model, no position limit
 
-    def propose(self, seqs: list[Sequence], ks: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
-        return [ngram_propose(s.token_ids, k) if k else [] for s, k in zip(seqs, ks)], [None] * len(seqs)
+    def propose(
+        self, seqs: list[Sequence], ks: list[int]
+    ) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+        return [ngram_propose(s.token_ids, k) if k else [] for s, k in zip(seqs, ks)], [None] * len(
+            seqs
+        )
 
     def accept(self, seq: Sequence, len_before: int, drafted: int, accepted: int) -> None:
         pass
@@ -85,17 +93,28 @@ class DraftModelProposer:
 
     name = "draft"
 
-    def __init__(self, loaded, num_blocks: int, block_size: int, device: torch.device, vocab_size: int,
-                 graphs: bool) -> None:
+    def __init__(
+        self,
+        loaded,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        vocab_size: int,
+        graphs: bool,
+    ) -> None:
         self.loaded, self.device, self.vocab_size = loaded, device, vocab_size
         self.max_len = loaded.max_len
         self.pool = allocate_pool(loaded.spec, num_blocks, block_size, loaded.dtype, device)
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_cache=False)
         self.runner = ModelRunner(loaded.model, self.pool, self.blocks, device, graphs)
-        self.runner.warm_up(2)  # its catch-up steps (2 tokens after a verification) take the causal-mask trace
+        self.runner.warm_up(
+            2
+        )  # its catch-up steps (2 tokens after a verification) take the causal-mask trace
         self.computed: dict[int, int] = {}  # seq id -> tokens whose K/V the draft cache holds
 
-    def propose(self, seqs: list[Sequence], ks: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+    def propose(
+        self, seqs: list[Sequence], ks: list[int]
+    ) -> tuple[list[list[int]], list[torch.Tensor | None]]:
         """k_i draft tokens for each sequence (fewer when its draft cache has no room) and their q rows (None when
         every sequence is greedy)."""
         drafts: list[list[int]] = [[] for _ in seqs]
@@ -103,13 +122,25 @@ class DraftModelProposer:
         live = [i for i, (s, k) in enumerate(zip(seqs, ks)) if k and self._reserve(s, k)]
         # round 0 catches the draft cache up with the sequence (its last token at least); later rounds feed
         # one drafted token each
-        items = [ScheduledSeq(seqs[i], self.computed[seqs[i].seq_id],
-                              len(seqs[i].token_ids) - self.computed[seqs[i].seq_id]) for i in live]
-        greedy = all(seqs[i].params.greedy for i in live)  # greedy verification reads no q: argmax is all it takes
+        items = [
+            ScheduledSeq(
+                seqs[i],
+                self.computed[seqs[i].seq_id],
+                len(seqs[i].token_ids) - self.computed[seqs[i].seq_id],
+            )
+            for i in live
+        ]
+        greedy = all(
+            seqs[i].params.greedy for i in live
+        )  # greedy verification reads no q: argmax is all it takes
         while live:
             logits = self._fit(self.runner.run(items, [1] * len(items)))
-            rows = [SampleRow(seqs[i].seq_id, seqs[i].params, seqs[i].token_ids + drafts[i], seqs[i].generator)
-                    for i in live]
+            rows = [
+                SampleRow(
+                    seqs[i].seq_id, seqs[i].params, seqs[i].token_ids + drafts[i], seqs[i].generator
+                )
+                for i in live
+            ]
             if greedy:
                 picks = penalised_logits(logits, rows).argmax(dim=-1).tolist()
             else:
@@ -120,8 +151,12 @@ class DraftModelProposer:
             for j, i in enumerate(live):
                 drafts[i].append(picks[j])
             live = [i for i in live if len(drafts[i]) < ks[i]]
-            items = [ScheduledSeq(seqs[i], len(seqs[i].token_ids) + len(drafts[i]) - 1, 0, [drafts[i][-1]])
-                     for i in live]
+            items = [
+                ScheduledSeq(
+                    seqs[i], len(seqs[i].token_ids) + len(drafts[i]) - 1, 0, [drafts[i][-1]]
+                )
+                for i in live
+            ]
         for s, d in zip(seqs, drafts):
             if d:
                 self.computed[s.seq_id] = len(s.token_ids) + len(d) - 1
@@ -162,7 +197,7 @@ class DraftModelProposer:
         """Draft logits over the target's vocabulary size (checkpoints often pad the embedding differently)."""
         v = logits.shape[1]
         if v > self.vocab_size:
-            return logits[:, :self.vocab_size]
+            return logits[:, : self.vocab_size]
         if v < self.vocab_size:
             return torch.nn.functional.pad(logits, (0, self.vocab_size - v), value=float("-inf"))
         return logits

@@ -44,7 +44,9 @@ class RunStats:
 
     def __init__(self, engine) -> None:
         self.engine = engine
-        self.prefill_tokens = self.decode_tokens = self.hit_tokens = self.preemptions = self.steps = 0
+        self.prefill_tokens = self.decode_tokens = self.hit_tokens = self.preemptions = (
+            self.steps
+        ) = 0
         self.prefill_s = self.decode_s = self.wall_s = 0.0
         self.peak_blocks = 0
         self.spec = SpecStats()
@@ -66,7 +68,11 @@ class RunStats:
 
     def ttft_ms(self) -> float:
         """Time to first token of the earliest request that produced one."""
-        ttfts = [s.first_token_time - s.arrival for s in self.engine.requests.values() if s.first_token_time]
+        ttfts = [
+            s.first_token_time - s.arrival
+            for s in self.engine.requests.values()
+            if s.first_token_time
+        ]
         return 1000 * min(ttfts) if ttfts else 0.0
 
     def as_dict(self) -> dict:
@@ -74,7 +80,9 @@ class RunStats:
         return {
             "ttft_ms": round(self.ttft_ms(), 3),
             "prefill_tokens": self.prefill_tokens,
-            "prefill_tok_s": round(self.prefill_tokens / self.prefill_s, 2) if self.prefill_s else 0.0,
+            "prefill_tok_s": round(self.prefill_tokens / self.prefill_s, 2)
+            if self.prefill_s
+            else 0.0,
             "decode_tokens": self.decode_tokens,
             "decode_tok_s": round(self.decode_tokens / self.decode_s, 2) if self.decode_s else 0.0,
             "kv_blocks_used": self.peak_blocks,
@@ -96,23 +104,34 @@ class RunStats:
             return {}
         seqs = list(e.requests.values())
         outputs = sum(s.num_output_tokens for s in seqs)
-        return {"proposer": e.proposer.name, "num_draft": e.num_draft, "drafted_tokens": sp.drafted,
-                "accepted_tokens": sp.accepted, "acceptance_rate": round(sp.acceptance_rate, 4),
-                "mean_acceptance_length": round(sp.mean_acceptance_length, 4),
-                "per_position_acceptance": [round(x, 4) for x in sp.per_position()],
-                "target_forwards_per_token": round(sum(s.target_forwards for s in seqs) / outputs, 4) if outputs else 0.0}
+        return {
+            "proposer": e.proposer.name,
+            "num_draft": e.num_draft,
+            "drafted_tokens": sp.drafted,
+            "accepted_tokens": sp.accepted,
+            "acceptance_rate": round(sp.acceptance_rate, 4),
+            "mean_acceptance_length": round(sp.mean_acceptance_length, 4),
+            "per_position_acceptance": [round(x, 4) for x in sp.per_position()],
+            "target_forwards_per_token": round(sum(s.target_forwards for s in seqs) / outputs, 4)
+            if outputs
+            else 0.0,
+        }
 
     def line(self) -> str:
         d = self.as_dict()
-        return (f"TTFT {d['ttft_ms']:.1f} ms | prefill {d['prefill_tokens']} tok at {d['prefill_tok_s']:.1f} tok/s | "
-                f"decode {d['decode_tokens']} tok at {d['decode_tok_s']:.1f} tok/s | KV blocks {d['kv_blocks_used']}/"
-                f"{d['kv_blocks_total']} peak | prefix-cache hits {d['prefix_hit_tokens']} tok | "
-                f"{d['dtype']} on {d['device']}" + self._spec_line(d))
+        return (
+            f"TTFT {d['ttft_ms']:.1f} ms | prefill {d['prefill_tokens']} tok at {d['prefill_tok_s']:.1f} tok/s | "
+            f"decode {d['decode_tokens']} tok at {d['decode_tok_s']:.1f} tok/s | KV blocks {d['kv_blocks_used']}/"
+            f"{d['kv_blocks_total']} peak | prefix-cache hits {d['prefix_hit_tokens']} tok | "
+            f"{d['dtype']} on {d['device']}" + self._spec_line(d)
+        )
 
     @staticmethod
     def _spec_line(d: dict) -> str:
         if "proposer" not in d:
             return ""
-        return (f" | {d['proposer']} k={d['num_draft']}: accepted {d['accepted_tokens']}/{d['drafted_tokens']} "
-                f"({100 * d['acceptance_rate']:.0f}%), {d['mean_acceptance_length']:.2f} tok/verify, "
-                f"{d['target_forwards_per_token']:.2f} target forwards/tok")
+        return (
+            f" | {d['proposer']} k={d['num_draft']}: accepted {d['accepted_tokens']}/{d['drafted_tokens']} "
+            f"({100 * d['acceptance_rate']:.0f}%), {d['mean_acceptance_length']:.2f} tok/verify, "
+            f"{d['target_forwards_per_token']:.2f} target forwards/tok"
+        )

@@ -16,8 +16,14 @@ from pathlib import Path
 from pagechat.core.errors import PagechatError
 
 MODES = ("fp32", "bf16", "int8", "int8-wo", "bf16-wo", "awq")
-_SETTINGS = {"fp32": ("float32", None), "bf16": ("bfloat16", None), "int8": ("auto", "int8"),
-             "int8-wo": ("auto", "int8-wo"), "bf16-wo": ("float32", "bf16-wo"), "awq": ("auto", "awq")}
+_SETTINGS = {
+    "fp32": ("float32", None),
+    "bf16": ("bfloat16", None),
+    "int8": ("auto", "int8"),
+    "int8-wo": ("auto", "int8-wo"),
+    "bf16-wo": ("float32", "bf16-wo"),
+    "awq": ("auto", "awq"),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,13 +50,25 @@ def _decode_rate(engine, prompt: list[int], batch: int, new_tokens: int) -> floa
             tokens += r.decode_tokens
             seconds += r.elapsed_s
 
-    engine.generate([prompt] * batch, SamplingParams(max_tokens=new_tokens, ignore_eos=True), on_report=on_report)
+    engine.generate(
+        [prompt] * batch,
+        SamplingParams(max_tokens=new_tokens, ignore_eos=True),
+        on_report=on_report,
+    )
     return tokens / seconds if seconds else 0.0
 
 
-def bench_quant(model_dir: Path, awq_dir: Path | None = None, modes: tuple[str, ...] = MODES, new_tokens: int = 64,
-                prompt_tokens: int = 32, batch: int = 1, rounds: int = 3, device: str = "auto",
-                log: Callable[[str], None] = lambda s: None) -> list[BenchRow]:
+def bench_quant(
+    model_dir: Path,
+    awq_dir: Path | None = None,
+    modes: tuple[str, ...] = MODES,
+    new_tokens: int = 64,
+    prompt_tokens: int = 32,
+    batch: int = 1,
+    rounds: int = 3,
+    device: str = "auto",
+    log: Callable[[str], None] = lambda s: None,
+) -> list[BenchRow]:
     """Load model_dir once per mode (AWQ from awq_dir, or a temporary RTN checkpoint) and time decoding."""
     from pagechat.core.config import EngineConfig
     from pagechat.core.engine import Engine
@@ -63,16 +81,29 @@ def bench_quant(model_dir: Path, awq_dir: Path | None = None, modes: tuple[str, 
         raise PagechatError(f"--modes: unknown mode {bad[0]!r} (choose from {', '.join(MODES)})")
     spec = read_spec(Path(model_dir))
     if spec.quantization is not None:
-        raise PagechatError(f"{model_dir} is already quantised; bench-quant takes the float checkpoint "
-                            "(and --awq-dir for its AWQ version)")
+        raise PagechatError(
+            f"{model_dir} is already quantised; bench-quant takes the float checkpoint "
+            "(and --awq-dir for its AWQ version)"
+        )
     tmp = None
     if "awq" in modes and awq_dir is None:
-        group = next((g for g in (128, 64, 32) if spec.hidden_size % g == 0 and spec.intermediate_size % g == 0), None)
+        group = next(
+            (
+                g
+                for g in (128, 64, 32)
+                if spec.hidden_size % g == 0 and spec.intermediate_size % g == 0
+            ),
+            None,
+        )
         if group is None:
-            raise PagechatError(f"{model_dir}: no AWQ group size (128, 64, 32) divides its linears; "
-                                "drop awq from --modes")
+            raise PagechatError(
+                f"{model_dir}: no AWQ group size (128, 64, 32) divides its linears; "
+                "drop awq from --modes"
+            )
         tmp = tempfile.TemporaryDirectory(prefix="pagechat-bench-")
-        log(f"making a 4-bit RTN checkpoint (g{group}) for the awq mode: same kernels and bytes as AWQ")
+        log(
+            f"making a 4-bit RTN checkpoint (g{group}) for the awq mode: same kernels and bytes as AWQ"
+        )
         awq_dir = quantize_checkpoint(Path(model_dir), Path(tmp.name) / "awq", "rtn", group).out_dir
     prompt = [(7 + 13 * i) % spec.vocab_size for i in range(prompt_tokens)]
     blocks = batch * (math.ceil((prompt_tokens + new_tokens + 1) / 16) + 1)
@@ -81,9 +112,13 @@ def bench_quant(model_dir: Path, awq_dir: Path | None = None, modes: tuple[str, 
         for m in modes:
             dtype, quant = _SETTINGS[m]
             log(f"loading {m}")
-            engines[m] = Engine(awq_dir if m == "awq" else model_dir,
-                                EngineConfig(dtype=dtype, quant=quant, device=device, kv_blocks=blocks))
-            _decode_rate(engines[m], prompt, batch, 4)  # warm-up: first-call allocations, kernel packing caches
+            engines[m] = Engine(
+                awq_dir if m == "awq" else model_dir,
+                EngineConfig(dtype=dtype, quant=quant, device=device, kv_blocks=blocks),
+            )
+            _decode_rate(
+                engines[m], prompt, batch, 4
+            )  # warm-up: first-call allocations, kernel packing caches
         rates: dict[str, list[float]] = {m: [] for m in modes}
         for r in range(rounds):
             for m in modes:
@@ -93,9 +128,17 @@ def bench_quant(model_dir: Path, awq_dir: Path | None = None, modes: tuple[str, 
         for m, e in engines.items():
             rep = weight_report(e.model)
             kernels = sorted({row.path for row in rep.rows if row.kind in ("attention", "mlp")})
-            rows.append(BenchRow(m, dtype_name(e.dtype), ",".join(kernels),
-                                 statistics.median(rates[m]), tuple(rates[m]), rep.total,
-                                 sum(row.bytes for row in rep.rows if row.kind in ("attention", "mlp"))))
+            rows.append(
+                BenchRow(
+                    m,
+                    dtype_name(e.dtype),
+                    ",".join(kernels),
+                    statistics.median(rates[m]),
+                    tuple(rates[m]),
+                    rep.total,
+                    sum(row.bytes for row in rep.rows if row.kind in ("attention", "mlp")),
+                )
+            )
         return rows
     finally:
         if tmp is not None:

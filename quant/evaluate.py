@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
 from pagechat.core.errors import PagechatError
 
 
@@ -34,9 +33,15 @@ def window_logits(engine, ids: list[int]) -> torch.Tensor:
     from pagechat.core.sequence import Sequence
 
     if not engine.blocks.can_allocate(ids):
-        raise PagechatError(f"a window of {len(ids)} tokens does not fit the KV pool; lower --seqlen")
-    seq = Sequence(-1, list(ids), len(ids), SamplingParams(), time.perf_counter())  # outside the engine's request ids
-    engine.blocks.allocate(seq.seq_id, seq.token_ids)  # never committed, so it never enters the prefix cache
+        raise PagechatError(
+            f"a window of {len(ids)} tokens does not fit the KV pool; lower --seqlen"
+        )
+    seq = Sequence(
+        -1, list(ids), len(ids), SamplingParams(), time.perf_counter()
+    )  # outside the engine's request ids
+    engine.blocks.allocate(
+        seq.seq_id, seq.token_ids
+    )  # never committed, so it never enters the prefix cache
     try:
         return engine.runner.run([ScheduledSeq(seq, 0, len(ids))], [len(ids)])
     finally:
@@ -51,11 +56,13 @@ def perplexity(engine, ids: list[int], window: int | None = None) -> Perplexity:
         raise PagechatError(f"--seqlen must be >= 2, got {window}")
     total, count, n = 0.0, 0, 0
     for start in range(0, len(ids) - 1, window):
-        chunk = ids[start:start + window]
+        chunk = ids[start : start + window]
         if len(chunk) < 2:
             break
         logits = window_logits(engine, chunk)
-        total += F.cross_entropy(logits[:-1], torch.tensor(chunk[1:], device=logits.device), reduction="sum").item()
+        total += F.cross_entropy(
+            logits[:-1], torch.tensor(chunk[1:], device=logits.device), reduction="sum"
+        ).item()
         count += len(chunk) - 1
         n += 1
     if count == 0:
@@ -83,10 +90,16 @@ def greedy_agreement(ref, other, prompts: list[list[int]], max_tokens: int = 32)
     hits = total = 0
     prefix = []
     for p, ra, rb in zip(prompts, a, b):
-        logits = window_logits(other, p + ra)[len(p) - 1:-1]  # other's prediction at each of ref's positions
+        logits = window_logits(other, p + ra)[
+            len(p) - 1 : -1
+        ]  # other's prediction at each of ref's positions
         hits += int((logits.argmax(-1).cpu() == torch.tensor(ra)).sum())
         total += len(ra)
         same = next((i for i, (x, y) in enumerate(zip(ra, rb)) if x != y), min(len(ra), len(rb)))
         prefix.append(same / max(1, len(ra)))
-    return Agreement(hits / max(1, total), sum(x == y for x, y in zip(a, b)) / len(prompts),
-                     sum(prefix) / len(prefix), total)
+    return Agreement(
+        hits / max(1, total),
+        sum(x == y for x, y in zip(a, b)) / len(prompts),
+        sum(prefix) / len(prefix),
+        total,
+    )

@@ -12,13 +12,18 @@ import logging
 
 import torch
 import torch.nn.functional as F
+from pagechat.quant.pack import dequantize, pack_awq, unpack_awq
 from torch import nn
 
-from pagechat.quant.pack import dequantize, pack_awq, unpack_awq
-
 INT4_GROUPS = (32, 64, 128, 256)  # group sizes torch's int4 kernels take
-WEIGHT_ONLY = ("int8-wo", "bf16-wo", "awq")  # modes with float activations around low-precision weights
-LLM_INT8_THRESHOLD = 6.0  # activation magnitude above which a column goes through the fp16 outlier matmul
+WEIGHT_ONLY = (
+    "int8-wo",
+    "bf16-wo",
+    "awq",
+)  # modes with float activations around low-precision weights
+LLM_INT8_THRESHOLD = (
+    6.0  # activation magnitude above which a column goes through the fp16 outlier matmul
+)
 _BF16 = torch.bfloat16
 
 
@@ -37,11 +42,20 @@ def _sm80(device: torch.device) -> bool:
 def awq_path(n: int, k: int, group: int, device: torch.device) -> str:
     """Which kernel an AWQ layer of out=n, in=k runs on device: int4pack-cpu, int4pack-cuda or dequant."""
     if group in INT4_GROUPS and k % group == 0:
-        if device.type == "cpu" and n % 16 == 0 and _has_kernel("_weight_int4pack_mm_for_cpu", device):
+        if (
+            device.type == "cpu"
+            and n % 16 == 0
+            and _has_kernel("_weight_int4pack_mm_for_cpu", device)
+        ):
             return "int4pack-cpu"
         # tensor-core tiles: n in 8s, k in 2 x 16 at least; the kernel needs sm80+ (read from torch's source)
-        if device.type == "cuda" and n % 8 == 0 and k % 32 == 0 and _sm80(device) \
-                and _has_kernel("_weight_int4pack_mm", device):
+        if (
+            device.type == "cuda"
+            and n % 8 == 0
+            and k % 32 == 0
+            and _sm80(device)
+            and _has_kernel("_weight_int4pack_mm", device)
+        ):
             return "int4pack-cuda"
     return "dequant"
 
@@ -81,22 +95,34 @@ class AWQLinear(_WeightOnlyLinear):
 
     quant_format = "awq-int4"
 
-    def __init__(self, q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
-                 group: int, device: torch.device, path: str | None = None) -> None:
+    def __init__(
+        self,
+        q: torch.Tensor,
+        zeros: torch.Tensor,
+        scales: torch.Tensor,
+        bias: torch.Tensor | None,
+        group: int,
+        device: torch.device,
+        path: str | None = None,
+    ) -> None:
         """q [K, N] values 0..15, zeros [K/g, N], scales [K/g, N] (AWQ layout, unpacked)."""
         super().__init__()
         k, n = q.shape
         self.in_features, self.out_features, self.group = k, n, group
         self.path = path or awq_path(n, k, group, device)
         if self.path == "int4pack-cpu":
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.t().contiguous().to(torch.int32), 2)
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                q.t().contiguous().to(torch.int32), 2
+            )
             self.register_buffer("weight_packed", packed.to(device))
             self.register_buffer("scales_zeros", _scales_and_zeros(zeros, scales).to(device))
         elif self.path == "int4pack-cuda":
             qt = q.t().contiguous().to(device=device, dtype=torch.uint8)
             inner = 8 if k % 128 == 0 else 4 if k % 64 == 0 else 2
-            self.register_buffer("weight_packed", torch.ops.aten._convert_weight_to_int4pack(
-                (qt[:, 0::2] << 4) | qt[:, 1::2], inner))  # byte i = q[2i] high nibble, q[2i+1] low
+            self.register_buffer(
+                "weight_packed",
+                torch.ops.aten._convert_weight_to_int4pack((qt[:, 0::2] << 4) | qt[:, 1::2], inner),
+            )  # byte i = q[2i] high nibble, q[2i+1] low
             self.register_buffer("scales_zeros", _scales_and_zeros(zeros, scales).to(device))
         else:  # keep the checkpoint's packed tensors; dequantise per call
             self.register_buffer("qweight", pack_awq(q).to(device))
@@ -106,15 +132,21 @@ class AWQLinear(_WeightOnlyLinear):
 
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
         if self.path == "dequant":
-            return x2 @ dequantize(unpack_awq(self.qweight), unpack_awq(self.qzeros), self.scales, self.group, x2.dtype)
+            return x2 @ dequantize(
+                unpack_awq(self.qweight), unpack_awq(self.qzeros), self.scales, self.group, x2.dtype
+            )
         if self.path == "int4pack-cpu":
-            return torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(_BF16).contiguous(), self.weight_packed,
-                                                              self.group, self.scales_zeros).to(x2.dtype)
-        return torch.ops.aten._weight_int4pack_mm(x2.to(_BF16).contiguous(), self.weight_packed, self.group,
-                                                  self.scales_zeros).to(x2.dtype)
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x2.to(_BF16).contiguous(), self.weight_packed, self.group, self.scales_zeros
+            ).to(x2.dtype)
+        return torch.ops.aten._weight_int4pack_mm(
+            x2.to(_BF16).contiguous(), self.weight_packed, self.group, self.scales_zeros
+        ).to(x2.dtype)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, group={self.group}, path={self.path}"
+        return (
+            f"in={self.in_features}, out={self.out_features}, group={self.group}, path={self.path}"
+        )
 
 
 class Int8WOLinear(_WeightOnlyLinear):
@@ -122,8 +154,14 @@ class Int8WOLinear(_WeightOnlyLinear):
 
     quant_format = "int8-wo"
 
-    def __init__(self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, device: torch.device,
-                 path: str | None = None) -> None:
+    def __init__(
+        self,
+        q: torch.Tensor,
+        scales: torch.Tensor,
+        bias: torch.Tensor | None,
+        device: torch.device,
+        path: str | None = None,
+    ) -> None:
         """q int8 [N, K], scales [N] (w = q * scale)."""
         super().__init__()
         self.out_features, self.in_features = q.shape
@@ -135,16 +173,22 @@ class Int8WOLinear(_WeightOnlyLinear):
         self.register_buffer("bias", None if bias is None else bias.to(device))
 
     @classmethod
-    def from_float(cls, w: torch.Tensor, bias: torch.Tensor | None, device: torch.device) -> "Int8WOLinear":
+    def from_float(
+        cls, w: torch.Tensor, bias: torch.Tensor | None, device: torch.device
+    ) -> Int8WOLinear:
         """Quantise an nn.Linear weight [N, K]: scale = row absmax / 127, q = round(w / scale)."""
         scales = w.float().abs().amax(1).clamp(min=1e-8) / 127
         q = torch.round(w.float() / scales.unsqueeze(1)).clamp(-127, 127).to(torch.int8)
         return cls(q, scales, bias, device)
 
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
-        if self.path == "dequant":  # x @ (q * s)^T == (x @ q^T) * s: scale the output, not the weight
+        if (
+            self.path == "dequant"
+        ):  # x @ (q * s)^T == (x @ q^T) * s: scale the output, not the weight
             return F.linear(x2, self.weight.to(x2.dtype)) * self.scales.to(x2.dtype)
-        return torch.ops.aten._weight_int8pack_mm(x2.to(_BF16).contiguous(), self.weight, self.scales).to(x2.dtype)
+        return torch.ops.aten._weight_int8pack_mm(
+            x2.to(_BF16).contiguous(), self.weight, self.scales
+        ).to(x2.dtype)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, path={self.path}"
@@ -159,7 +203,9 @@ class Bf16WOLinear(_WeightOnlyLinear):
     path = "bf16 <= 8 rows, else fp32"
     MAX_BF16_ROWS = 8
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, device: torch.device) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, device: torch.device
+    ) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.register_buffer("weight", weight.to(device=device, dtype=_BF16).contiguous())
@@ -174,23 +220,38 @@ class Bf16WOLinear(_WeightOnlyLinear):
         return f"in={self.in_features}, out={self.out_features}"
 
 
-def bnb_int8_linear(bias: torch.Tensor | None, device: torch.device, weight: torch.Tensor | None = None,
-                    int8: torch.Tensor | None = None, scb: torch.Tensor | None = None) -> nn.Module:
+def bnb_int8_linear(
+    bias: torch.Tensor | None,
+    device: torch.device,
+    weight: torch.Tensor | None = None,
+    int8: torch.Tensor | None = None,
+    scb: torch.Tensor | None = None,
+) -> nn.Module:
     """A bitsandbytes Linear8bitLt (LLM.int8, threshold 6.0, eval mode) from a float weight or from int8 + SCB."""
     import bitsandbytes as bnb
 
     # bnb logs a warning on every call whose activations are not fp16; it casts them itself, so say it once here
     logging.getLogger("bitsandbytes.autograd._functions").setLevel(logging.ERROR)
     n, k = (weight if weight is not None else int8).shape
-    layer = bnb.nn.Linear8bitLt(k, n, bias=bias is not None, has_fp16_weights=False, threshold=LLM_INT8_THRESHOLD,
-                                device="meta")
+    layer = bnb.nn.Linear8bitLt(
+        k,
+        n,
+        bias=bias is not None,
+        has_fp16_weights=False,
+        threshold=LLM_INT8_THRESHOLD,
+        device="meta",
+    )
     if weight is not None:
         layer.weight = bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=False)
     else:
         # CB must be set too: without it bnb takes the int8 rows for float weights and quantises them again
-        layer.weight = bnb.nn.Int8Params(int8, requires_grad=False, has_fp16_weights=False, CB=int8, SCB=scb.float())
+        layer.weight = bnb.nn.Int8Params(
+            int8, requires_grad=False, has_fp16_weights=False, CB=int8, SCB=scb.float()
+        )
     layer.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-    layer = layer.to(device)  # bnb quantises a float weight in .to(device): row absmax -> SCB, int8 rows -> CB
+    layer = layer.to(
+        device
+    )  # bnb quantises a float weight in .to(device): row absmax -> SCB, int8 rows -> CB
     layer.quant_format, layer.path = "int8", "bnb-llm.int8"
     return layer.eval()  # training mode dequantises on CPU (~7x slower)
 
@@ -201,7 +262,9 @@ def quant_tensors(module: nn.Module) -> tuple[str, str, list[torch.Tensor]] | No
     if fmt is None:
         return None
     tensors = list(module.buffers(recurse=False)) + list(module.parameters(recurse=False))
-    if fmt == "int8":  # bnb keeps the row scales (SCB) outside the module's parameters: on the weight or its state
+    if (
+        fmt == "int8"
+    ):  # bnb keeps the row scales (SCB) outside the module's parameters: on the weight or its state
         w, st = module.weight, module.state
         tensors += [t for t in (getattr(w, "SCB", None), st.SCB, st.CB) if t is not None]
     seen, unique = set(), []

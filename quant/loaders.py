@@ -12,13 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
-
 from pagechat.core.errors import PagechatError
 from pagechat.core.loader import ModelSpec, WeightReader
 from pagechat.core.model import LinearLoader, dense_linear, linear
 from pagechat.quant.layers import AWQLinear, Bf16WOLinear, Int8WOLinear, bf16_head, bnb_int8_linear
 from pagechat.quant.pack import unpack_awq
+from torch import nn
 
 QUANT_MODES = ("int8", "int8-wo", "bf16-wo", "awq")
 MODE_LABELS = {
@@ -78,41 +77,59 @@ def resolve_quant(spec: ModelSpec, requested: str | None, model_dir: Path) -> Qu
     qc = spec.quantization
     if qc is None:
         if requested == "awq":
-            raise PagechatError(f"--quant awq needs an AWQ checkpoint, but {where} has no quantization_config; "
-                                f"make one with `pagechat quantize {model_dir} OUT_DIR --method awq`")
+            raise PagechatError(
+                f"--quant awq needs an AWQ checkpoint, but {where} has no quantization_config; "
+                f"make one with `pagechat quantize {model_dir} OUT_DIR --method awq`"
+            )
         return QuantPlan(requested, "float")
     if not isinstance(qc, dict):
-        raise PagechatError(f"{where}: quantization_config must be an object, got {type(qc).__name__}")
+        raise PagechatError(
+            f"{where}: quantization_config must be an object, got {type(qc).__name__}"
+        )
     method = str(qc.get("quant_method", "?")).lower()
     if method == "awq":
         group = _check_awq(qc, spec, where)
         if requested in ("int8", "int8-wo", "bf16-wo"):
-            raise PagechatError(f"--quant {requested} cannot apply to {model_dir}: it is already an AWQ 4-bit "
-                                "checkpoint (run it without --quant, or with --quant awq)")
+            raise PagechatError(
+                f"--quant {requested} cannot apply to {model_dir}: it is already an AWQ 4-bit "
+                "checkpoint (run it without --quant, or with --quant awq)"
+            )
         return QuantPlan("awq", "awq", group)
     if method == "bitsandbytes":
         if qc.get("load_in_4bit") or qc.get("_load_in_4bit"):
-            raise PagechatError(f"{where}: bitsandbytes 4-bit checkpoints (load_in_4bit) are not supported; "
-                                "pagechat loads bitsandbytes 8-bit (load_in_8bit) and AWQ GEMM 4-bit")
+            raise PagechatError(
+                f"{where}: bitsandbytes 4-bit checkpoints (load_in_4bit) are not supported; "
+                "pagechat loads bitsandbytes 8-bit (load_in_8bit) and AWQ GEMM 4-bit"
+            )
         if not (qc.get("load_in_8bit") or qc.get("_load_in_8bit")):
-            raise PagechatError(f"{where}: bitsandbytes quantization_config sets neither load_in_8bit nor load_in_4bit")
+            raise PagechatError(
+                f"{where}: bitsandbytes quantization_config sets neither load_in_8bit nor load_in_4bit"
+            )
         if requested in ("awq", "bf16-wo"):
-            raise PagechatError(f"--quant {requested} cannot apply to {model_dir}: it is a bitsandbytes int8 checkpoint "
-                                "(run it without --quant, or with --quant int8 / int8-wo)")
+            raise PagechatError(
+                f"--quant {requested} cannot apply to {model_dir}: it is a bitsandbytes int8 checkpoint "
+                "(run it without --quant, or with --quant int8 / int8-wo)"
+            )
         return QuantPlan(requested or "int8", "bnb-int8")
-    raise PagechatError(f"{where}: quantization_config quant_method {method!r} is not supported "
-                        "(supported: awq with version gemm, bitsandbytes with load_in_8bit)")
+    raise PagechatError(
+        f"{where}: quantization_config quant_method {method!r} is not supported "
+        "(supported: awq with version gemm, bitsandbytes with load_in_8bit)"
+    )
 
 
 def _check_awq(qc: dict, spec: ModelSpec, where: str) -> int:
     """Validate an AWQ quantization_config against what pagechat runs; return the group size."""
     version = str(qc.get("version", qc.get("format", "gemm"))).lower()
     if str(qc.get("backend", "")).lower() == "llm-awq" or version == "llm-awq":
-        raise PagechatError(f"{where}: checkpoints in the original llm-awq format are not supported; "
-                            "pagechat loads AutoAWQ GEMM checkpoints (version 'gemm')")
+        raise PagechatError(
+            f"{where}: checkpoints in the original llm-awq format are not supported; "
+            "pagechat loads AutoAWQ GEMM checkpoints (version 'gemm')"
+        )
     if version != "gemm":
-        raise PagechatError(f"{where}: AWQ version {version!r} is not supported: its weights are packed for "
-                            "its own CUDA kernels; pagechat loads AutoAWQ GEMM checkpoints (version 'gemm')")
+        raise PagechatError(
+            f"{where}: AWQ version {version!r} is not supported: its weights are packed for "
+            "its own CUDA kernels; pagechat loads AutoAWQ GEMM checkpoints (version 'gemm')"
+        )
     bits = qc.get("bits", qc.get("w_bit"))
     if bits != 4:
         raise PagechatError(f"{where}: AWQ bits={bits!r} is not supported (only 4)")
@@ -120,16 +137,25 @@ def _check_awq(qc: dict, spec: ModelSpec, where: str) -> int:
         raise PagechatError(f"{where}: AWQ without zero points (zero_point false) is not supported")
     group = qc.get("group_size", qc.get("q_group_size"))
     if not isinstance(group, int) or group <= 0:
-        raise PagechatError(f"{where}: AWQ group_size must be a positive integer, got {group!r} "
-                            "(per-channel group_size -1 is not supported)")
-    for name, k in (("hidden_size", spec.hidden_size), ("intermediate_size", spec.intermediate_size),
-                    ("num_attention_heads x head_dim", spec.num_heads * spec.head_dim)):
+        raise PagechatError(
+            f"{where}: AWQ group_size must be a positive integer, got {group!r} "
+            "(per-channel group_size -1 is not supported)"
+        )
+    for name, k in (
+        ("hidden_size", spec.hidden_size),
+        ("intermediate_size", spec.intermediate_size),
+        ("num_attention_heads x head_dim", spec.num_heads * spec.head_dim),
+    ):
         if k % group:
-            raise PagechatError(f"{where}: AWQ group_size {group} does not divide in_features {k} ({name})")
+            raise PagechatError(
+                f"{where}: AWQ group_size {group} does not divide in_features {k} ({name})"
+            )
     return group
 
 
-def _stacked(w: WeightReader, names: list[str], suffix: str, shapes: list[tuple[int, ...]], what: str) -> torch.Tensor:
+def _stacked(
+    w: WeightReader, names: list[str], suffix: str, shapes: list[tuple[int, ...]], what: str
+) -> torch.Tensor:
     """The named tensors concatenated along the last dim, each checked against its expected shape."""
     parts = []
     for n, shape in zip(names, shapes):
@@ -140,20 +166,30 @@ def _stacked(w: WeightReader, names: list[str], suffix: str, shapes: list[tuple[
     return torch.cat(parts, dim=-1)
 
 
-def _weights(w: WeightReader, names: list[str], out_sizes: tuple[int, ...], in_size: int) -> torch.Tensor:
+def _weights(
+    w: WeightReader, names: list[str], out_sizes: tuple[int, ...], in_size: int
+) -> torch.Tensor:
     """The named linears' weights stacked along the output dim as the checkpoint stores them (fused qkv, gate/up)."""
     return torch.cat([w.get(f"{n}.weight", (o, in_size)) for n, o in zip(names, out_sizes)])
 
 
-def _bias(w: WeightReader, names: list[str], out_sizes: tuple[int, ...], bias: bool, dtype: torch.dtype):
-    return torch.cat([w.get(f"{n}.bias", (o,)).to(dtype) for n, o in zip(names, out_sizes)]) if bias else None
+def _bias(
+    w: WeightReader, names: list[str], out_sizes: tuple[int, ...], bias: bool, dtype: torch.dtype
+):
+    return (
+        torch.cat([w.get(f"{n}.bias", (o,)).to(dtype) for n, o in zip(names, out_sizes)])
+        if bias
+        else None
+    )
 
 
 def _unquantised(w: WeightReader, names: list[str], marker: str) -> bool:
     """True when none of names is quantised (modules_to_not_convert / llm_int8_skip_modules); mixed is an error."""
     have = [w.has(f"{n}.{marker}") for n in names]
     if any(have) and not all(have):
-        raise PagechatError(f"checkpoint mixes quantised and float weights within {', '.join(names)}")
+        raise PagechatError(
+            f"checkpoint mixes quantised and float weights within {', '.join(names)}"
+        )
     return not any(have)
 
 
@@ -166,9 +202,19 @@ def _awq_loader(group: int, device: torch.device) -> LinearLoader:
         qz = _stacked(w, names, "qzeros", [(in_size // group, o // 8) for o in out_sizes], what)
         sc = _stacked(w, names, "scales", [(in_size // group, o) for o in out_sizes], what)
         if qw.dtype != torch.int32 or qz.dtype != torch.int32:
-            raise PagechatError(f"{names[0]}.qweight / .qzeros must be int32, got {qw.dtype} / {qz.dtype}")
+            raise PagechatError(
+                f"{names[0]}.qweight / .qzeros must be int32, got {qw.dtype} / {qz.dtype}"
+            )
         # fused qkv / gate-up: the checkpoint linears are stacked along the output dim, as in dense_linear
-        return AWQLinear(unpack_awq(qw), unpack_awq(qz), sc, _bias(w, names, out_sizes, bias, dtype), group, device)
+        return AWQLinear(
+            unpack_awq(qw),
+            unpack_awq(qz),
+            sc,
+            _bias(w, names, out_sizes, bias, dtype),
+            group,
+            device,
+        )
+
     return load
 
 
@@ -176,6 +222,7 @@ def _bf16_loader(device: torch.device) -> LinearLoader:
     def load(w, names, out_sizes, in_size, bias, dtype):
         weight = _weights(w, names, out_sizes, in_size)
         return Bf16WOLinear(weight, _bias(w, names, out_sizes, bias, dtype), device)
+
     return load
 
 
@@ -189,14 +236,19 @@ def _int8_loader(mode: str, prequantised: bool, device: torch.device) -> LinearL
             q = _weights(w, names, out_sizes, in_size)
             scb = torch.cat([w.get(f"{n}.SCB", (o,)) for n, o in zip(names, out_sizes)]).float()
             if q.dtype != torch.int8:
-                raise PagechatError(f"{names[0]}.weight of a bitsandbytes int8 checkpoint must be int8, got {q.dtype}")
+                raise PagechatError(
+                    f"{names[0]}.weight of a bitsandbytes int8 checkpoint must be int8, got {q.dtype}"
+                )
             if mode == "int8-wo":
                 return Int8WOLinear(q, scb / 127, b, device)
             return bnb_int8_linear(b, device, int8=q, scb=scb)
         weight = _weights(w, names, out_sizes, in_size)
         if weight.dtype == torch.int8:
-            raise PagechatError(f"{names[0]}.weight is int8 but config.json has no bitsandbytes quantization_config")
+            raise PagechatError(
+                f"{names[0]}.weight is int8 but config.json has no bitsandbytes quantization_config"
+            )
         if mode == "int8-wo":
             return Int8WOLinear.from_float(weight.float(), b, device)
         return bnb_int8_linear(b, device, weight=weight.float())
+
     return load

@@ -22,13 +22,17 @@ def pack_awq(q: torch.Tensor) -> torch.Tensor:
     r, n = q.shape
     nib = q.to(torch.int64).view(r, n // 8, 8)[:, :, list(AWQ_ORDER)]
     words = (nib << _SHIFTS.to(torch.int64)).sum(-1)
-    return (words - (words >= 2**31).to(torch.int64) * 2**32).to(torch.int32)  # two's-complement wrap to int32
+    return (words - (words >= 2**31).to(torch.int64) * 2**32).to(
+        torch.int32
+    )  # two's-complement wrap to int32
 
 
 def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
     """AutoAWQ-packed int32 [R, N/8] -> uint8 values 0..15 [R, N]."""
     r, c = packed.shape
-    nib = (packed.to(torch.int32).unsqueeze(-1) >> _SHIFTS.to(packed.device)) & 0xF  # arithmetic shift, then mask
+    nib = (
+        packed.to(torch.int32).unsqueeze(-1) >> _SHIFTS.to(packed.device)
+    ) & 0xF  # arithmetic shift, then mask
     return nib[:, :, list(AWQ_REVERSE)].reshape(r, c * 8).to(torch.uint8)
 
 
@@ -51,29 +55,43 @@ def fake_quantize(w: torch.Tensor, group: int) -> torch.Tensor:
     return deq.reshape(n, k).to(w.dtype)
 
 
-def to_awq(w: torch.Tensor, group: int, bias: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+def to_awq(
+    w: torch.Tensor, group: int, bias: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
     """An nn.Linear weight [N, K] (and bias) -> AutoAWQ GEMM tensors {qweight, qzeros, scales[, bias]}."""
     q, z, s = quantize_groups(w, group)
     s16 = s.to(torch.float16)
     # Round the scales to fp16 first and requantise with them, so the stored q matches the stored scale exactly.
     q = _requantize(w, z, s16.float(), group)
-    out = {"qweight": pack_awq(q.t().contiguous()), "qzeros": pack_awq(z.t().contiguous()),
-           "scales": s16.t().contiguous()}
+    out = {
+        "qweight": pack_awq(q.t().contiguous()),
+        "qzeros": pack_awq(z.t().contiguous()),
+        "scales": s16.t().contiguous(),
+    }
     if bias is not None:
         out["bias"] = bias.to(torch.float16)
     return out
 
 
-def _requantize(w: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
+def _requantize(
+    w: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group: int
+) -> torch.Tensor:
     n, k = w.shape
     g = w.float().reshape(n, k // group, group)
     q = (torch.round(g / scales.unsqueeze(-1)) + zeros.float().unsqueeze(-1)).clamp(0, MAX_Q)
     return q.reshape(n, k).to(torch.uint8)
 
 
-def dequantize(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group: int,
-               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize(
+    q: torch.Tensor,
+    zeros: torch.Tensor,
+    scales: torch.Tensor,
+    group: int,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """AWQ-layout q [K, N], zeros [K/g, N], scales [K/g, N] -> W^T [K, N] in dtype."""
     k, n = q.shape
-    deq = (q.to(dtype).view(k // group, group, n) - zeros.to(dtype).unsqueeze(1)) * scales.to(dtype).unsqueeze(1)
+    deq = (q.to(dtype).view(k // group, group, n) - zeros.to(dtype).unsqueeze(1)) * scales.to(
+        dtype
+    ).unsqueeze(1)
     return deq.view(k, n)

@@ -14,8 +14,8 @@ import subprocess
 from pathlib import Path
 
 from pagechat.core.config import EngineConfig
-from pagechat.core.engine import Engine
 from pagechat.core.demo import chat_model_dir, draft_model_dir
+from pagechat.core.engine import Engine
 from pagechat.core.params import SamplingParams
 from pagechat.tui.app import PagechatApp
 from pagechat.tui.bridge import ThreadedEngine
@@ -36,10 +36,18 @@ def save(app: PagechatApp, name: str) -> None:
     print("wrote", svg)
 
 
-def make_app(model: Path, store: Path, params: SamplingParams, layout: str, **config) -> PagechatApp:
+def make_app(
+    model: Path, store: Path, params: SamplingParams, layout: str, **config
+) -> PagechatApp:
     engine = Engine(model, EngineConfig(device="cpu", dtype="float32", **config))
-    return PagechatApp(ThreadedEngine(engine), chat=ChatRecord(id="20250101-120000-demo", model=str(model)), params=params,
-                       store=ChatStore(store), layout=layout, autosave=False)
+    return PagechatApp(
+        ThreadedEngine(engine),
+        chat=ChatRecord(id="20250101-120000-demo", model=str(model)),
+        params=params,
+        store=ChatStore(store),
+        layout=layout,
+        autosave=False,
+    )
 
 
 async def quiet(pilot) -> None:
@@ -61,7 +69,9 @@ async def main_screen(model: Path, store: Path) -> None:
 
 
 async def sampling_screen(model: Path, store: Path) -> None:
-    params = SamplingParams(temperature=0.9, top_p=0.9, top_k=6, max_tokens=40, seed=2, num_candidates=10)
+    params = SamplingParams(
+        temperature=0.9, top_p=0.9, top_k=6, max_tokens=40, seed=2, num_candidates=10
+    )
     app = make_app(model, store, params, "tabs")
     async with app.run_test(size=(120, 36)) as pilot:
         await quiet(pilot)

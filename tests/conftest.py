@@ -6,7 +6,6 @@ import sys
 
 import pytest
 import torch
-
 from pagechat.core.make_model import make_model
 
 # Tiny models run fastest on one thread, and a shared 2-core machine makes extra threads spin-wait.

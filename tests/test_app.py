@@ -5,16 +5,20 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-
 from pagechat.core.config import EngineConfig
 from pagechat.core.engine import Engine
 from pagechat.core.params import SamplingParams
-from textual.screen import Screen
-from textual.widgets import Tabs
 from pagechat.tui.app import PagechatApp
 from pagechat.tui.bridge import ThreadedEngine
-from pagechat.tui.drive import (advance, send_and_advance, tiny_model_dir, type_prompt, wait_reply_done, wait_tokens,
-                                wait_until)
+from pagechat.tui.drive import (
+    advance,
+    send_and_advance,
+    tiny_model_dir,
+    type_prompt,
+    wait_reply_done,
+    wait_tokens,
+    wait_until,
+)
 from pagechat.tui.engine_process import EngineProcess
 from pagechat.tui.history import ChatStore
 from pagechat.tui.screens import HelpScreen
@@ -23,6 +27,8 @@ from pagechat.tui.widgets.chat import ChatLog, ReplyView, TokenView, printable
 from pagechat.tui.widgets.controls import ControlsPanel
 from pagechat.tui.widgets.sampling import SamplingPanel
 from pagechat.tui.widgets.timing import TimingPanel
+from textual.screen import Screen
+from textual.widgets import Tabs
 
 pytestmark = pytest.mark.anyio
 SIZE = (120, 36)
@@ -41,7 +47,9 @@ def model_dir():
 
 def make_app(model_dir, tmp_path, params: SamplingParams = LONG, **config) -> PagechatApp:
     engine = Engine(model_dir, EngineConfig(device="cpu", dtype="float32", **config))
-    return PagechatApp(ThreadedEngine(engine), params=params, store=ChatStore(tmp_path / "chats"), layout="tabs")
+    return PagechatApp(
+        ThreadedEngine(engine), params=params, store=ChatStore(tmp_path / "chats"), layout="tabs"
+    )
 
 
 def spy_reports(engine: Engine) -> list:
@@ -82,14 +90,20 @@ async def test_prompt_streams_a_reply(model_dir, tmp_path, monkeypatch):
         seq = app.loop.engine.requests[reply.request_id]
         partial = [(n, body) for streaming, n, body in shown if streaming and 0 < n < 60]
         assert len({n for n, _ in partial}) >= 3, "the reply was not painted as it grew"
-        texts = [(n, *body.rsplit("\n", 1)) for n, body in partial]  # the streaming text, then its meta line
-        assert all(printable(seq.text).startswith(text.rstrip("▌")) for _, text, _ in texts)  # a growing prefix
+        texts = [
+            (n, *body.rsplit("\n", 1)) for n, body in partial
+        ]  # the streaming text, then its meta line
+        assert all(
+            printable(seq.text).startswith(text.rstrip("▌")) for _, text, _ in texts
+        )  # a growing prefix
         assert all(meta.startswith(f"{n} tokens · generating") for n, _, meta in texts)
         assert reply.content == seq.text and len(reply.tokens) == 60
         assert [t.token_id for t in reply.tokens] == seq.output_ids
         view = app.query_one(ChatLog).views[id(reply)]
         assert view.has_class("-done") and reply.finish_reason == "length"
-        assert app.store.load(app.session.record.id).messages[-1]["content"] == seq.text  # autosaved
+        assert (
+            app.store.load(app.session.record.id).messages[-1]["content"] == seq.text
+        )  # autosaved
 
 
 async def test_a_long_streaming_reply_shows_its_last_screenful(model_dir, tmp_path):
@@ -101,17 +115,28 @@ async def test_a_long_streaming_reply_shows_its_last_screenful(model_dir, tmp_pa
         body = view.query_one(".reply-body")
         note, *text, meta = str(body.render()).split("\n")
         assert reply.streaming and note.startswith("⋯ ") and "more lines above" in note
-        assert 0 < body.size.height <= log.size.height  # no taller than the chat: no re-layout per line
+        assert (
+            0 < body.size.height <= log.size.height
+        )  # no taller than the chat: no re-layout per line
         squeeze = lambda t: "".join(t.split())  # noqa: E731 - wrapping drops the spaces at line breaks
         assert squeeze(printable(reply.content)).endswith(squeeze("".join(text)).rstrip("▌"))
-        assert len(squeeze("".join(text))) < len(squeeze(reply.content)) and meta.startswith(f"{len(reply.tokens)} tokens")
+        assert len(squeeze("".join(text))) < len(squeeze(reply.content)) and meta.startswith(
+            f"{len(reply.tokens)} tokens"
+        )
         app.loop.resume()
         await wait_reply_done(pilot)
         assert view.has_class("-done") and not body.display  # the whole reply, as Markdown
-        await wait_until(pilot, lambda: log.scroll_y == log.max_scroll_y > 0, 5, "the chat to follow the reply's end")
+        await wait_until(
+            pilot,
+            lambda: log.scroll_y == log.max_scroll_y > 0,
+            5,
+            "the chat to follow the reply's end",
+        )
 
 
-async def test_a_streaming_reply_takes_the_room_below_its_prompt_with_no_layout_pass(model_dir, tmp_path, monkeypatch):
+async def test_a_streaming_reply_takes_the_room_below_its_prompt_with_no_layout_pass(
+    model_dir, tmp_path, monkeypatch
+):
     layouts: list[int] = []  # Textual's whole-screen layout passes: the messages when each ran
     refresh_layout = Screen._refresh_layout
 
@@ -125,8 +150,12 @@ async def test_a_streaming_reply_takes_the_room_below_its_prompt_with_no_layout_
         await send_and_advance(pilot, "an opening question", 10)
         app.action_stop()
         await wait_reply_done(pilot)
-        await send_and_advance(pilot, "and a second question, long enough to wrap over two lines of the chat "
-                                      "column beside the panels", 1)
+        await send_and_advance(
+            pilot,
+            "and a second question, long enough to wrap over two lines of the chat "
+            "column beside the panels",
+            1,
+        )
         layouts.clear()
         for _ in range(7):  # 350 tokens: longer than the room, so the body shows its tail
             await advance(pilot, 50)
@@ -134,23 +163,34 @@ async def test_a_streaming_reply_takes_the_room_below_its_prompt_with_no_layout_
         log, reply = app.query_one(ChatLog), app.session.messages[-1]
         view, user = log.views[id(reply)], log.views[id(app.session.messages[-2])]
         assert reply.streaming and len(reply.tokens) == 351
-        assert user.size.height > 1 and log.region.y < user.region.y  # the question, whole, at the top...
-        assert view.region.bottom == log.region.bottom  # ...and the reply down to the chat's bottom edge
+        assert (
+            user.size.height > 1 and log.region.y < user.region.y
+        )  # the question, whole, at the top...
+        assert (
+            view.region.bottom == log.region.bottom
+        )  # ...and the reply down to the chat's bottom edge
         assert "more lines above" in str(view.query_one(".reply-body").render()).split("\n")[0]
         app.action_stop()
         await wait_reply_done(pilot)
 
 
-async def test_the_first_token_is_drawn_at_once_whatever_the_frame_budget(model_dir, tmp_path, monkeypatch):
+async def test_the_first_token_is_drawn_at_once_whatever_the_frame_budget(
+    model_dir, tmp_path, monkeypatch
+):
     monkeypatch.setattr("pagechat.tui.app.UI_CPU_BUDGET", 1e-9)  # no frame is ever within budget...
-    monkeypatch.setattr("pagechat.tui.app.MAX_FRAME_GAP", 30.0)  # ...nor overdue while advance() waits (10 s)
+    monkeypatch.setattr(
+        "pagechat.tui.app.MAX_FRAME_GAP", 30.0
+    )  # ...nor overdue while advance() waits (10 s)
     app = make_app(model_dir, tmp_path)
     async with app.run_test(size=SIZE) as pilot:
-        await send_and_advance(pilot, "hello", 1)  # waits until the UI has drawn the engine's events
+        await send_and_advance(
+            pilot, "hello", 1
+        )  # waits until the UI has drawn the engine's events
         reply = app.session.messages[-1]
         assert reply.streaming and len(reply.tokens) == 1
-        assert str(app.query_one(ChatLog).views[id(reply)].query_one(".reply-body").render()).startswith(
-            printable(reply.content))
+        assert str(
+            app.query_one(ChatLog).views[id(reply)].query_one(".reply-body").render()
+        ).startswith(printable(reply.content))
 
 
 async def test_temperature_change_mid_reply_applies_from_the_next_token(model_dir, tmp_path):
@@ -165,7 +205,14 @@ async def test_temperature_change_mid_reply_applies_from_the_next_token(model_di
         assert app.session.params.temperature == 0.3
         await advance(pilot, 4)
         temps = [t.record.params.temperature for t in reply.tokens]
-        assert temps[:n] == [0.8] * n and set(temps[n:]) == {0.3}, (n, len(temps), reply.streaming, reply.finish_reason, reply.error, app.session.notices)
+        assert temps[:n] == [0.8] * n and set(temps[n:]) == {0.3}, (
+            n,
+            len(temps),
+            reply.streaming,
+            reply.finish_reason,
+            reply.error,
+            app.session.notices,
+        )
         assert app.loop.engine.requests[reply.request_id].params.temperature == 0.3
         app.action_stop()
         await wait_reply_done(pilot)
@@ -183,9 +230,15 @@ async def test_block_panel_counts_equal_the_block_manager_while_decoding(model_d
             for name in ("num_used", "num_cached", "num_free", "num_shared", "tokens_stored"):
                 assert getattr(shown, name) == getattr(truth, name), name
             assert shown.blocks == truth.blocks
-            assert f"used {truth.num_used}/{len(truth.blocks)}" in str(panel.query_one("#blocks-header").render())
+            assert f"used {truth.num_used}/{len(truth.blocks)}" in str(
+                panel.query_one("#blocks-header").render()
+            )
             grid = app.query_one(BlockGrid)
-            assert grid.fold == 1 and sum(glyph != FREE for glyph, _ in grid._cells) == truth.num_used + truth.num_cached
+            assert (
+                grid.fold == 1
+                and sum(glyph != FREE for glyph, _ in grid._cells)
+                == truth.num_used + truth.num_cached
+            )
             assert app.session.streaming is not None  # still decoding
         app.action_stop()
         await wait_reply_done(pilot)
@@ -213,25 +266,38 @@ async def test_the_app_on_an_engine_process(model_dir, tmp_path):
     engine.add_request(engine.encode_chat([{"role": "user", "content": "hello there"}]), greedy)
     while engine.has_unfinished():
         engine.step()
-    app = PagechatApp(EngineProcess(model_dir, config), params=greedy, store=ChatStore(tmp_path / "chats"),
-                      layout="tabs")
+    app = PagechatApp(
+        EngineProcess(model_dir, config),
+        params=greedy,
+        store=ChatStore(tmp_path / "chats"),
+        layout="tabs",
+    )
     async with app.run_test(size=SIZE) as pilot:
         await type_prompt(pilot, "hello there")
         await wait_reply_done(pilot)
         reply = app.session.messages[-1]
         assert [t.token_id for t in reply.tokens] == engine.requests[0].output_ids
         assert reply.content == engine.requests[0].text and reply.finish_reason == "length"
-        await wait_until(pilot, lambda: app.query_one(BlocksPanel).snapshot == engine.blocks.snapshot(), 10,
-                         "the block map of the child's pool")
+        await wait_until(
+            pilot,
+            lambda: app.query_one(BlocksPanel).snapshot == engine.blocks.snapshot(),
+            10,
+            "the block map of the child's pool",
+        )
         assert app.readings is not None and app.readings.rss > 0
         app.set_params(replace(greedy, max_tokens=400))
         await type_prompt(pilot, "go on")
         await wait_tokens(pilot, 3)
         await pilot.press("escape")
         await wait_reply_done(pilot)
-        assert app.session.messages[-1].finish_reason == "abort" and 3 <= len(app.session.messages[-1].tokens) < 400
+        assert (
+            app.session.messages[-1].finish_reason == "abort"
+            and 3 <= len(app.session.messages[-1].tokens) < 400
+        )
         await pilot.press("ctrl+n")
-        await wait_until(pilot, lambda: app.query_one(BlocksPanel).snapshot.num_used == 0, 10, "blocks freed")
+        await wait_until(
+            pilot, lambda: app.query_one(BlocksPanel).snapshot.num_used == 0, 10, "blocks freed"
+        )
         assert app.query_one(BlocksPanel).snapshot.num_cached > 0
     assert not app.loop.is_alive()  # the app closed its engine
 
@@ -244,7 +310,12 @@ async def test_ctrl_n_frees_the_chats_blocks_and_keeps_the_prefix_cache(model_di
         assert any(rid in b.owners for b in app.loop.engine.blocks.snapshot().blocks)
         old_id = app.session.record.id
         await pilot.press("ctrl+n")
-        await wait_until(pilot, lambda: app.query_one(BlocksPanel).snapshot.num_used == 0, 10, "blocks freed on screen")
+        await wait_until(
+            pilot,
+            lambda: app.query_one(BlocksPanel).snapshot.num_used == 0,
+            10,
+            "blocks freed on screen",
+        )
         truth = app.loop.engine.blocks.snapshot()
         assert truth.num_used == 0 and not any(rid in b.owners for b in truth.blocks)
         assert truth.num_cached > 0  # the prompt's full blocks stay in the prefix cache
@@ -284,7 +355,9 @@ async def test_invalid_control_values_are_refused_inline(model_dir, tmp_path):
         app.query_one("#ctl-top_p").focus()
         await pilot.press(*"1.5", "enter")
         assert controls.error == "refused: top-p must be in (0, 1], got 1.5"
-        assert app.query_one("#ctl-top_p").has_class("-refused") and app.session.params.top_p == 0.95
+        assert (
+            app.query_one("#ctl-top_p").has_class("-refused") and app.session.params.top_p == 0.95
+        )
         app.query_one("#ctl-top_k").focus()
         await pilot.press(*"many", "enter")
         assert "top-k must be a whole number" in controls.error and app.session.params.top_k == 0
@@ -296,7 +369,9 @@ async def test_invalid_control_values_are_refused_inline(model_dir, tmp_path):
 async def test_engine_refusals_are_shown_and_the_app_stays_up(model_dir, tmp_path):
     app = make_app(model_dir, tmp_path, max_model_len=24)
     async with app.run_test(size=SIZE) as pilot:
-        await type_prompt(pilot, "this prompt is far too long for a context of only twenty four tokens")
+        await type_prompt(
+            pilot, "this prompt is far too long for a context of only twenty four tokens"
+        )
         await wait_reply_done(pilot)
         reply = app.session.messages[-1]
         assert reply.finish_reason == "error" and "context is 24" in reply.error
@@ -337,7 +412,9 @@ async def test_speculation_panel_shows_the_engines_draft_records(model_dir, tmp_
     engine = Engine(model_dir, EngineConfig(device="cpu", dtype="float32", ngram=True, num_draft=3))
     reports = spy_reports(engine)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    app = PagechatApp(ThreadedEngine(engine), params=params, store=ChatStore(tmp_path / "chats"), layout="tabs")
+    app = PagechatApp(
+        ThreadedEngine(engine), params=params, store=ChatStore(tmp_path / "chats"), layout="tabs"
+    )
     async with app.run_test(size=SIZE) as pilot:
         await type_prompt(pilot, "the the the the the the")
         await wait_reply_done(pilot)
@@ -366,5 +443,13 @@ async def test_a_pool_bigger_than_the_panel_is_folded_and_says_so(model_dir, tmp
         grid = app.query_one(BlockGrid)
         assert grid.fold > 1 and len(grid._cells) == -(-6000 // grid.fold)
         assert f"1 cell = {grid.fold} blocks" in str(app.query_one("#blocks-header").render())
-        titles = {c.title for c in app.get_system_commands(app.screen)}  # the command palette's entries
-        assert {"New chat", "Stop reply", "Export Markdown", "Inspect reply tokens", "Help: keys"} <= titles
+        titles = {
+            c.title for c in app.get_system_commands(app.screen)
+        }  # the command palette's entries
+        assert {
+            "New chat",
+            "Stop reply",
+            "Export Markdown",
+            "Inspect reply tokens",
+            "Help: keys",
+        } <= titles

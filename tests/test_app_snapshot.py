@@ -7,7 +7,6 @@ Update the stored SVGs with `pytest tests/test_app_snapshot.py --snapshot-update
 from __future__ import annotations
 
 import pytest
-
 from pagechat.core.config import EngineConfig
 from pagechat.core.engine import Engine
 from pagechat.core.params import SamplingParams
@@ -22,8 +21,14 @@ PARAMS = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=40, seed=7, igno
 
 def snapshot_app(tmp_path, layout: str) -> PagechatApp:
     engine = Engine(tiny_model_dir(), EngineConfig(device="cpu", dtype="float32", kv_blocks=96))
-    return PagechatApp(ThreadedEngine(engine), chat=ChatRecord(id="snapshot", model="tiny-llama"), params=PARAMS,
-                       store=ChatStore(tmp_path / "chats"), frozen=True, layout=layout)
+    return PagechatApp(
+        ThreadedEngine(engine),
+        chat=ChatRecord(id="snapshot", model="tiny-llama"),
+        params=PARAMS,
+        store=ChatStore(tmp_path / "chats"),
+        frozen=True,
+        layout=layout,
+    )
 
 
 async def chat_then_hold(pilot) -> None:
@@ -37,11 +42,15 @@ async def chat_then_hold(pilot) -> None:
 
 
 def test_main_screen_tabs(snap_compare, tmp_path):
-    assert snap_compare(snapshot_app(tmp_path, "tabs"), terminal_size=(120, 34), run_before=chat_then_hold)
+    assert snap_compare(
+        snapshot_app(tmp_path, "tabs"), terminal_size=(120, 34), run_before=chat_then_hold
+    )
 
 
 def test_main_screen_all_panels(snap_compare, tmp_path):
-    assert snap_compare(snapshot_app(tmp_path, "grid"), terminal_size=(170, 46), run_before=chat_then_hold)
+    assert snap_compare(
+        snapshot_app(tmp_path, "grid"), terminal_size=(170, 46), run_before=chat_then_hold
+    )
 
 
 @pytest.fixture(autouse=True)

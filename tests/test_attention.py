@@ -6,7 +6,6 @@ import random
 
 import pytest
 import torch
-
 from pagechat.core.attention import build_metadata
 
 
@@ -15,10 +14,21 @@ def reference(starts, counts, tables, bs, window):
     slot = lambda table, p: table[p // bs] * bs + p % bs  # noqa: E731
     max_q, max_ctx = max(counts), max(s + c for s, c in zip(starts, counts))
     slots = [slot(t, s + i) for s, c, t in zip(starts, counts, tables) for i in range(c)]
-    gather = [[slot(t, p) if p < s + c else 0 for p in range(max_ctx)] for s, c, t in zip(starts, counts, tables)]
+    gather = [
+        [slot(t, p) if p < s + c else 0 for p in range(max_ctx)]
+        for s, c, t in zip(starts, counts, tables)
+    ]
     q_pos = [[s + i if i < c else -1 for i in range(max_q)] for s, c in zip(starts, counts)]
-    allowed = [[[(k <= q and (window is None or q - k < window)) or (q < 0 and k == 0) for k in range(max_ctx)]
-                for q in row] for row in q_pos]
+    allowed = [
+        [
+            [
+                (k <= q and (window is None or q - k < window)) or (q < 0 and k == 0)
+                for k in range(max_ctx)
+            ]
+            for q in row
+        ]
+        for row in q_pos
+    ]
     return slots, gather, q_pos, allowed
 
 
@@ -32,7 +42,9 @@ def test_metadata_matches_the_block_tables(decode):
             s, c = rng.randint(0, 40), 1 if decode else rng.randint(1, 9)
             starts.append(s)
             counts.append(c)
-            tables.append(rng.sample(range(300), -(-(s + c) // bs) + rng.randint(0, 2)))  # spare blocks too
+            tables.append(
+                rng.sample(range(300), -(-(s + c) // bs) + rng.randint(0, 2))
+            )  # spare blocks too
         meta = build_metadata(starts, counts, tables, bs, torch.device("cpu"))
         for window in (None, 3, 64):
             slots, gather, q_pos, allowed = reference(starts, counts, tables, bs, window)

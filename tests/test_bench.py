@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 
 from conftest import cli
-
 from pagechat.core.bench import KEYS, Workload, median_of
 
 
 def test_bench_json_vs_hf(tiny_llama, capsys):
-    code, out, err = cli(["bench", str(tiny_llama), "--vs-hf", "--rounds", "1", "--ngram", "--json"], capsys)
+    code, out, err = cli(
+        ["bench", str(tiny_llama), "--vs-hf", "--rounds", "1", "--ngram", "--json"], capsys
+    )
     assert code == 0, err
     data = json.loads(out)
     assert set(data) == {"pagechat", "transformers", "ratios", "machine"}
@@ -19,7 +20,13 @@ def test_bench_json_vs_hf(tiny_llama, capsys):
             assert key in data[side], (side, key)
         assert len(data[side]["turn_ttft_ms"]) == 8 and data[side]["decode_tok_s"] > 0
     assert data["transformers"]["dtype"] in ("float32", "bfloat16")
-    assert abs(data["ratios"]["decode_tok_s"] - data["pagechat"]["decode_tok_s"] / data["transformers"]["decode_tok_s"]) < 1e-9
+    assert (
+        abs(
+            data["ratios"]["decode_tok_s"]
+            - data["pagechat"]["decode_tok_s"] / data["transformers"]["decode_tok_s"]
+        )
+        < 1e-9
+    )
     spec = data["pagechat"]["speculation"]
     assert spec["proposer"] == "ngram" and spec["speedup"] > 0
 
@@ -32,8 +39,11 @@ def test_workload_fits_short_context_and_is_deterministic():
 
 
 def test_median_of_rounds():
-    rounds = [{"x": 1.0, "l": [1, 5], "d": {"y": 3}}, {"x": 3.0, "l": [2, 4], "d": {"y": 1}},
-              {"x": 2.0, "l": [9, 6], "d": {"y": 2}}]
+    rounds = [
+        {"x": 1.0, "l": [1, 5], "d": {"y": 3}},
+        {"x": 3.0, "l": [2, 4], "d": {"y": 1}},
+        {"x": 2.0, "l": [9, 6], "d": {"y": 2}},
+    ]
     assert median_of(rounds) == {"x": 2.0, "l": [2, 5], "d": {"y": 2}}
 
 
@@ -42,13 +52,17 @@ def test_bench_speculation_round_decodes_the_given_prompt(tiny_llama, capsys):
     from pagechat.core.engine import Engine
 
     text = "blocks blocks blocks of sixteen tokens"
-    code, out, err = cli(["bench", str(tiny_llama), "--rounds", "1", "--ngram", "--spec-prompt", text, "--json"], capsys)
+    code, out, err = cli(
+        ["bench", str(tiny_llama), "--rounds", "1", "--ngram", "--spec-prompt", text, "--json"],
+        capsys,
+    )
     assert code == 0, err
     spec = json.loads(out)["pagechat"]["speculation"]
     engine = Engine(tiny_llama, EngineConfig(device="cpu", dtype="float32"))
     chat = bool(getattr(engine.tokenizer, "chat_template", None))
-    assert spec["prompt_tokens"] == len(engine.encode(text, chat=chat)) != 128  # not the workload's prompt
-
+    assert (
+        spec["prompt_tokens"] == len(engine.encode(text, chat=chat)) != 128
+    )  # not the workload's prompt
 
 
 def test_bench_main_figures_decode_plainly_with_a_proposer(tiny_llama):
@@ -59,6 +73,8 @@ def test_bench_main_figures_decode_plainly_with_a_proposer(tiny_llama):
     engine = Engine(tiny_llama, EngineConfig(device="cpu", dtype="float32", ngram=True))
     reports, step = [], engine.step
     engine.step = lambda: reports.append(step()) or reports[-1]
-    w = Workload.make(engine.spec.vocab_size, set(engine.tokenizer.all_special_ids), engine.max_model_len, 0)
+    w = Workload.make(
+        engine.spec.vocab_size, set(engine.tokenizer.all_special_ids), engine.max_model_len, 0
+    )
     pagechat_round(engine, w)
     assert reports and not any(r.drafts for r in reports) and engine.proposer is not None

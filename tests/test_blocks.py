@@ -6,7 +6,6 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-
 from pagechat.core.blocks import _ROOT, BlockManager
 
 
@@ -52,7 +51,9 @@ def test_prefix_hit_after_commit_and_free_reuses_blocks():
     run(bm, 1, prompt)
     first = bm.table(1)
     bm.free(1)
-    assert bm.snapshot().num_cached == 2  # the two full blocks; the partial third went to the free list
+    assert (
+        bm.snapshot().num_cached == 2
+    )  # the two full blocks; the partial third went to the free list
     assert bm.allocate(2, prompt + [99]) == 8
     assert bm.table(2)[:2] == first[:2]
     snap = bm.snapshot()
@@ -82,7 +83,9 @@ def test_no_hit_for_uncommitted_blocks():
 def test_hit_requires_same_chain():
     bm = BlockManager(num_blocks=8, block_size=2)
     run(bm, 1, [1, 2, 3, 4, 5])
-    assert bm.allocate(2, [9, 9, 3, 4, 5]) == 0  # block [3, 4] matches, but after a different prefix
+    assert (
+        bm.allocate(2, [9, 9, 3, 4, 5]) == 0
+    )  # block [3, 4] matches, but after a different prefix
 
 
 def test_hits_leave_the_last_token_to_compute():
@@ -283,8 +286,11 @@ class BlockMachine(RuleBasedStateMachine):
     copy-on-write or a bad rollback would leave a computed position reading someone else's KV.
     """
 
-    @initialize(num_blocks=st.integers(6, 12), block_size=st.integers(2, 3),
-                cache=st.sampled_from([True, True, True, False]))
+    @initialize(
+        num_blocks=st.integers(6, 12),
+        block_size=st.integers(2, 3),
+        cache=st.sampled_from([True, True, True, False]),
+    )
     def setup(self, num_blocks, block_size, cache):
         self.bm = BlockManager(num_blocks, block_size, enable_prefix_cache=cache)
         self.tokens: dict[int, list[int]] = {}
@@ -327,8 +333,12 @@ class BlockMachine(RuleBasedStateMachine):
         self.start(tokens, prefill)
 
     @precondition(lambda self: self.tokens)
-    @rule(i=PICK, cut=st.integers(0, 12), extra=st.lists(TOKENS, min_size=1, max_size=4),
-          prefill=st.booleans())
+    @rule(
+        i=PICK,
+        cut=st.integers(0, 12),
+        extra=st.lists(TOKENS, min_size=1, max_size=4),
+        prefill=st.booleans(),
+    )
     def allocate_sharing_prefix(self, i, cut, extra, prefill):
         self.start(self.tokens[self.pick(i)][:cut] + extra, prefill)
 
@@ -410,7 +420,7 @@ class BlockMachine(RuleBasedStateMachine):
         sid = self.pick(i)
         k = min(k, len(self.tokens[sid]))
         self.bm.rollback(sid, k)
-        del self.tokens[sid][len(self.tokens[sid]) - k:]
+        del self.tokens[sid][len(self.tokens[sid]) - k :]
         self.computed[sid] = min(self.computed[sid], len(self.tokens[sid]))
 
     @invariant()
@@ -425,7 +435,9 @@ class BlockMachine(RuleBasedStateMachine):
             assert bm.length(sid) == len(toks)
             assert len(bm.table(sid)) == bm.blocks_needed(len(toks))
             assert len(set(bm.table(sid))) == len(bm.table(sid))
-            assert len(bm._hashes[sid]) <= self.computed[sid] // bm.block_size  # only computed blocks
+            assert (
+                len(bm._hashes[sid]) <= self.computed[sid] // bm.block_size
+            )  # only computed blocks
         assert len(bm._registry) == len(bm._block_key)
         for key, b in bm._registry.items():
             assert bm._block_key[b] == key and (bm._ref[b] > 0 or b in bm._cached)
@@ -440,7 +452,10 @@ class BlockMachine(RuleBasedStateMachine):
         assert snap.num_cached + snap.num_free == self.bm.num_free_blocks()
         states = Counter(b.state for b in snap.blocks)
         assert [states["used"], states["cached"], states["free"]] == [
-            snap.num_used, snap.num_cached, snap.num_free]
+            snap.num_used,
+            snap.num_cached,
+            snap.num_free,
+        ]
         assert sum(b.ref_count > 1 for b in snap.blocks) == snap.num_shared
         assert [b.ref_count for b in snap.blocks] == self.bm._ref
         holders = {b: sorted(s for s in self.tokens if b in self.bm.table(s)) for b in range(n)}
@@ -449,7 +464,10 @@ class BlockMachine(RuleBasedStateMachine):
         for s in self.tokens:
             for i, b in enumerate(self.bm.table(s)):
                 fill[b] = max(fill[b], min(bs, self.bm.length(s) - i * bs))
-        kept = [len(self.bm._block_key[b.block_id][1]) if b.state == "cached" else fill[b.block_id] for b in snap.blocks]
+        kept = [
+            len(self.bm._block_key[b.block_id][1]) if b.state == "cached" else fill[b.block_id]
+            for b in snap.blocks
+        ]
         assert [b.filled for b in snap.blocks] == kept
         assert snap.tokens_stored == sum(fill)
         assert snap.prefix_hit_tokens <= snap.prefix_queried_tokens
@@ -470,7 +488,7 @@ class BlockMachine(RuleBasedStateMachine):
             assert prefix is not None and len(prefix) % bs == n % bs
             prev, start = _ROOT, len(prefix) - n
             for i in range(0, start, bs):
-                prev = hash((prev, prefix[i:i + bs]))
+                prev = hash((prev, prefix[i : i + bs]))
             assert (prev, prefix[start:]) == key
             assert all(self.pool.get(b * bs + j) == prefix[: start + j + 1] for j in range(n))
 

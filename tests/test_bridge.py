@@ -10,13 +10,20 @@ import time
 from pathlib import Path
 
 import pytest
-
 from pagechat.core.config import EngineConfig
 from pagechat.core.engine import Engine
 from pagechat.core.errors import PagechatError
 from pagechat.core.params import SamplingParams
 from pagechat.core.report import StepReport
-from pagechat.tui.bridge import BlocksChanged, Finished, FirstToken, MemoryRead, Refused, Started, ThreadedEngine
+from pagechat.tui.bridge import (
+    BlocksChanged,
+    Finished,
+    FirstToken,
+    MemoryRead,
+    Refused,
+    Started,
+    ThreadedEngine,
+)
 from pagechat.tui.drive import tiny_model_dir
 from pagechat.tui.engine_process import EngineProcess, pack, unpack
 
@@ -42,7 +49,9 @@ def test_a_held_send_waits_for_release(loop):
     assert not loop.engine.requests and not commands_seen(loop)
     loop.release()
     assert loop.sync()
-    assert [type(e) for e in commands_seen(loop)][:1] == [Started] and len(loop.engine.requests) == 1
+    assert [type(e) for e in commands_seen(loop)][:1] == [Started] and len(
+        loop.engine.requests
+    ) == 1
 
 
 def test_a_command_after_a_held_send_sends_it_first(loop):
@@ -52,7 +61,11 @@ def test_a_command_after_a_held_send_sends_it_first(loop):
     assert loop.sync()
     started, finished = [e for e in loop.events if isinstance(e, (Started, Finished))]
     assert isinstance(started, Started) and started.ticket == 1
-    assert isinstance(finished, Finished) and finished.request_id == started.request_id and finished.reason == "abort"
+    assert (
+        isinstance(finished, Finished)
+        and finished.request_id == started.request_id
+        and finished.reason == "abort"
+    )
     loop.release()  # nothing is held any more: no second start
     assert loop.sync() and len(loop.engine.requests) == 1
 
@@ -62,7 +75,10 @@ def test_block_deltas_rebuild_every_snapshot_of_a_busy_pool():
     engine = Engine(tiny_model_dir(), CONFIG)
     prompt = list(range(5, 45))
     for i in range(3):
-        engine.add_request(prompt + [50 + i] * (i + 1), SamplingParams(temperature=0.8, max_tokens=12 + 6 * i, seed=i))
+        engine.add_request(
+            prompt + [50 + i] * (i + 1),
+            SamplingParams(temperature=0.8, max_tokens=12 + 6 * i, seed=i),
+        )
     sent = held = engine.blocks.snapshot()
     steps = 0
     while engine.has_unfinished():
@@ -77,7 +93,9 @@ def test_block_deltas_rebuild_every_snapshot_of_a_busy_pool():
         assert held == truth and all(e.blocks == truth for e in got if isinstance(e, StepReport))
         assert [type(e) for e in got] == [type(e) for e in events]
         r = events[0]
-        if steps > 4 and not any(o.finished for o in r.outputs):  # a decode step touches its tail blocks only
+        if steps > 4 and not any(
+            o.finished for o in r.outputs
+        ):  # a decode step touches its tail blocks only
             assert len(batch[1][1]) <= r.num_seqs < len(truth.blocks)
     assert steps > 10 and held.num_cached > 0
 
@@ -103,12 +121,16 @@ def test_the_engine_process_matches_the_engine_thread():
     """Same model, same requests: the child process's events carry the tokens, texts and block maps of a thread."""
     params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=40, seed=3, ignore_eos=True)
     runs = {}
-    for name, make in (("thread", lambda: ThreadedEngine(Engine(tiny_model_dir(), CONFIG))),
-                       ("process", lambda: EngineProcess(tiny_model_dir(), CONFIG))):
+    for name, make in (
+        ("thread", lambda: ThreadedEngine(Engine(tiny_model_dir(), CONFIG))),
+        ("process", lambda: EngineProcess(tiny_model_dir(), CONFIG)),
+    ):
         loop = make().start()
         try:
             assert loop.info.memory.num_blocks == 64 and loop.info.device.type == "cpu"
-            events = reply(loop, params) + reply(loop, params)  # the second turn hits the prefix cache
+            events = reply(loop, params) + reply(
+                loop, params
+            )  # the second turn hits the prefix cache
             assert loop.sync()
             events += list(loop.events)
         finally:
@@ -118,15 +140,20 @@ def test_the_engine_process_matches_the_engine_thread():
             [t for r in reports for o in r.outputs for t in o.token_ids],
             "".join(o.text_delta for r in reports for o in r.outputs),
             [s for r in reports for s in r.samples],
-            [(type(e).__name__, getattr(e, "output_tokens", None)) for e in events
-             if isinstance(e, (Started, FirstToken, Finished))],
+            [
+                (type(e).__name__, getattr(e, "output_tokens", None))
+                for e in events
+                if isinstance(e, (Started, FirstToken, Finished))
+            ],
             reports[-1].blocks,
             [e.readings.rss > 0 for e in events if isinstance(e, MemoryRead)][-1:],
         )
     thread, process = runs["thread"], runs["process"]
     assert len(thread[0]) == 80 and thread[4].prefix_hit_tokens > 0
     assert process[:2] == thread[:2] and process[3:5] == thread[3:5] and process[5] == [True]
-    for a, b in zip(process[2], thread[2], strict=True):  # logits differ in the last bits with the thread count
+    for a, b in zip(
+        process[2], thread[2], strict=True
+    ):  # logits differ in the last bits with the thread count
         assert a.token_id == b.token_id and len(a.candidates) == len(b.candidates)
         for x, y in zip(a.candidates, b.candidates):
             assert (x.token_id, x.text, x.kept, x.chosen) == (y.token_id, y.text, y.kept, y.chosen)
@@ -145,6 +172,8 @@ def test_the_app_is_told_when_the_engine_process_dies():
     try:
         os.kill(loop.pid, signal.SIGKILL)
         gone = drain(loop, lambda e: isinstance(e, Refused), timeout=10)[-1]
-        assert "engine process exited" in gone.message and not loop.is_alive() and not loop.sync(0.1)
+        assert (
+            "engine process exited" in gone.message and not loop.is_alive() and not loop.sync(0.1)
+        )
     finally:
         loop.close()

@@ -34,15 +34,27 @@ BREAKS = {
     "no config.json": (lambda p: (p / "config.json").unlink(), "no config.json"),
     "unsupported architecture": (lambda p: set_arch(p, "GPT2LMHeadModel"), "LlamaForCausalLM"),
     "missing safetensors": (lambda p: (p / "model.safetensors").unlink(), "no model.safetensors"),
-    "truncated safetensors": (lambda p: (p / "model.safetensors").write_bytes(
-        (p / "model.safetensors").read_bytes()[:5000]), "truncated"),
-    "missing tensor": (lambda p: rewrite_weights(p, lambda t: t.pop("model.layers.1.mlp.up_proj.weight")),
-                       "model.layers.1.mlp.up_proj.weight is missing"),
-    "wrong shape": (lambda p: rewrite_weights(p, lambda t: t.update(
-        {"model.norm.weight": t["model.norm.weight"][:10].clone()})), "model.norm.weight has shape (10,)"),
+    "truncated safetensors": (
+        lambda p: (p / "model.safetensors").write_bytes(
+            (p / "model.safetensors").read_bytes()[:5000]
+        ),
+        "truncated",
+    ),
+    "missing tensor": (
+        lambda p: rewrite_weights(p, lambda t: t.pop("model.layers.1.mlp.up_proj.weight")),
+        "model.layers.1.mlp.up_proj.weight is missing",
+    ),
+    "wrong shape": (
+        lambda p: rewrite_weights(
+            p, lambda t: t.update({"model.norm.weight": t["model.norm.weight"][:10].clone()})
+        ),
+        "model.norm.weight has shape (10,)",
+    ),
     "no tokenizer": (lambda p: (p / "tokenizer.json").unlink(), "no tokenizer"),
-    "pickle only": (lambda p: ((p / "model.safetensors").unlink(), (p / "pytorch_model.bin").write_bytes(b"x")),
-                    "arbitrary code"),
+    "pickle only": (
+        lambda p: ((p / "model.safetensors").unlink(), (p / "pytorch_model.bin").write_bytes(b"x")),
+        "arbitrary code",
+    ),
 }
 
 
@@ -72,16 +84,26 @@ def test_file_instead_of_directory(tiny_llama, capsys):
     assert_one_line_error(code, err, "is a file")
 
 
-@pytest.mark.parametrize("flag,value,needle", [("--temperature", "-0.5", "temperature must be >= 0"),
-                                               ("--top-p", "0", "top-p must be in (0, 1]"),
-                                               ("--top-p", "1.5", "top-p must be in (0, 1]")])
+@pytest.mark.parametrize(
+    "flag,value,needle",
+    [
+        ("--temperature", "-0.5", "temperature must be >= 0"),
+        ("--top-p", "0", "top-p must be in (0, 1]"),
+        ("--top-p", "1.5", "top-p must be in (0, 1]"),
+    ],
+)
 def test_bad_sampling_values(flag, value, needle, tiny_llama, capsys):
     code, _, err = cli(["generate", str(tiny_llama), "-p", "hi", flag, value], capsys)
     assert_one_line_error(code, err, needle)
 
 
-@pytest.mark.parametrize("args,needle", [(["--spec-prompt", "hi"], "--spec-prompt needs --draft DIR or --ngram"),
-                                         (["--ngram", "--spec-prompt", " "], "--spec-prompt is empty")])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--spec-prompt", "hi"], "--spec-prompt needs --draft DIR or --ngram"),
+        (["--ngram", "--spec-prompt", " "], "--spec-prompt is empty"),
+    ],
+)
 def test_bad_bench_speculation_prompt(args, needle, tiny_llama, capsys):
     code, _, err = cli(["bench", str(tiny_llama), *args], capsys)
     assert_one_line_error(code, err, needle)
@@ -90,7 +112,9 @@ def test_bad_bench_speculation_prompt(args, needle, tiny_llama, capsys):
 @pytest.mark.parametrize("command", [["generate", "-p", "hi"], ["plan"]])
 def test_bad_dtype(command, tiny_llama, capsys):
     code, _, err = cli([command[0], str(tiny_llama), *command[1:], "--dtype", "int3"], capsys)
-    assert_one_line_error(code, err, "--dtype must be auto, float32, bfloat16 or float16, got 'int3'")
+    assert_one_line_error(
+        code, err, "--dtype must be auto, float32, bfloat16 or float16, got 'int3'"
+    )
 
 
 def test_prompt_longer_than_context(tiny_llama, capsys):
@@ -99,8 +123,21 @@ def test_prompt_longer_than_context(tiny_llama, capsys):
 
 
 def test_generate_json(tiny_llama, capsys):
-    code, out, err = cli(["generate", str(tiny_llama), "-p", "Hello", "-p", "Blocks", "--max-tokens", "5",
-                          "--ignore-eos", "--json"], capsys)
+    code, out, err = cli(
+        [
+            "generate",
+            str(tiny_llama),
+            "-p",
+            "Hello",
+            "-p",
+            "Blocks",
+            "--max-tokens",
+            "5",
+            "--ignore-eos",
+            "--json",
+        ],
+        capsys,
+    )
     assert code == 0, err
     data = json.loads(out)
     assert [len(r["token_ids"]) for r in data["results"]] == [5, 5]
@@ -109,6 +146,8 @@ def test_generate_json(tiny_llama, capsys):
 
 
 def test_generate_streams_text_and_stats_line(tiny_llama, capsys):
-    code, out, err = cli(["generate", str(tiny_llama), "-p", "Hello", "--max-tokens", "4", "--ignore-eos"], capsys)
+    code, out, err = cli(
+        ["generate", str(tiny_llama), "-p", "Hello", "--max-tokens", "4", "--ignore-eos"], capsys
+    )
     assert code == 0
     assert out.endswith("\n") and err.count("\n") == 1 and "TTFT" in err and "KV blocks" in err

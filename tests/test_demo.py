@@ -1,16 +1,16 @@
 """The shipped demo models: they load through the engine and answer held-out questions; the draft fits."""
+
 import json
 import math
 import re
 
-import pytest
-from safetensors import safe_open
-
 import pagechat.core.demo as demo
+import pytest
 from conftest import cli
 from pagechat.core.demo import corpus
 from pagechat.core.demo.train import CHAT, Recipe, Shape, evaluate, train_demo
 from pagechat.core.errors import PagechatError
+from safetensors import safe_open
 
 
 def _params(model_dir) -> int:
@@ -32,8 +32,12 @@ def test_shipped_metrics_match_what_the_engine_gives_now(chat_result):
     metrics = json.loads((demo.DEMO_DIR / "metrics.json").read_text())
     assert metrics["chat"]["heldout_correct"] == chat_result["correct"]
     assert metrics["chat"]["heldout_replies"] == chat_result["replies"]
-    assert metrics["speculation"]["acceptance_rate"] >= 0.6 and metrics["speculation"]["same_as_plain"]
-    assert evaluate(demo.awq_model_dir())["correct"] == metrics["variants"]["awq"]["heldout_correct"]
+    assert (
+        metrics["speculation"]["acceptance_rate"] >= 0.6 and metrics["speculation"]["same_as_plain"]
+    )
+    assert (
+        evaluate(demo.awq_model_dir())["correct"] == metrics["variants"]["awq"]["heldout_correct"]
+    )
 
 
 def test_demo_draft_records_are_what_the_reply_got():
@@ -43,10 +47,16 @@ def test_demo_draft_records_are_what_the_reply_got():
     from pagechat.core.engine import Engine
     from pagechat.core.params import SamplingParams
 
-    engine = Engine(demo.chat_model_dir(), EngineConfig(device="cpu", dtype="float32", draft=str(demo.draft_model_dir())))
+    engine = Engine(
+        demo.chat_model_dir(),
+        EngineConfig(device="cpu", dtype="float32", draft=str(demo.draft_model_dir())),
+    )
     records = []
-    [seq] = engine.generate([engine.encode("Explain speculative decoding.", chat=True)],
-                            SamplingParams(temperature=0.0, max_tokens=80), on_report=lambda r: records.extend(r.drafts))
+    [seq] = engine.generate(
+        [engine.encode("Explain speculative decoding.", chat=True)],
+        SamplingParams(temperature=0.0, max_tokens=80),
+        on_report=lambda r: records.extend(r.drafts),
+    )
     assert seq.finish_reason == "stop" and seq.output_ids[-1] in engine.eos_ids
     assert [t for r in records for t in r.emitted] == seq.output_ids[1:]
     assert sum(r.accepted for r in records) / sum(len(r.drafted) for r in records) >= 0.6
@@ -61,10 +71,17 @@ def test_a_chat_turn_reuses_every_token_the_last_one_computed():
 
     engine = Engine(demo.chat_model_dir(), EngineConfig(device="cpu", dtype="float32"))
     messages = [{"role": "user", "content": "Tell me about paged attention."}]
-    [first] = engine.generate([engine.encode_chat(messages)], SamplingParams(temperature=0.0, max_tokens=60))
+    [first] = engine.generate(
+        [engine.encode_chat(messages)], SamplingParams(temperature=0.0, max_tokens=60)
+    )
     assert first.num_computed % engine.blocks.block_size, "the turn was meant to end inside a block"
-    messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And the KV cache?"}]
-    [second] = engine.generate([engine.encode_chat(messages)], SamplingParams(temperature=0.0, max_tokens=4))
+    messages += [
+        {"role": "assistant", "content": first.text},
+        {"role": "user", "content": "And the KV cache?"},
+    ]
+    [second] = engine.generate(
+        [engine.encode_chat(messages)], SamplingParams(temperature=0.0, max_tokens=4)
+    )
     assert second.num_cached_tokens == first.num_computed
 
 
@@ -96,9 +113,13 @@ def test_corpus_is_deterministic_under_a_seed():
 def test_heldout_questions_are_not_in_the_training_text():
     text = "".join(corpus.render(d) for d in corpus.training_dialogues(CHAT.dialogues, seed=0))
     pool = corpus.heldout_pool()
-    assert len({it.key for it in pool}) == len(pool) == corpus.HELDOUT_ROUNDS * len(corpus.HELDOUT_MIX)
-    compared = {tuple(sorted(int(x) for x in m if x))
-                for m in re.findall(r"(\d+) or (\d+)\?|Is (\d+) larger than (\d+)\?", text)}
+    assert (
+        len({it.key for it in pool}) == len(pool) == corpus.HELDOUT_ROUNDS * len(corpus.HELDOUT_MIX)
+    )
+    compared = {
+        tuple(sorted(int(x) for x in m if x))
+        for m in re.findall(r"(\d+) or (\d+)\?|Is (\d+) larger than (\d+)\?", text)
+    }
     for item in pool:
         assert item.question not in text, item
         if item.kind == "repeat":  # the sentence is never trained, in any phrasing
@@ -130,8 +151,10 @@ TINY = Recipe(Shape(128, 256, 1, 2, 1), dialogues=300, drills=40, rows=8)
 def test_train_demo_pipeline_is_deterministic_under_a_seed(tmp_path):
     """The whole script on a tiny recipe, twice: same files, same metrics (timings aside); every part is made
     and checked through the engine."""
-    runs = [train_demo(tmp_path / str(i), seed=3, threads=1, log=lambda s: None, chat=TINY, draft=TINY)
-            for i in range(2)]
+    runs = [
+        train_demo(tmp_path / str(i), seed=3, threads=1, log=lambda s: None, chat=TINY, draft=TINY)
+        for i in range(2)
+    ]
     for m in runs:
         m.pop("total_seconds")
         for name in ("chat", "draft"):

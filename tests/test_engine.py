@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from pagechat.core.config import EngineConfig
 from pagechat.core.engine import Engine
 from pagechat.core.errors import PagechatError
@@ -28,7 +27,9 @@ def test_fixed_seed_gives_same_tokens_twice(engine):
 
 def test_seeded_request_ignores_batch_mates(engine):
     alone = engine.generate(["Sampling"], sampled(3))[0].output_ids
-    together = engine.generate(["Sampling", "Other prompt here", "x"], [sampled(3), sampled(None), sampled(None)])
+    together = engine.generate(
+        ["Sampling", "Other prompt here", "x"], [sampled(3), sampled(None), sampled(None)]
+    )
     assert together[0].output_ids == alone
 
 
@@ -64,52 +65,79 @@ def test_abort_keeps_output_and_frees_blocks(engine):
 
 
 def test_stop_string_cuts_text(engine):
-    free = engine.generate(["Stop"], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))[0]
+    free = engine.generate(
+        ["Stop"], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    )[0]
     stop = free.text[5:8]
     assert stop.strip(), free.text
-    [seq] = engine.generate(["Stop"], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop=(stop,)))
+    [seq] = engine.generate(
+        ["Stop"], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop=(stop,))
+    )
     assert seq.finish_reason == "stop" and stop not in seq.text and free.text.startswith(seq.text)
 
 
 def test_streamed_deltas_add_up_to_text(engine):
-    rid = engine.add_request("Stream", SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    rid = engine.add_request(
+        "Stream", SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    )
     assert "".join(engine.stream(rid)) == engine.requests[rid].text
 
 
 def test_request_larger_than_pool_fails_alone(tiny_llama):
-    engine = Engine(tiny_llama, EngineConfig(device="cpu", dtype="float32", block_size=4, kv_blocks=6))
+    engine = Engine(
+        tiny_llama, EngineConfig(device="cpu", dtype="float32", block_size=4, kv_blocks=6)
+    )
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     big = engine.add_request(list(range(5, 35)), params)  # 30 prompt tokens > 24 slots
-    small = engine.add_request([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    small = engine.add_request(
+        [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    )
     while engine.has_unfinished():
         engine.step()
-    assert engine.requests[big].finish_reason == "error" and "raise --kv-blocks" in engine.requests[big].error
+    assert (
+        engine.requests[big].finish_reason == "error"
+        and "raise --kv-blocks" in engine.requests[big].error
+    )
     assert engine.requests[small].finish_reason == "length"
 
 
 def test_growth_past_pool_fails_with_output_kept(tiny_llama):
-    engine = Engine(tiny_llama, EngineConfig(device="cpu", dtype="float32", block_size=4, kv_blocks=4))
-    [seq] = engine.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    engine = Engine(
+        tiny_llama, EngineConfig(device="cpu", dtype="float32", block_size=4, kv_blocks=4)
+    )
+    [seq] = engine.generate(
+        [[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    )
     assert seq.finish_reason == "error" and seq.num_output_tokens >= 12
     assert engine.blocks.snapshot().num_used == 0
 
 
 def test_context_limit_finishes_with_length(tiny_llama):
     engine = Engine(tiny_llama, EngineConfig(device="cpu", dtype="float32", max_model_len=20))
-    [seq] = engine.generate([list(range(5, 15))], SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))
+    [seq] = engine.generate(
+        [list(range(5, 15))], SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    )
     assert seq.finish_reason == "length" and len(seq.token_ids) == 20
 
 
-@pytest.mark.parametrize("prompt,needle", [([], "empty"), ([5, 10**6], "outside the model's vocabulary")])
+@pytest.mark.parametrize(
+    "prompt,needle", [([], "empty"), ([5, 10**6], "outside the model's vocabulary")]
+)
 def test_bad_prompts(engine, prompt, needle):
     with pytest.raises(PagechatError, match=needle):
         engine.add_request(prompt, sampled(1))
 
 
 def test_step_report_counts(engine):
-    rid = engine.add_request(list(range(5, 25)), SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    rid = engine.add_request(
+        list(range(5, 25)), SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    )
     first = engine.step()
-    assert first.kind == "prefill" and first.prefill_tokens == 20 and first.outputs[0].request_id == rid
+    assert (
+        first.kind == "prefill"
+        and first.prefill_tokens == 20
+        and first.outputs[0].request_id == rid
+    )
     second = engine.step()
     assert second.kind == "decode" and second.decode_tokens == 1
     assert second.blocks.num_used == 6  # 21 tokens in blocks of 4
@@ -120,14 +148,23 @@ def test_step_report_counts(engine):
 def test_n_samples_fork_and_copy_on_write(tiny_llama):
     """n = 3 samples share the prompt's blocks; each equals an independent run with its seed (seed + j)."""
     engine = Engine(tiny_llama, EngineConfig(device="cpu", dtype="float32", block_size=4))
-    prompt = list(range(5, 15))  # 10 tokens: the third block is shared and partial, so writes must copy it
+    prompt = list(
+        range(5, 15)
+    )  # 10 tokens: the third block is shared and partial, so writes must copy it
     copies = []
-    seqs = engine.generate([prompt], SamplingParams(temperature=1.0, max_tokens=12, seed=5, n=3, ignore_eos=True),
-                           on_report=lambda r: copies.append(r.cow_copies))
+    seqs = engine.generate(
+        [prompt],
+        SamplingParams(temperature=1.0, max_tokens=12, seed=5, n=3, ignore_eos=True),
+        on_report=lambda r: copies.append(r.cow_copies),
+    )
     assert len(seqs) == 3 and sum(copies) >= 2
     assert len({tuple(s.output_ids) for s in seqs}) == 3
-    alone = Engine(tiny_llama, EngineConfig(device="cpu", dtype="float32", block_size=4, prefix_cache=False))
+    alone = Engine(
+        tiny_llama, EngineConfig(device="cpu", dtype="float32", block_size=4, prefix_cache=False)
+    )
     for j, seq in enumerate(seqs):
-        [ref] = alone.generate([prompt], SamplingParams(temperature=1.0, max_tokens=12, seed=5 + j, ignore_eos=True))
+        [ref] = alone.generate(
+            [prompt], SamplingParams(temperature=1.0, max_tokens=12, seed=5 + j, ignore_eos=True)
+        )
         assert seq.output_ids == ref.output_ids
     assert engine.blocks.snapshot().num_used == 0

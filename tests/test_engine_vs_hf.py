@@ -10,15 +10,13 @@ import copy
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
-
+from conftest import ARCHS
 from pagechat.core.config import EngineConfig
 from pagechat.core.engine import Engine
 from pagechat.core.params import SamplingParams
 from pagechat.core.scheduler import ScheduledSeq
 from pagechat.core.sequence import Sequence
-
-from conftest import ARCHS
+from transformers import AutoModelForCausalLM
 
 NEW_TOKENS = 32
 PROMPTS = [
@@ -39,7 +37,9 @@ def reference(tiny_models):
     """arch -> (hf model, prompt ids, greedy continuations from transformers' generate)."""
     out = {}
     for arch, path in tiny_models.items():
-        hf = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32).eval()
+        hf = AutoModelForCausalLM.from_pretrained(
+            path, local_files_only=True, dtype=torch.float32
+        ).eval()
         engine = Engine(path, fp32())
         prompts = [engine.tokenizer(p).input_ids for p in PROMPTS]
         out[arch] = (hf, prompts, [hf_greedy(hf, ids) for ids in prompts])
@@ -69,7 +69,9 @@ def test_prefill_logits_match(arch, tiny_models, reference):
         seq = Sequence(100 + i, list(ids), len(ids), GREEDY, 0.0)
         engine.blocks.allocate(seq.seq_id, ids)
         got = []
-        for start in range(0, len(ids), 7):  # the engine's 7-token chunks, each reading earlier chunks' KV
+        for start in range(
+            0, len(ids), 7
+        ):  # the engine's 7-token chunks, each reading earlier chunks' KV
             item = ScheduledSeq(seq, start, min(7, len(ids) - start))
             got.append(engine.runner.run([item], [item.count]))
         torch.testing.assert_close(torch.cat(got), want, atol=1e-4, rtol=0)
@@ -132,6 +134,11 @@ def hf_greedy(hf, ids: list[int]) -> list[int]:
     gen = copy.deepcopy(hf.generation_config)
     gen.eos_token_id = None  # like --ignore-eos: always NEW_TOKENS tokens
     with torch.no_grad():
-        out = hf.generate(torch.tensor([ids]), generation_config=gen, max_new_tokens=NEW_TOKENS, do_sample=False,
-                          attention_mask=torch.ones(1, len(ids), dtype=torch.long))
-    return out[0, len(ids):].tolist()
+        out = hf.generate(
+            torch.tensor([ids]),
+            generation_config=gen,
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        )
+    return out[0, len(ids) :].tolist()

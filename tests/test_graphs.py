@@ -13,16 +13,18 @@ import shutil
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
-
+from conftest import cli
 from pagechat.core.config import EngineConfig
 from pagechat.core.engine import Engine
 from pagechat.core.params import SamplingParams
-
-from conftest import cli
+from transformers import AutoModelForCausalLM
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-PROMPTS = ["Hi", "Blocks hold keys and values.", "A longer prompt about the prefix cache and its blocks, block by block."]
+PROMPTS = [
+    "Hi",
+    "Blocks hold keys and values.",
+    "A longer prompt about the prefix cache and its blocks, block by block.",
+]
 
 
 def traced_run(path, prompts, params=GREEDY, **cfg):
@@ -38,15 +40,37 @@ def traced_run(path, prompts, params=GREEDY, **cfg):
     return outs, logits, set(graphs.traces) if graphs else set(), len(graph_calls)
 
 
-@pytest.mark.parametrize("prompts, cfg, key, eager_steps", [
-    (PROMPTS[:1], {}, (), 0),  # one sequence: its 2-token prompt wants 1 of 2 rows' logits, then decodes unmasked
-    (PROMPTS, {}, (None,), 1),  # three of different lengths: their prefill pads (eager), then a padding mask
-    (["one two three one two three one two three one two"], {"ngram": True}, (None,), 1),  # verify steps: causal
-])
+@pytest.mark.parametrize(
+    "prompts, cfg, key, eager_steps",
+    [
+        (
+            PROMPTS[:1],
+            {},
+            (),
+            0,
+        ),  # one sequence: its 2-token prompt wants 1 of 2 rows' logits, then decodes unmasked
+        (
+            PROMPTS,
+            {},
+            (None,),
+            1,
+        ),  # three of different lengths: their prefill pads (eager), then a padding mask
+        (
+            ["one two three one two three one two three one two"],
+            {"ngram": True},
+            (None,),
+            1,
+        ),  # verify steps: causal
+    ],
+)
 def test_graphs_equal_eager(tiny_llama, prompts, cfg, key, eager_steps):
     outs, logits, keys, calls = traced_run(tiny_llama, prompts, **cfg)
-    eager_outs, eager_logits, eager_keys, eager_calls = traced_run(tiny_llama, prompts, graphs=False, **cfg)
-    assert key in keys and calls == len(logits) - eager_steps  # a prefill of > 8 tokens or of padded rows is eager
+    eager_outs, eager_logits, eager_keys, eager_calls = traced_run(
+        tiny_llama, prompts, graphs=False, **cfg
+    )
+    assert (
+        key in keys and calls == len(logits) - eager_steps
+    )  # a prefill of > 8 tokens or of padded rows is eager
     assert eager_keys == set() and eager_calls == 0
     assert outs == eager_outs
     assert len(logits) == len(eager_logits)
@@ -63,12 +87,19 @@ def test_sliding_window_graph_matches_transformers(tiny_models, tmp_path):
     shutil.copytree(tiny_models["mistral"], path)
     cfg = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps(cfg | {"sliding_window": 8}))
-    hf = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(
+        path, local_files_only=True, dtype=torch.float32
+    ).eval()
     engine = Engine(path, EngineConfig(device="cpu", dtype="float32"))
     ids = engine.tokenizer(PROMPTS[2]).input_ids
     with torch.no_grad():
-        want = hf.generate(torch.tensor([ids]), max_new_tokens=GREEDY.max_tokens, do_sample=False, eos_token_id=None,
-                           attention_mask=torch.ones(1, len(ids), dtype=torch.long))[0, len(ids):].tolist()
+        want = hf.generate(
+            torch.tensor([ids]),
+            max_new_tokens=GREEDY.max_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        )[0, len(ids) :].tolist()
     outs, _, keys, calls = traced_run(path, [ids])
     # (): made at load, used for contexts within 8; (8,): one sequence, yet a mask, as the window is shorter
     assert keys == {(), (8,)} and calls == GREEDY.max_tokens - 1
@@ -84,8 +115,20 @@ def test_bitsandbytes_int8_runs_eagerly(tiny_llama):
 
 @pytest.mark.parametrize("flags, graphs", [([], True), (["--eager"], False)])
 def test_eager_flag(tiny_llama, capsys, flags, graphs):
-    code, out, err = cli(["generate", str(tiny_llama), "-p", "Hi", "--max-tokens", "4", "--ignore-eos", "--json",
-                          *flags], capsys)
+    code, out, err = cli(
+        [
+            "generate",
+            str(tiny_llama),
+            "-p",
+            "Hi",
+            "--max-tokens",
+            "4",
+            "--ignore-eos",
+            "--json",
+            *flags,
+        ],
+        capsys,
+    )
     assert code == 0, err
     data = json.loads(out)
     assert data["stats"]["graphs"] is graphs and len(data["results"][0]["token_ids"]) == 4

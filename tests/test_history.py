@@ -6,18 +6,34 @@ import json
 import os
 
 import pytest
-
+from conftest import cli
 from pagechat.core.errors import PagechatError
 from pagechat.core.params import SamplingParams
-from pagechat.tui.history import ChatRecord, ChatStore, chats_dir, export_markdown, params_from_dict, params_to_dict
+from pagechat.tui.history import (
+    ChatRecord,
+    ChatStore,
+    chats_dir,
+    export_markdown,
+    params_from_dict,
+    params_to_dict,
+)
 from pagechat.tui.session import ChatSession
-from conftest import cli
 
 
 def chat(**kw) -> ChatRecord:
-    return ChatRecord(model="/m/tiny", system="be brief", messages=[
-        {"role": "user", "content": "What is a KV block?"},
-        {"role": "assistant", "content": "Sixteen tokens of keys and values.", "finish_reason": "stop"}], **kw)
+    return ChatRecord(
+        model="/m/tiny",
+        system="be brief",
+        messages=[
+            {"role": "user", "content": "What is a KV block?"},
+            {
+                "role": "assistant",
+                "content": "Sixteen tokens of keys and values.",
+                "finish_reason": "stop",
+            },
+        ],
+        **kw,
+    )
 
 
 def test_data_dir_follows_xdg(monkeypatch, tmp_path):
@@ -31,7 +47,9 @@ def test_save_is_atomic_and_round_trips(tmp_path):
     store = ChatStore(tmp_path)
     c = chat()
     path = store.save(c, extra=tmp_path / "copy.json")
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([path.name, "copy.json"])  # no temp files left
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [path.name, "copy.json"]
+    )  # no temp files left
     back = store.load(c.id)
     assert back.messages == c.messages and back.system == "be brief"
     assert json.loads((tmp_path / "copy.json").read_text())["id"] == c.id
@@ -46,7 +64,9 @@ def test_a_failed_write_keeps_the_old_file(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "replace", lambda *a: (_ for _ in ()).throw(OSError("disk full")))
     with pytest.raises(OSError):
         store.save(c)
-    assert len(store.load(c.id).messages) == 2 and [p.suffix for p in tmp_path.iterdir()] == [".json"]
+    assert len(store.load(c.id).messages) == 2 and [p.suffix for p in tmp_path.iterdir()] == [
+        ".json"
+    ]
 
 
 def test_list_skips_unreadable_files_and_sorts_newest_first(tmp_path):
@@ -71,7 +91,9 @@ def test_params_round_trip_and_session_restores_messages():
 def test_markdown_export(tmp_path):
     path = export_markdown(chat(), tmp_path)
     text = path.read_text()
-    assert "## User\n\nWhat is a KV block?" in text and "## Assistant" in text and "be brief" in text
+    assert (
+        "## User\n\nWhat is a KV block?" in text and "## Assistant" in text and "be brief" in text
+    )
 
 
 def test_history_command_lists_saved_chats(tmp_path, monkeypatch, capsys):
@@ -96,7 +118,9 @@ def test_run_refuses_with_one_line(tmp_path, monkeypatch, capsys):
     assert code == 2 and "top-p must be in (0, 1]" in err
 
 
-def test_run_without_model_dir_uses_the_demo_or_says_how_to_make_a_model(monkeypatch, capsys, tmp_path):
+def test_run_without_model_dir_uses_the_demo_or_says_how_to_make_a_model(
+    monkeypatch, capsys, tmp_path
+):
     import pagechat.core.demo as demo
 
     assert demo.model_or_demo(None) == demo.chat_model_dir()

@@ -1,20 +1,31 @@
 """make_model: random checkpoints that transformers reloads, seeded, with a round-tripping tokenizer."""
+
 import json
 
 import pytest
 import torch
 import transformers
-from safetensors.torch import load_file
-
 from pagechat.core.errors import PagechatError
 from pagechat.core.make_model import (
-    ARCHS, EOS_IDS, builtin_corpus, builtin_tokenizer, make_model, model_config, train_tokenizer,
+    ARCHS,
+    EOS_IDS,
+    builtin_corpus,
+    builtin_tokenizer,
+    make_model,
+    model_config,
+    train_tokenizer,
 )
+from safetensors.torch import load_file
 
 TEXTS = [
-    "Hello, world!", "  leading spaces\tand tabs\n\nand blank lines  ",
-    "naïve café — “quotes” ½ ∑ x² ≠ ∞", "日本語のテキスト、中文文本、한국어", "emoji 🦙🚀👩‍💻 mixed",
-    "<|im_start|>user\nhi<|im_end|>\n", "\x00\x7f control bytes \u200b zero width", "",
+    "Hello, world!",
+    "  leading spaces\tand tabs\n\nand blank lines  ",
+    "naïve café — “quotes” ½ ∑ x² ≠ ∞",
+    "日本語のテキスト、中文文本、한국어",
+    "emoji 🦙🚀👩‍💻 mixed",
+    "<|im_start|>user\nhi<|im_end|>\n",
+    "\x00\x7f control bytes \u200b zero width",
+    "",
 ]
 
 
@@ -48,8 +59,11 @@ def test_tiny_reloads_in_transformers_and_gives_finite_logits(tiny, arch):
 
 def test_tiny_variants_cover_the_engine_features(tiny):
     llama, mistral, qwen2, qwen3 = (_load(tiny[a]) for a in ("llama", "mistral", "qwen2", "qwen3"))
-    rope = llama.config.rope_parameters if hasattr(llama.config, "rope_parameters") \
+    rope = (
+        llama.config.rope_parameters
+        if hasattr(llama.config, "rope_parameters")
         else llama.config.rope_scaling
+    )
     assert rope["rope_type"] == "llama3" and rope["factor"] == 8.0
     raw = json.loads((tiny["llama"] / "config.json").read_text())
     assert raw["rope_scaling"]["rope_type"] == "llama3" and raw["rope_theta"] == 500000.0
@@ -101,8 +115,10 @@ def test_tokenizer_special_tokens():
 def test_chat_template_renders_chatml():
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     text = builtin_tokenizer().apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-    assert text == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
-                    "<|im_start|>assistant\n")
+    assert text == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
     plain = builtin_tokenizer().apply_chat_template(msgs[:1], tokenize=False)
     assert plain == "<|im_start|>system\nBe brief.<|im_end|>\n"
 

@@ -3,17 +3,15 @@ the report, and `plan` turns a budget into KV blocks and concurrent sequences.""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
-
+from conftest import cli
 from pagechat.core.config import EngineConfig
 from pagechat.core.engine import Engine
 from pagechat.core.kv import block_bytes
 from pagechat.core.memory import estimate_weights, kv_bytes_per_token, plan_capacity, weight_report
 from pagechat.core.params import SamplingParams
 from pagechat.quant.checkpoint import quantize_checkpoint
-from conftest import cli
 
 
 def unique_bytes(model: torch.nn.Module) -> int:
@@ -27,7 +25,9 @@ def unique_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # untied; tied with qkv bias; tied with q/k norm
+@pytest.mark.parametrize(
+    "arch", ["llama", "qwen2", "qwen3"]
+)  # untied; tied with qkv bias; tied with q/k norm
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_weight_report_equals_the_tensors_and_the_estimate(tiny_models, arch, dtype):
     e = Engine(tiny_models[arch], EngineConfig(dtype=dtype, kv_blocks=8))
@@ -62,13 +62,26 @@ def test_weight_only_modes_keep_lm_head_in_bf16(tiny_models, arch):
     assert rep.total == unique_bytes(e.model)
     rows, table = {r.kind: r for r in rep.rows}, e.spec.vocab_size * e.spec.hidden_size
     if e.spec.tie_word_embeddings:  # one bf16 table for both
-        assert (rows["embedding"].fmt, rows["embedding"].bytes, rows["lm_head"].bytes) == ("bfloat16", 2 * table, 0)
+        assert (rows["embedding"].fmt, rows["embedding"].bytes, rows["lm_head"].bytes) == (
+            "bfloat16",
+            2 * table,
+            0,
+        )
     else:
-        assert (rows["embedding"].fmt, rows["lm_head"].fmt, rows["lm_head"].bytes) == ("float32", "bf16-wo", 2 * table)
-    assert len(e.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))[0].output_ids) == 4
+        assert (rows["embedding"].fmt, rows["lm_head"].fmt, rows["lm_head"].bytes) == (
+            "float32",
+            "bf16-wo",
+            2 * table,
+        )
+    assert (
+        len(e.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))[0].output_ids)
+        == 4
+    )
 
 
-@pytest.mark.parametrize("group,path", [(64, "int4pack-cpu"), (16, "dequant")])  # torch's kernel lacks g16
+@pytest.mark.parametrize(
+    "group,path", [(64, "int4pack-cpu"), (16, "dequant")]
+)  # torch's kernel lacks g16
 def test_awq_report_and_estimate_agree(tiny_llama, tmp_path, group, path):
     out = quantize_checkpoint(tiny_llama, tmp_path / "awq", "rtn", group).out_dir
     e = Engine(out, EngineConfig(dtype="float32", kv_blocks=8))
@@ -99,7 +112,9 @@ def test_plan_capacity_arithmetic(tiny_llama):
 
 
 def test_plan_command(tiny_llama, capsys):
-    code, out, _ = cli(["plan", str(tiny_llama), "--gpu-memory", "1GiB", "--context", "256"], capsys)
+    code, out, _ = cli(
+        ["plan", str(tiny_llama), "--gpu-memory", "1GiB", "--context", "256"], capsys
+    )
     assert code in (None, 0)
     assert "# KV blocks:" in out and "Maximum concurrency for 256 tokens per request" in out
     code, out, _ = cli(["plan", str(tiny_llama), "--quant", "awq", "--group-size", "64"], capsys)

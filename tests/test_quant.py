@@ -13,8 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from safetensors.torch import load_file, save_file
-
+from conftest import cli
 from pagechat.core.config import EngineConfig
 from pagechat.core.engine import Engine
 from pagechat.core.memory import estimate_weights, weight_report
@@ -27,19 +26,33 @@ from pagechat.quant.evaluate import greedy_agreement, perplexity, window_logits
 from pagechat.quant.layers import AWQLinear, Bf16WOLinear, Int8WOLinear, bnb_int8_linear
 from pagechat.quant.loaders import QuantPlan
 from pagechat.quant.pack import AWQ_ORDER, dequantize, fake_quantize, pack_awq, to_awq, unpack_awq
-from conftest import cli
+from safetensors.torch import load_file, save_file
 
 CPU = torch.device("cpu")
 
 
 def make_checkpoint(out, tokenizer_dir, arch="llama", kv_heads=2, seed=0, **extra):
     """A random hidden-128 checkpoint of arch, saved by transformers, with the tiny fixture's tokenizer."""
-    shutil.copytree(tokenizer_dir, out, ignore=shutil.ignore_patterns("*.safetensors", "config.json"))
-    cls = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}[arch]
+    shutil.copytree(
+        tokenizer_dir, out, ignore=shutil.ignore_patterns("*.safetensors", "config.json")
+    )
+    cls = {
+        "llama": ("LlamaConfig", "LlamaForCausalLM"),
+        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    }[arch]
     cfg = getattr(transformers, cls[0])(
-        vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=kv_heads, max_position_embeddings=256, eos_token_id=[2, 0], pad_token_id=0,
-        bos_token_id=None, **extra)
+        vocab_size=1024,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=256,
+        eos_token_id=[2, 0],
+        pad_token_id=0,
+        bos_token_id=None,
+        **extra,
+    )
     torch.manual_seed(seed)
     getattr(transformers, cls[1])(cfg).save_pretrained(out)
     return out
@@ -65,6 +78,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 # -- packing ---------------------------------------------------------------------------------------
 
+
 def test_pack_unpack_round_trip_is_exact_and_uses_awq_order():
     q = torch.randint(0, 16, (64, 48))
     q[0, :8] = 15  # top nibble set: the word is negative as int32
@@ -72,19 +86,28 @@ def test_pack_unpack_round_trip_is_exact_and_uses_awq_order():
     assert packed.dtype == torch.int32 and packed.shape == (64, 6) and (packed < 0).any()
     assert torch.equal(unpack_awq(packed).long(), q)
     word = packed[3, 2].item() & 0xFFFFFFFF
-    assert [(word >> 4 * i) & 0xF for i in range(8)] == [q[3, 16 + AWQ_ORDER[i]].item() for i in range(8)]
+    assert [(word >> 4 * i) & 0xF for i in range(8)] == [
+        q[3, 16 + AWQ_ORDER[i]].item() for i in range(8)
+    ]
 
 
 def test_to_awq_dequantises_to_the_fake_quantised_weight():
     w = torch.randn(96, 256)
     t = to_awq(w, 128)
-    assert t["qweight"].shape == (256, 12) and t["qzeros"].shape == (2, 12) and t["scales"].shape == (2, 96)
+    assert (
+        t["qweight"].shape == (256, 12)
+        and t["qzeros"].shape == (2, 12)
+        and t["scales"].shape == (2, 96)
+    )
     deq = dequantize(unpack_awq(t["qweight"]), unpack_awq(t["qzeros"]), t["scales"], 128).t()
-    assert rel(deq, fake_quantize(w, 128)) < 1e-2  # differs only where fp16 scales move a value across a level
+    assert (
+        rel(deq, fake_quantize(w, 128)) < 1e-2
+    )  # differs only where fp16 scales move a value across a level
     assert (deq - w).abs().max() <= (w.max() - w.min()) / 15  # within one quantisation step
 
 
 # -- layers ----------------------------------------------------------------------------------------
+
 
 def awq_layer_inputs(k=256, n=96, group=128, seed=0):
     torch.manual_seed(seed)
@@ -113,7 +136,10 @@ def test_awq_path_falls_back_where_the_kernel_does_not_fit():
     layer = AWQLinear(q, z, s, None, 64, CPU)
     assert layer.path == "int4pack-cpu" or layer.path == "dequant"
     x = torch.randn(3, 192)
-    assert rel(AWQLinear(q, z, s, None, 64, CPU, path="dequant")(x), x @ dequantize(q, z, s, 64)) <= 1e-5
+    assert (
+        rel(AWQLinear(q, z, s, None, 64, CPU, path="dequant")(x), x @ dequantize(q, z, s, 64))
+        <= 1e-5
+    )
 
 
 def test_int8_weight_only_layer():
@@ -141,12 +167,19 @@ def test_bnb_int8_layer_is_llm_int8_in_eval_mode_and_handles_outliers():
 
 # -- engine integration ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("mode,cls", [("int8", "Linear8bitLt"), ("int8-wo", "Int8WOLinear"),
-                                      ("bf16-wo", "Bf16WOLinear")])
+
+@pytest.mark.parametrize(
+    "mode,cls", [("int8", "Linear8bitLt"), ("int8-wo", "Int8WOLinear"), ("bf16-wo", "Bf16WOLinear")]
+)
 def test_quant_modes_swap_every_decoder_linear_and_weight_only_modes_the_head(llama, mode, cls):
     e = engine(llama, quant=mode)
     layer = e.model.layers[0]
-    for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+    for lin in (
+        layer.self_attn.qkv_proj,
+        layer.self_attn.o_proj,
+        layer.mlp.gate_up_proj,
+        layer.mlp.down_proj,
+    ):
         assert type(lin).__name__ == cls
     head, emb = e.model.lm_head, e.model.embed_tokens.weight
     if mode == "int8":  # LLM.int8 quantises activations too: the head stays as the model
@@ -165,15 +198,19 @@ def llama_bf16(llama, tmp_path_factory):
     """The same checkpoint stored in bfloat16, as most published checkpoints are."""
     out = tmp_path_factory.mktemp("q") / "bf16"
     shutil.copytree(llama, out)
-    save_file({k: v.to(torch.bfloat16) for k, v in load_file(out / "model.safetensors").items()},
-              out / "model.safetensors", metadata={"format": "pt"})
+    save_file(
+        {k: v.to(torch.bfloat16) for k, v in load_file(out / "model.safetensors").items()},
+        out / "model.safetensors",
+        metadata={"format": "pt"},
+    )
     _edit_config(out, lambda c: c.update(torch_dtype="bfloat16", dtype="bfloat16"))
     return out
 
 
 @pytest.mark.parametrize("native", [False, True])
-def test_auto_dtype_keeps_a_bf16_checkpoint_in_bf16_weights_only_where_the_cpu_lacks_bf16(llama_bf16, llama,
-                                                                                         monkeypatch, native):
+def test_auto_dtype_keeps_a_bf16_checkpoint_in_bf16_weights_only_where_the_cpu_lacks_bf16(
+    llama_bf16, llama, monkeypatch, native
+):
     monkeypatch.setattr("pagechat.core.engine.cpu_has_native_bf16", lambda: native)
     e = Engine(llama_bf16, EngineConfig(kv_blocks=64, draft=str(llama_bf16)))
     qkv = e.model.layers[0].self_attn.qkv_proj
@@ -181,7 +218,11 @@ def test_auto_dtype_keeps_a_bf16_checkpoint_in_bf16_weights_only_where_the_cpu_l
         assert e.quant.mode is None and e.dtype == torch.bfloat16 and type(qkv).__name__ == "Linear"
         assert e.precision == "bfloat16"
     else:  # weights as stored (bf16), activations and KV float32; the status line says so
-        assert e.quant.mode == "bf16-wo" and e.dtype == torch.float32 and type(qkv).__name__ == "Bf16WOLinear"
+        assert (
+            e.quant.mode == "bf16-wo"
+            and e.dtype == torch.float32
+            and type(qkv).__name__ == "Bf16WOLinear"
+        )
         assert e.pool.dtype == torch.float32 and e.precision == "float32 · bf16-wo"
     draft = e.proposer.loaded  # a draft runs plainly, at the target's dtype
     assert draft.quant.mode is None and draft.dtype == e.dtype
@@ -198,44 +239,70 @@ def test_bf16_wo_linear_decode_rows_in_bf16_prefill_rows_exact():
     assert layer.weight.dtype == torch.bfloat16 and layer.weight.nbytes == 96 * 64 * 2
     wb = w.to(torch.bfloat16).float()
     many = torch.randn(Bf16WOLinear.MAX_BF16_ROWS + 1, 64)
-    assert torch.equal(layer(many), F.linear(many, wb, bias))  # prefill: float32 math on the stored weight
+    assert torch.equal(
+        layer(many), F.linear(many, wb, bias)
+    )  # prefill: float32 math on the stored weight
     few = many[:3]
     y = layer(few)
-    assert y.dtype == torch.float32 and rel(y, F.linear(few, wb, bias)) < 1e-2  # decode: bf16 inputs
+    assert (
+        y.dtype == torch.float32 and rel(y, F.linear(few, wb, bias)) < 1e-2
+    )  # decode: bf16 inputs
     assert not torch.equal(y, F.linear(few, wb, bias))
 
 
 def test_rtn_checkpoint_is_autoawq_format_and_loads_fused(rtn, llama):
     cfg = json.loads((rtn / "config.json").read_text())
-    assert cfg["quantization_config"] == {"quant_method": "awq", "zero_point": True, "group_size": 128, "bits": 4,
-                                          "version": "gemm", "modules_to_not_convert": None}
+    assert cfg["quantization_config"] == {
+        "quant_method": "awq",
+        "zero_point": True,
+        "group_size": 128,
+        "bits": 4,
+        "version": "gemm",
+        "modules_to_not_convert": None,
+    }
     assert (rtn / "tokenizer.json").is_file() and (rtn / "chat_template.jinja").is_file()
     t = load_file(rtn / "model.safetensors")
     assert t["model.layers.0.self_attn.k_proj.qweight"].shape == (128, 64 // 8)
     assert t["model.layers.1.mlp.down_proj.scales"].dtype == torch.float16
-    assert "model.layers.0.mlp.up_proj.weight" not in t and t["lm_head.weight"].dtype == torch.float16
+    assert (
+        "model.layers.0.mlp.up_proj.weight" not in t and t["lm_head.weight"].dtype == torch.float16
+    )
     e = engine(rtn)
     assert e.quant.mode == "awq"
     qkv = e.model.layers[0].self_attn.qkv_proj
-    assert isinstance(qkv, AWQLinear) and qkv.out_features == 128 + 64 + 64 and qkv.path == "int4pack-cpu"
+    assert (
+        isinstance(qkv, AWQLinear)
+        and qkv.out_features == 128 + 64 + 64
+        and qkv.path == "int4pack-cpu"
+    )
     assert isinstance(e.model.layers[1].mlp.gate_up_proj, AWQLinear)
-    assert weight_report(e.model).total == estimate_weights(e.spec, "awq", e.dtype, 128, "cpu").total
+    assert (
+        weight_report(e.model).total == estimate_weights(e.spec, "awq", e.dtype, 128, "cpu").total
+    )
 
 
 def test_awq_engine_equals_a_dense_model_of_the_dequantised_weights(rtn, monkeypatch):
     """Oracle: transformers' Llama with the dequantised weights; our fallback path runs the same math in fp32."""
     monkeypatch.setattr("pagechat.quant.layers.awq_path", lambda *a: "dequant")
-    monkeypatch.setattr(QuantPlan, "head", lambda self, device, dtype: linear)  # the float32 head, as transformers'
+    monkeypatch.setattr(
+        QuantPlan, "head", lambda self, device, dtype: linear
+    )  # the float32 head, as transformers'
     e = engine(rtn)
     t = load_file(rtn / "model.safetensors")
     dense = {}
     for k, v in t.items():
         if k.endswith(".qweight"):
             p = k.removesuffix(".qweight")
-            dense[f"{p}.weight"] = dequantize(unpack_awq(v), unpack_awq(t[f"{p}.qzeros"]), t[f"{p}.scales"], 128).t()
+            dense[f"{p}.weight"] = dequantize(
+                unpack_awq(v), unpack_awq(t[f"{p}.qzeros"]), t[f"{p}.scales"], 128
+            ).t()
         elif not k.endswith((".qzeros", ".scales")):
             dense[k] = v.float()
-    hf = transformers.LlamaForCausalLM(transformers.AutoConfig.from_pretrained(str(rtn))).float().eval()
+    hf = (
+        transformers.LlamaForCausalLM(transformers.AutoConfig.from_pretrained(str(rtn)))
+        .float()
+        .eval()
+    )
     hf.load_state_dict(dense)
     ids = [5, 9, 3, 77, 120, 4, 18]
     with torch.no_grad():
@@ -249,7 +316,10 @@ def test_awq_quantize_runs_folds_exactly_and_loads(llama, tmp_path):
     assert set(res.alphas[0]) == {"qkv", "gate_up", "down"}  # GQA: no v -> o group
     e = engine(res.out_dir)
     assert e.quant.mode == "awq"
-    assert len(e.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))[0].output_ids) == 4
+    assert (
+        len(e.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))[0].output_ids)
+        == 4
+    )
 
 
 def test_scale_folding_leaves_the_float_block_unchanged(tmp_path, tiny_llama):
@@ -262,7 +332,10 @@ def test_scale_folding_leaves_the_float_block_unchanged(tmp_path, tiny_llama):
     runner = BlockRunner(spec, 16, 0)
     x = torch.randn(2, 16, 128)
     ref, _ = runner.forward(blk, x)
-    fold_scales(blk, {g: torch.rand(128 if g != "down" else 256) + 0.5 for g in ("qkv", "o", "gate_up", "down")})
+    fold_scales(
+        blk,
+        {g: torch.rand(128 if g != "down" else 256) + 0.5 for g in ("qkv", "o", "gate_up", "down")},
+    )
     assert rel(runner.forward(blk, x)[0], ref) < 1e-5
     assert "v" in blk.b  # the v bias was scaled along with v's rows
 
@@ -282,12 +355,15 @@ def test_scale_search_protects_salient_channels():
 
 # -- pre-quantised int8 checkpoints ----------------------------------------------------------------
 
+
 def test_transformers_load_in_8bit_checkpoint_loads_directly(llama, tmp_path):
     """Saved the way transformers saves load_in_8bit models: bnb's own state_dict (int8 weight, SCB, weight_format)."""
     out = tmp_path / "int8"
     shutil.copytree(llama, out)
     tensors = load_file(out / "model.safetensors")
-    for name in [k for k in tensors if k.startswith("model.layers.") and k.endswith("_proj.weight")]:
+    for name in [
+        k for k in tensors if k.startswith("model.layers.") and k.endswith("_proj.weight")
+    ]:
         p = name.removesuffix(".weight")
         layer = bnb_int8_linear(None, CPU, weight=tensors.pop(name))
         for k, v in layer.state_dict().items():
@@ -300,13 +376,16 @@ def test_transformers_load_in_8bit_checkpoint_loads_directly(llama, tmp_path):
     pre, fresh = engine(out), engine(llama, quant="int8")
     assert pre.quant.mode == "int8" and pre.quant.checkpoint == "bnb-int8"
     ids = [5, 9, 3, 77, 120]
-    assert torch.equal(window_logits(pre, ids), window_logits(fresh, ids))  # same int8 rows and scales
+    assert torch.equal(
+        window_logits(pre, ids), window_logits(fresh, ids)
+    )  # same int8 rows and scales
     wo = engine(out, quant="int8-wo")
     assert isinstance(wo.model.layers[0].mlp.down_proj, Int8WOLinear)
     assert rel(window_logits(wo, ids), window_logits(fresh, ids)) < 2e-2
 
 
 # -- eval / agreement ------------------------------------------------------------------------------
+
 
 def test_perplexity_through_the_engine_matches_transformers(llama):
     e = engine(llama)
@@ -316,7 +395,7 @@ def test_perplexity_through_the_engine_matches_transformers(llama):
     nll, n = 0.0, 0
     with torch.no_grad():
         for s in range(0, len(ids) - 1, 32):
-            w = torch.tensor([ids[s:s + 32]])
+            w = torch.tensor([ids[s : s + 32]])
             if w.shape[1] < 2:
                 continue
             nll += hf(w, labels=w).loss.item() * (w.shape[1] - 1)
@@ -332,6 +411,7 @@ def test_greedy_agreement_of_a_model_with_itself_is_total(llama):
 
 # -- bad input: one line, exit 2 -------------------------------------------------------------------
 
+
 def _edit_config(path, change):
     cfg = json.loads((path / "config.json").read_text())
     change(cfg)
@@ -346,7 +426,9 @@ def _copy(src, tmp_path):
 
 def _shrink_qweight(p):
     t = load_file(p / "model.safetensors")
-    t["model.layers.0.mlp.up_proj.qweight"] = t["model.layers.0.mlp.up_proj.qweight"][:, :16].contiguous()
+    t["model.layers.0.mlp.up_proj.qweight"] = t["model.layers.0.mlp.up_proj.qweight"][
+        :, :16
+    ].contiguous()
     save_file(t, p / "model.safetensors")
 
 
@@ -361,8 +443,15 @@ AWQ_BREAKS = {
     "3-bit": (_set_quant(bits=3), "bits=3"),
     "group": (_set_quant(group_size=96), "group_size 96 does not divide in_features 128"),
     "qweight shape": (_shrink_qweight, "model.layers.0.mlp.up_proj.qweight has shape (128, 16)"),
-    "bnb 4-bit": (lambda p: _edit_config(p, lambda c: c.update(quantization_config={
-        "quant_method": "bitsandbytes", "load_in_4bit": True})), "4-bit checkpoints (load_in_4bit) are not supported"),
+    "bnb 4-bit": (
+        lambda p: _edit_config(
+            p,
+            lambda c: c.update(
+                quantization_config={"quant_method": "bitsandbytes", "load_in_4bit": True}
+            ),
+        ),
+        "4-bit checkpoints (load_in_4bit) are not supported",
+    ),
 }
 
 
@@ -385,8 +474,15 @@ def test_quant_mode_mismatches_give_one_line(rtn, llama, capsys):
 
 
 def test_quantize_refuses_bad_requests(llama, rtn, tmp_path, capsys):
-    code, _, err = cli(["quantize", str(llama), str(tmp_path / "o"), "--method", "rtn", "--group-size", "96"], capsys)
-    assert code == 2 and "--group-size 96 does not divide in_features 128" in err and err.count("\n") == 1
+    code, _, err = cli(
+        ["quantize", str(llama), str(tmp_path / "o"), "--method", "rtn", "--group-size", "96"],
+        capsys,
+    )
+    assert (
+        code == 2
+        and "--group-size 96 does not divide in_features 128" in err
+        and err.count("\n") == 1
+    )
     code, _, err = cli(["quantize", str(rtn), str(tmp_path / "o"), "--method", "rtn"], capsys)
     assert code == 2 and "already quantised" in err
     code, _, err = cli(["quantize", str(llama), str(rtn), "--method", "rtn"], capsys)
@@ -397,14 +493,29 @@ def test_quantize_refuses_bad_requests(llama, rtn, tmp_path, capsys):
 
 # -- commands --------------------------------------------------------------------------------------
 
+
 def test_quantize_and_eval_commands(llama, tmp_path, capsys):
     calib = tmp_path / "calib.txt"
     calib.write_text("The KV cache keeps keys and values of earlier tokens. " * 40)
-    code, out, _ = cli(["quantize", str(llama), str(tmp_path / "awq"), "--calib", str(calib), "--samples", "2",
-                        "--seqlen", "32"], capsys)
+    code, out, _ = cli(
+        [
+            "quantize",
+            str(llama),
+            str(tmp_path / "awq"),
+            "--calib",
+            str(calib),
+            "--samples",
+            "2",
+            "--seqlen",
+            "32",
+        ],
+        capsys,
+    )
     assert code is None or code == 0
     assert "wrote awq 4-bit g128" in out and "calibrated on 2 x 32 tokens" in out
-    code, out, _ = cli(["eval", str(tmp_path / "awq"), "--text", str(calib), "--seqlen", "64"], capsys)
+    code, out, _ = cli(
+        ["eval", str(tmp_path / "awq"), "--text", str(calib), "--seqlen", "64"], capsys
+    )
     assert "perplexity" in out and "quant awq (int4pack-cpu)" in out
 
 

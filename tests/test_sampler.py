@@ -2,15 +2,6 @@
 
 import pytest
 import torch
-from transformers.generation.logits_process import (
-    LogitsProcessorList,
-    MinPLogitsWarper,
-    RepetitionPenaltyLogitsProcessor,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
-
 from pagechat.core.params import SamplingParams
 from pagechat.core.sampler import (
     Sampler,
@@ -19,6 +10,14 @@ from pagechat.core.sampler import (
     make_generator,
     processed_logits,
     target_probs,
+)
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
 )
 
 INF = float("inf")
@@ -62,14 +61,30 @@ CASES = [  # (our params, transformers' processors in its own order)
     (dict(min_p=1.0), lambda: [MinPLogitsWarper(1.0)]),
     (dict(repetition_penalty=1.3), lambda: [RepetitionPenaltyLogitsProcessor(1.3)]),
     (dict(repetition_penalty=0.6), lambda: [RepetitionPenaltyLogitsProcessor(0.6)]),
-    (dict(repetition_penalty=1.2, temperature=0.8, top_k=40, top_p=0.9, min_p=0.05),
-     lambda: [RepetitionPenaltyLogitsProcessor(1.2), TemperatureLogitsWarper(0.8), TopKLogitsWarper(40),
-              TopPLogitsWarper(0.9), MinPLogitsWarper(0.05)]),
-    (dict(repetition_penalty=1.5, temperature=1.3, top_k=10, top_p=0.6, min_p=0.2),
-     lambda: [RepetitionPenaltyLogitsProcessor(1.5), TemperatureLogitsWarper(1.3), TopKLogitsWarper(10),
-              TopPLogitsWarper(0.6), MinPLogitsWarper(0.2)]),
-    (dict(temperature=0.5, top_p=0.95, min_p=0.1),
-     lambda: [TemperatureLogitsWarper(0.5), TopPLogitsWarper(0.95), MinPLogitsWarper(0.1)]),
+    (
+        dict(repetition_penalty=1.2, temperature=0.8, top_k=40, top_p=0.9, min_p=0.05),
+        lambda: [
+            RepetitionPenaltyLogitsProcessor(1.2),
+            TemperatureLogitsWarper(0.8),
+            TopKLogitsWarper(40),
+            TopPLogitsWarper(0.9),
+            MinPLogitsWarper(0.05),
+        ],
+    ),
+    (
+        dict(repetition_penalty=1.5, temperature=1.3, top_k=10, top_p=0.6, min_p=0.2),
+        lambda: [
+            RepetitionPenaltyLogitsProcessor(1.5),
+            TemperatureLogitsWarper(1.3),
+            TopKLogitsWarper(10),
+            TopPLogitsWarper(0.6),
+            MinPLogitsWarper(0.2),
+        ],
+    ),
+    (
+        dict(temperature=0.5, top_p=0.95, min_p=0.1),
+        lambda: [TemperatureLogitsWarper(0.5), TopPLogitsWarper(0.95), MinPLogitsWarper(0.1)],
+    ),
 ]
 
 
@@ -80,7 +95,9 @@ def test_processed_logits_match_transformers(case):
         for vocab in (50, 257, 1000):
             logits, history = make_logits(seed, 6, vocab), make_history(seed, 6, vocab)
             ref = LogitsProcessorList(processors())(history, logits.clone())
-            assert_same_logits(processed_logits(logits, rows_for(SamplingParams(**kwargs), history)), ref)
+            assert_same_logits(
+                processed_logits(logits, rows_for(SamplingParams(**kwargs), history)), ref
+            )
 
 
 def test_top_p_from_the_shortlist_equals_transformers_and_sorts_only_when_it_must(monkeypatch):
@@ -88,19 +105,33 @@ def test_top_p_from_the_shortlist_equals_transformers_and_sorts_only_when_it_mus
 
     sorted_rows = []
     by_sort = sampler._top_p_by_sort
-    monkeypatch.setattr(sampler, "_top_p_by_sort", lambda x, t: sorted_rows.append(len(x)) or by_sort(x, t))
+    monkeypatch.setattr(
+        sampler, "_top_p_by_sort", lambda x, t: sorted_rows.append(len(x)) or by_sort(x, t)
+    )
     g = torch.Generator().manual_seed(0)
     vocab = sampler.TOP_P_SHORTLIST_VOCAB
-    peaked = torch.randn(8, vocab, generator=g) * 6  # a nucleus of a few tokens, as a trained model's
+    peaked = (
+        torch.randn(8, vocab, generator=g) * 6
+    )  # a nucleus of a few tokens, as a trained model's
     flat = torch.randn(8, vocab, generator=g) * 0.3  # the nucleus reaches beyond the shortlist
-    tied = torch.round(torch.randn(8, vocab, generator=g) * 6)  # many exactly equal logits at any cut
+    tied = torch.round(
+        torch.randn(8, vocab, generator=g) * 6
+    )  # many exactly equal logits at any cut
     top_k = TopKLogitsWarper(40)(None, peaked.clone())  # top-p after top-k: -inf logits
     edge = torch.full((1, vocab), -INF)
     edge[0, :3] = torch.tensor([0.5, 0.3, 0.2]).log()  # p = 0.5 and 0.8 cut exactly at a token
     for p in (0.5, 0.8, 0.9, 0.95, 0.99):
         # rows the full sort may decide: peaked ones only where a cut lies within TOP_P_MARGIN of the limit
-        wide = 2 if p < 0.99 else 8  # a 0.99 nucleus ends among tokens of ~1e-3: cuts near the limit are common
-        for x, most in ((peaked, wide), (top_k, wide), (flat, 8), (tied, 8), (edge, 1 if p in (0.5, 0.8) else 0)):
+        wide = (
+            2 if p < 0.99 else 8
+        )  # a 0.99 nucleus ends among tokens of ~1e-3: cuts near the limit are common
+        for x, most in (
+            (peaked, wide),
+            (top_k, wide),
+            (flat, 8),
+            (tied, 8),
+            (edge, 1 if p in (0.5, 0.8) else 0),
+        ):
             sorted_rows.clear()
             ref = TopPLogitsWarper(p)(None, x.clone())
             assert torch.equal(sampler.top_p_removed(x, [p] * len(x)), torch.isneginf(ref)), p
@@ -171,8 +202,13 @@ def test_seed_repeats_and_ignores_batch_mates():
     again = run_steps(lambda: [seeded(params, 42)])
     assert alone == again
     # Same row next to others (one seeded, one on the global RNG) draws the same tokens.
-    with_mates = run_steps(lambda: [seeded(params, 42), seeded(SamplingParams(top_k=3), 7, 1),
-                                    SampleRow(2, SamplingParams(min_p=0.1), [], None)])
+    with_mates = run_steps(
+        lambda: [
+            seeded(params, 42),
+            seeded(SamplingParams(top_k=3), 7, 1),
+            SampleRow(2, SamplingParams(min_p=0.1), [], None),
+        ]
+    )
     assert [t[0] for t in with_mates] == [t[0] for t in alone]
     assert run_steps(lambda: [seeded(params, 43)]) != alone
 
@@ -237,30 +273,43 @@ def test_records_on_random_rows():
     for i, (row, token, rec) in enumerate(zip(rows, tokens, records)):
         cands, temp = rec.candidates, row.params.temperature or 1.0
         assert rec.token_id == token and rec.seq_id == row.seq_id
-        assert len(cands) in (8, 9) and (len(cands) == 8) == (token in pen[i].topk(8).indices.tolist())
-        assert sum(c.chosen for c in cands) == 1 and next(c for c in cands if c.chosen).token_id == token
+        assert len(cands) in (8, 9) and (len(cands) == 8) == (
+            token in pen[i].topk(8).indices.tolist()
+        )
+        assert (
+            sum(c.chosen for c in cands) == 1
+            and next(c for c in cands if c.chosen).token_id == token
+        )
         logits_seen = [c.logit for c in cands]
         assert logits_seen == sorted(logits_seen, reverse=True)
         assert logits_seen == pytest.approx(pen[i, [c.token_id for c in cands]].tolist())
         probs = torch.softmax(pen[i] / temp, -1)[[c.token_id for c in cands]]
         assert [c.prob for c in cands] == pytest.approx(probs.tolist(), rel=1e-4, abs=1e-7)
         cum = [c.cum_prob for c in cands]
-        assert cum == sorted(cum) and cum == pytest.approx(torch.cumsum(probs, 0).tolist(), rel=1e-4)
+        assert cum == sorted(cum) and cum == pytest.approx(
+            torch.cumsum(probs, 0).tolist(), rel=1e-4
+        )
         if not row.params.greedy:
             assert [c.kept for c in cands] == [bool(proc[i, c.token_id] > -INF) for c in cands]
             assert all((c.cut_by is None) == c.kept for c in cands)
 
 
 def test_chosen_outside_top_n_is_appended_and_zero_candidates_is_empty():
-    logits = torch.linspace(1.0, 0.8, 50).unsqueeze(0)  # nearly flat: draws rarely hit the top token
+    logits = torch.linspace(1.0, 0.8, 50).unsqueeze(
+        0
+    )  # nearly flat: draws rarely hit the top token
     sampler, row = Sampler(str), seeded(SamplingParams(num_candidates=1), 3)
     _, (rec,) = sampler.sample(logits, [row])
     assert rec.token_id != 0 and len(rec.candidates) == 2
     top, chosen = rec.candidates
-    assert top.token_id == 0 and not top.chosen and chosen.chosen and chosen.token_id == rec.token_id
+    assert (
+        top.token_id == 0 and not top.chosen and chosen.chosen and chosen.token_id == rec.token_id
+    )
     assert chosen.cum_prob == pytest.approx(top.prob + chosen.prob)
     none = SampleRow(1, SamplingParams(num_candidates=0), [], None)
-    _, recs = sampler.sample(logits.expand(2, 50), [none, seeded(SamplingParams(num_candidates=3), 3)])
+    _, recs = sampler.sample(
+        logits.expand(2, 50), [none, seeded(SamplingParams(num_candidates=3), 3)]
+    )
     assert recs[0].candidates == () and len(recs[1].candidates) in (3, 4)
 
 

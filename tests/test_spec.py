@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from pagechat.core.config import EngineConfig
 from pagechat.core.engine import Engine
 from pagechat.core.errors import PagechatError
@@ -12,8 +11,11 @@ from pagechat.core.make_model import make_model, save_tokenizer, train_tokenizer
 from pagechat.core.params import SamplingParams
 from pagechat.core.spec import ngram_propose, verify
 
-PROMPTS = ["Hi", "The KV cache keeps keys and values of every token, block by block.",
-           "one two three one two three one two"]
+PROMPTS = [
+    "Hi",
+    "The KV cache keeps keys and values of every token, block by block.",
+    "one two three one two three one two",
+]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
@@ -36,7 +38,13 @@ def plain_outputs(tiny_llama):
 def test_verification_and_catch_up_graphs_are_traced_at_load(proposer, tiny_llama, draft_dir):
     """With a proposer, the causal-mask trace (verification; a draft's catch-up) is made while loading, not in the
     first reply."""
-    kw = {} if proposer is None else {"ngram": True} if proposer == "ngram" else {"draft": str(draft_dir)}
+    kw = (
+        {}
+        if proposer is None
+        else {"ngram": True}
+        if proposer == "ngram"
+        else {"draft": str(draft_dir)}
+    )
     eng = engine(tiny_llama, **kw)
     assert set(eng.runner.graphs.traces) == ({()} if proposer is None else {(), (None,)})
     if proposer == "draft":
@@ -46,13 +54,19 @@ def test_verification_and_catch_up_graphs_are_traced_at_load(proposer, tiny_llam
 @pytest.mark.parametrize("k", [1, 3, 5])
 @pytest.mark.parametrize("proposer", ["ngram", "draft", "self"])
 def test_greedy_equals_plain(proposer, k, tiny_llama, draft_dir, plain_outputs):
-    kw = {"ngram": True} if proposer == "ngram" else {"draft": str(draft_dir if proposer == "draft" else tiny_llama)}
+    kw = (
+        {"ngram": True}
+        if proposer == "ngram"
+        else {"draft": str(draft_dir if proposer == "draft" else tiny_llama)}
+    )
     eng = engine(tiny_llama, num_draft=k, **kw)
     records = []
     for prompt, want in zip(PROMPTS, plain_outputs):  # single requests
         [seq] = eng.generate([prompt], GREEDY, on_report=lambda r: records.extend(r.drafts))
         assert seq.output_ids == want
-    seqs = eng.generate(PROMPTS, GREEDY, on_report=lambda r: records.extend(r.drafts))  # one continuous batch
+    seqs = eng.generate(
+        PROMPTS, GREEDY, on_report=lambda r: records.extend(r.drafts)
+    )  # one continuous batch
     assert [s.output_ids for s in seqs] == plain_outputs
     assert records and all(len(r.drafted) <= k for r in records)
     if proposer == "self":  # the target drafting for itself: every greedy draft is accepted
@@ -72,24 +86,31 @@ def test_greedy_equals_plain_under_preemption(proposer, tiny_llama, draft_dir, p
 def test_bookkeeping_matches_recount(tiny_llama, draft_dir):
     eng = engine(tiny_llama, draft=str(draft_dir), num_draft=4)
     records = []
-    seqs = eng.generate(PROMPTS, SamplingParams(temperature=1.0, max_tokens=30, seed=3, ignore_eos=True),
-                        on_report=lambda r: records.extend(r.drafts))
+    seqs = eng.generate(
+        PROMPTS,
+        SamplingParams(temperature=1.0, max_tokens=30, seed=3, ignore_eos=True),
+        on_report=lambda r: records.extend(r.drafts),
+    )
     for seq in seqs:
         mine = [r for r in records if r.seq_id == seq.seq_id]
         assert seq.num_drafted == sum(len(r.drafted) for r in mine)
         assert seq.num_accepted == sum(r.accepted for r in mine)
-        for r in mine:  # the emitted tokens are the accepted prefix of the draft, then one target token
-            assert list(r.emitted[:r.accepted]) == list(r.drafted[:r.accepted])
+        for (
+            r
+        ) in mine:  # the emitted tokens are the accepted prefix of the draft, then one target token
+            assert list(r.emitted[: r.accepted]) == list(r.drafted[: r.accepted])
             assert len(r.emitted) <= r.accepted + 1
         emitted = [t for r in mine for t in r.emitted]
-        assert emitted == seq.output_ids[len(seq.output_ids) - len(emitted):]
+        assert emitted == seq.output_ids[len(seq.output_ids) - len(emitted) :]
     # the target's KV never keeps a rejected token: pool free after the run, draft cache too
     assert eng.blocks.snapshot().num_used == 0 and eng.proposer.num_used_blocks() == 0
 
 
 def test_rollback_leaves_no_stale_slots(tiny_llama, draft_dir):
     eng = engine(tiny_llama, draft=str(draft_dir), num_draft=5)
-    rid = eng.add_request("The KV cache keeps", SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    rid = eng.add_request(
+        "The KV cache keeps", SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    )
     seq = eng.requests[rid]
     while not seq.finished:
         report = eng.step()
@@ -129,16 +150,25 @@ def test_verify_one_hot_draft():
 def test_sampled_distribution_with_speculation_equals_plain(tiny_llama, draft_dir):
     """Many seeds at temperature 1 / top-p 0.9: token histograms at draft positions agree (chi-square)."""
     prompts = ["one two three"] * 300
+
     def tokens(**kw):
         eng = engine(tiny_llama, max_seqs=100, **kw)
-        params = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=3, seed=i, ignore_eos=True)
-                  for i in range(len(prompts))]
+        params = [
+            SamplingParams(temperature=1.0, top_p=0.9, max_tokens=3, seed=i, ignore_eos=True)
+            for i in range(len(prompts))
+        ]
         return [s.output_ids[1:3] for s in eng.generate(prompts, params)]
+
     plain, spec = tokens(), tokens(draft=str(draft_dir), num_draft=2)
     for pos in range(2):
         a = [t[pos] for t in plain]
         b = [t[pos] for t in spec]
-        top = [t for t, _ in sorted(((t, a.count(t) + b.count(t)) for t in set(a + b)), key=lambda x: -x[1])[:5]]
+        top = [
+            t
+            for t, _ in sorted(
+                ((t, a.count(t) + b.count(t)) for t in set(a + b)), key=lambda x: -x[1]
+            )[:5]
+        ]
         bucket = lambda xs: [sum(x == t for x in xs) for t in top] + [sum(x not in top for x in xs)]  # noqa: E731
         ca, cb = bucket(a), bucket(b)
         chi2 = sum((x - y) ** 2 / (x + y) for x, y in zip(ca, cb) if x + y)
@@ -153,10 +183,14 @@ def test_ngram_lookup():
 
 def test_ngram_needs_fewer_target_forwards_on_repetition(tiny_llama):
     text = "alpha beta gamma delta " * 6
+
     def forwards(**kw):
         eng = engine(tiny_llama, **kw)
-        [seq] = eng.generate([text], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+        [seq] = eng.generate(
+            [text], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+        )
         return seq.target_forwards / seq.num_output_tokens, seq.output_ids
+
     plain, out_plain = forwards()
     spec, out_spec = forwards(ngram=True, num_draft=5)
     assert out_plain == out_spec
@@ -171,9 +205,15 @@ def test_nothing_is_drafted_past_an_end_of_sequence(tiny_llama):
     for ignore, expected in ((False, (eos,)), (True, (eos, 8, 9, 10))):
         records = []
         params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=ignore)
-        eng.generate([[5, 6, 7]], params, on_report=lambda r: records.extend(d for d in r.drafts if d.drafted))
+        eng.generate(
+            [[5, 6, 7]],
+            params,
+            on_report=lambda r: records.extend(d for d in r.drafts if d.drafted),
+        )
         assert records and records[0].drafted == expected
-        assert all(d.drafted == expected[:len(d.drafted)] for d in records)  # later ones capped by max_tokens
+        assert all(
+            d.drafted == expected[: len(d.drafted)] for d in records
+        )  # later ones capped by max_tokens
 
 
 def test_draft_with_other_tokenizer_is_refused(tiny_llama, tmp_path):
@@ -181,7 +221,9 @@ def test_draft_with_other_tokenizer_is_refused(tiny_llama, tmp_path):
     make_model(other, "llama", "tiny")
     for f in ("tokenizer.json", "tokenizer_config.json"):
         (other / f).unlink()
-    save_tokenizer(train_tokenizer(["a different corpus gives a different vocabulary"] * 50, 300), other)
+    save_tokenizer(
+        train_tokenizer(["a different corpus gives a different vocabulary"] * 50, 300), other
+    )
     with pytest.raises(PagechatError, match="differs from the target's"):
         engine(tiny_llama, draft=str(other))
 
@@ -202,10 +244,27 @@ def test_generate_json_reports_speculation(tiny_llama, capsys):
 
     from conftest import cli
 
-    code, out, err = cli(["generate", str(tiny_llama), "-p", "a b c a b c a b", "--ngram", "--num-draft", "3",
-                          "--max-tokens", "12", "--ignore-eos", "--json"], capsys)
+    code, out, err = cli(
+        [
+            "generate",
+            str(tiny_llama),
+            "-p",
+            "a b c a b c a b",
+            "--ngram",
+            "--num-draft",
+            "3",
+            "--max-tokens",
+            "12",
+            "--ignore-eos",
+            "--json",
+        ],
+        capsys,
+    )
     assert code == 0, err
     st = json.loads(out)["stats"]
     assert st["proposer"] == "ngram" and st["num_draft"] == 3
-    assert 0 <= st["accepted_tokens"] <= st["drafted_tokens"] and len(st["per_position_acceptance"]) <= 3
+    assert (
+        0 <= st["accepted_tokens"] <= st["drafted_tokens"]
+        and len(st["per_position_acceptance"]) <= 3
+    )
     assert st["mean_acceptance_length"] >= 1 or st["drafted_tokens"] == 0

@@ -7,19 +7,17 @@ from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
 
-from rich.text import Text
-from textual import events, on
-from textual.app import App, ComposeResult, SystemCommand
-from textual.binding import Binding
-from textual.containers import Container, Horizontal, Vertical
-from textual.geometry import Size
-from textual.screen import Screen
-from textual.widget import AwaitMount
-from textual.widgets import Footer, Input, Static, Tab, Tabs
-
 from pagechat.core.errors import PagechatError
 from pagechat.core.params import SamplingParams
-from pagechat.tui.bridge import EngineClient, Finished, FirstToken, MemoryRead, Refused, SpeculationSet, settle_heap
+from pagechat.tui.bridge import (
+    EngineClient,
+    Finished,
+    FirstToken,
+    MemoryRead,
+    Refused,
+    SpeculationSet,
+    settle_heap,
+)
 from pagechat.tui.history import ChatRecord, ChatStore, export_markdown
 from pagechat.tui.screens import HelpScreen
 from pagechat.tui.session import ChatSession, Message
@@ -31,9 +29,24 @@ from pagechat.tui.widgets.panel import Panel
 from pagechat.tui.widgets.sampling import SamplingPanel, token_label
 from pagechat.tui.widgets.speculation import SpeculationPanel
 from pagechat.tui.widgets.timing import TimingPanel
+from rich.text import Text
+from textual import events, on
+from textual.app import App, ComposeResult, SystemCommand
+from textual.binding import Binding
+from textual.containers import Container, Horizontal, Vertical
+from textual.geometry import Size
+from textual.screen import Screen
+from textual.widget import AwaitMount
+from textual.widgets import Footer, Input, Static, Tab, Tabs
 
-PANELS = (("blocks", "Blocks"), ("sampling", "Sampling"), ("timing", "Timing"), ("controls", "Controls"),
-          ("memory", "Memory"), ("speculation", "Spec"))
+PANELS = (
+    ("blocks", "Blocks"),
+    ("sampling", "Sampling"),
+    ("timing", "Timing"),
+    ("controls", "Controls"),
+    ("memory", "Memory"),
+    ("speculation", "Spec"),
+)
 GRID_MIN = (150, 40)  # terminal size from which every panel is shown at once
 FPS = 20  # the UI renders the latest report at most this often
 UI_CPU_BUDGET = 0.03  # while decoding, the UI thread's share of one core (see within_budget)
@@ -51,7 +64,9 @@ class StatusBar(Static):
         t.append(f" │ chat {s.record.id} · {turns} turn{'s' * (turns != 1)}", "dim")
         msg = s.streaming
         if msg is not None:
-            t.append(" │ ", "dim").append("● generating", "bold #87d787").append(f" {len(msg.tokens)} tok", "dim")
+            t.append(" │ ", "dim").append("● generating", "bold #87d787").append(
+                f" {len(msg.tokens)} tok", "dim"
+            )
             if msg.timing and msg.timing.decode_tok_s and not app.frozen:
                 t.append(f" · {msg.timing.decode_tok_s:.1f} tok/s", "dim")
         else:
@@ -83,9 +98,18 @@ class PagechatApp(App[None]):
         Binding("f8", "nudge('top_p', 0.05)", "top-p+", show=False, priority=True),
     ]
 
-    def __init__(self, loop: EngineClient, *, chat: ChatRecord | None = None, params: SamplingParams | None = None,
-                 store: ChatStore | None = None, save_path: Path | None = None, frozen: bool = False,
-                 layout: str = "auto", autosave: bool = True) -> None:
+    def __init__(
+        self,
+        loop: EngineClient,
+        *,
+        chat: ChatRecord | None = None,
+        params: SamplingParams | None = None,
+        store: ChatStore | None = None,
+        save_path: Path | None = None,
+        frozen: bool = False,
+        layout: str = "auto",
+        autosave: bool = True,
+    ) -> None:
         """`loop`: the engine's client, not started yet (the app starts it when mounted and closes it)."""
         super().__init__()
         self.loop, info = loop, loop.info
@@ -98,9 +122,14 @@ class PagechatApp(App[None]):
         self.layout_mode = layout  # auto | tabs | grid
         self.session.blocks = info.blocks
         self.memory = info.memory
-        self.speculation = (info.speculate, info.num_draft)  # as the engine has it (SpeculationSet events)
+        self.speculation = (
+            info.speculate,
+            info.num_draft,
+        )  # as the engine has it (SpeculationSet events)
         self.readings = None  # the engine's latest MemoryRead
-        self.pinned: tuple[Message, int] | None = None  # selected reply token shown in the sampling panel
+        self.pinned: tuple[Message, int] | None = (
+            None  # selected reply token shown in the sampling panel
+        )
         self.active_panel = "blocks"
         self.term_size: Size | None = None
         self._dirty: dict[int, Message] = {}  # messages changed since the last draw
@@ -194,7 +223,11 @@ class PagechatApp(App[None]):
         events = self.loop.events
         if not self.is_running or not self.screen_stack:
             return
-        finished, first, quiet = False, False, not events  # quiet: the engine produced nothing since the last tick
+        finished, first, quiet = (
+            False,
+            False,
+            not events,
+        )  # quiet: the engine produced nothing since the last tick
         while events:
             ev = events.popleft()
             if isinstance(ev, MemoryRead):
@@ -213,8 +246,12 @@ class PagechatApp(App[None]):
         if finished:
             self.save()
             settle_heap()
-            self.main.query_one("#prompt", PromptInput).cursor_blink = self.session.streaming is None
-        if not self._render_due or not (force or finished or first or quiet or self.within_budget()):
+            self.main.query_one("#prompt", PromptInput).cursor_blink = (
+                self.session.streaming is None
+            )
+        if not self._render_due or not (
+            force or finished or first or quiet or self.within_budget()
+        ):
             return
         self._render_due = False
         self._time_mark, self._cpu_mark = time.perf_counter(), time.thread_time()
@@ -233,9 +270,14 @@ class PagechatApp(App[None]):
         self.pump()
         delay = 1 / FPS
         streaming = self.session.streaming
-        if streaming is not None and streaming.tokens:  # until its first token is drawn, a reply is polled at FPS
+        if (
+            streaming is not None and streaming.tokens
+        ):  # until its first token is drawn, a reply is polled at FPS
             used = time.thread_time() - self._cpu_mark
-            delay = min(MAX_FRAME_GAP, max(delay, used / UI_CPU_BUDGET - (time.perf_counter() - self._time_mark)))
+            delay = min(
+                MAX_FRAME_GAP,
+                max(delay, used / UI_CPU_BUDGET - (time.perf_counter() - self._time_mark)),
+            )
         self.set_timer(delay, self._tick)
 
     @property
@@ -253,7 +295,10 @@ class PagechatApp(App[None]):
         if self.session.streaming is None:
             return True
         elapsed = time.perf_counter() - self._time_mark
-        return elapsed > MAX_FRAME_GAP or time.thread_time() - self._cpu_mark <= UI_CPU_BUDGET * elapsed
+        return (
+            elapsed > MAX_FRAME_GAP
+            or time.thread_time() - self._cpu_mark <= UI_CPU_BUDGET * elapsed
+        )
 
     def refresh_panels(self, everything: bool = False) -> None:
         """Render the visible panels from the session's latest report."""
@@ -297,8 +342,11 @@ class PagechatApp(App[None]):
             msg, i = self.pinned
             if 0 <= i < len(msg.tokens):
                 tok = msg.tokens[i]
-                panel.show(tok.record, f"selected token {i + 1}/{len(msg.tokens)} '{token_label(tok.text)}'",
-                           self.session.params)
+                panel.show(
+                    tok.record,
+                    f"selected token {i + 1}/{len(msg.tokens)} '{token_label(tok.text)}'",
+                    self.session.params,
+                )
                 return
         rec = self.session.latest_sample
         panel.show(rec, "newest token" if rec else "", self.session.params)
@@ -360,7 +408,9 @@ class PagechatApp(App[None]):
         self.pump_now()
         self.save()
         old = self.session
-        self.session = ChatSession(ChatRecord(model=self.loop.info.model_dir, system=old.system), old.params)
+        self.session = ChatSession(
+            ChatRecord(model=self.loop.info.model_dir, system=old.system), old.params
+        )
         self.session.latest, self.session.blocks = old.latest, old.blocks
         self.pinned = None
         self.main.query_one(ChatLog).clear()
@@ -430,8 +480,11 @@ class PagechatApp(App[None]):
         enabled, k = event.enabled, event.num_draft
         self.loop.set_speculation(enabled, k)
         self.pump_now(timeout=1.0)
-        self.notify(f"speculation {'on' if enabled else 'off'} · draft length {k} (from the next step)",
-                    title="settings", timeout=2)
+        self.notify(
+            f"speculation {'on' if enabled else 'off'} · draft length {k} (from the next step)",
+            title="settings",
+            timeout=2,
+        )
 
     def set_params(self, params: SamplingParams, from_controls: bool = False) -> None:
         """New settings for the next request and, from its next token, for the reply in flight."""
@@ -440,8 +493,12 @@ class PagechatApp(App[None]):
         if not from_controls:
             self.main.query_one(ControlsPanel).set_params(params)
         self.show_sampling()
-        self.notify(f"temperature {params.temperature:g} · top-p {params.top_p:g} · top-k {params.top_k} · "
-                    f"min-p {params.min_p:g}", title="settings", timeout=2)
+        self.notify(
+            f"temperature {params.temperature:g} · top-p {params.top_p:g} · top-k {params.top_k} · "
+            f"min-p {params.min_p:g}",
+            title="settings",
+            timeout=2,
+        )
 
     def action_nudge(self, name: str, delta: float) -> None:
         """F5-F8: step temperature or top-p, clamped to the range the engine accepts."""
@@ -471,16 +528,35 @@ class PagechatApp(App[None]):
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)
-        yield SystemCommand("Stop reply", "Stop generating, keep the partial reply (Esc)", self.action_stop)
-        yield SystemCommand("New chat", "Start a new chat; its KV blocks are freed (Ctrl+N)", self.action_new_chat)
-        yield SystemCommand("Export Markdown", "Write this chat as a Markdown file (Ctrl+S)", self.action_export)
-        yield SystemCommand("Inspect reply tokens", "Pick tokens of the last reply (Ctrl+R)", self.action_inspect)
+        yield SystemCommand(
+            "Stop reply", "Stop generating, keep the partial reply (Esc)", self.action_stop
+        )
+        yield SystemCommand(
+            "New chat", "Start a new chat; its KV blocks are freed (Ctrl+N)", self.action_new_chat
+        )
+        yield SystemCommand(
+            "Export Markdown", "Write this chat as a Markdown file (Ctrl+S)", self.action_export
+        )
+        yield SystemCommand(
+            "Inspect reply tokens", "Pick tokens of the last reply (Ctrl+R)", self.action_inspect
+        )
         yield SystemCommand("Help: keys", "List every key (F1)", self.action_help)
-        yield SystemCommand("Switch layout", "Tabs or every panel at once (F3)", self.action_toggle_layout)
-        yield SystemCommand("Edit controls", "Focus the sampling controls (F4)", self.action_focus_controls)
+        yield SystemCommand(
+            "Switch layout", "Tabs or every panel at once (F3)", self.action_toggle_layout
+        )
+        yield SystemCommand(
+            "Edit controls", "Focus the sampling controls (F4)", self.action_focus_controls
+        )
         for key, label in PANELS:
-            yield SystemCommand(f"Show {label} panel", f"Show the {label.lower()} panel",
-                                lambda k=key: self.show_panel(k))
+            yield SystemCommand(
+                f"Show {label} panel",
+                f"Show the {label.lower()} panel",
+                lambda k=key: self.show_panel(k),
+            )
         for name, label, d in (("temperature", "Temperature", 0.1), ("top_p", "Top-p", 0.05)):
-            yield SystemCommand(f"{label} up", f"{label} +{d:g}", lambda n=name, v=d: self.action_nudge(n, v))
-            yield SystemCommand(f"{label} down", f"{label} −{d:g}", lambda n=name, v=d: self.action_nudge(n, -v))
+            yield SystemCommand(
+                f"{label} up", f"{label} +{d:g}", lambda n=name, v=d: self.action_nudge(n, v)
+            )
+            yield SystemCommand(
+                f"{label} down", f"{label} −{d:g}", lambda n=name, v=d: self.action_nudge(n, -v)
+            )

@@ -6,37 +6,57 @@ import json
 import sys
 from pathlib import Path
 
-from rich.console import Console
-from rich.table import Table
-
 from pagechat.core.bench import run_bench
 from pagechat.core.config import EngineConfig
 from pagechat.core.engine import Engine
+from rich.console import Console
+from rich.table import Table
 
-REPEAT_PROMPT = ("Please repeat this passage exactly: The KV cache stores keys and values in blocks of sixteen "
-                 "tokens. Prefill computes the whole prompt at once; decode adds one token per step.")
+REPEAT_PROMPT = (
+    "Please repeat this passage exactly: The KV cache stores keys and values in blocks of sixteen "
+    "tokens. Prefill computes the whole prompt at once; decode adds one token per step."
+)
 
-ROWS = [("decode tok/s (64 tokens)", "decode_tok_s", "{:.1f}"), ("decode ms/token", "decode_ms", "{:.2f}"),
-        ("prefill tok/s (128-token prompt)", "prefill_tok_s", "{:.0f}"), ("TTFT ms", "ttft_ms", "{:.1f}"),
-        ("8 requests, output tok/s", "batch8_tok_s", "{:.1f}"), ("MBU (floor / measured decode)", "mbu", "{:.1%}")]
+ROWS = [
+    ("decode tok/s (64 tokens)", "decode_tok_s", "{:.1f}"),
+    ("decode ms/token", "decode_ms", "{:.2f}"),
+    ("prefill tok/s (128-token prompt)", "prefill_tok_s", "{:.0f}"),
+    ("TTFT ms", "ttft_ms", "{:.1f}"),
+    ("8 requests, output tok/s", "batch8_tok_s", "{:.1f}"),
+    ("MBU (floor / measured decode)", "mbu", "{:.1%}"),
+]
 
 
-def bench_command(model_dir: Path, config: EngineConfig, rounds: int, vs_hf: bool, as_json: bool,
-                  spec_text: str | None = None) -> None:
+def bench_command(
+    model_dir: Path,
+    config: EngineConfig,
+    rounds: int,
+    vs_hf: bool,
+    as_json: bool,
+    spec_text: str | None = None,
+) -> None:
     """Load the engine, run the benchmark, print the table or JSON."""
     err = Console(stderr=True)
     engine = Engine(model_dir, config)
     spec_prompt = None
     if engine.proposer is not None:
-        spec_prompt = engine.encode(spec_text or REPEAT_PROMPT,
-                                    chat=bool(getattr(engine.tokenizer, "chat_template", None)))
-    result = run_bench(engine, rounds=rounds, vs_hf=vs_hf, spec_prompt=spec_prompt,
-                       log=lambda s: err.print(f"[dim]{s}[/dim]"))
+        spec_prompt = engine.encode(
+            spec_text or REPEAT_PROMPT, chat=bool(getattr(engine.tokenizer, "chat_template", None))
+        )
+    result = run_bench(
+        engine,
+        rounds=rounds,
+        vs_hf=vs_hf,
+        spec_prompt=spec_prompt,
+        log=lambda s: err.print(f"[dim]{s}[/dim]"),
+    )
     if as_json:
         print(json.dumps(result.as_dict()))
         return
     p, t, r = result.pagechat, result.transformers, result.ratios
-    table = Table(title=f"pagechat bench: {model_dir.name} ({p['dtype']}, {p['quant']}, {rounds} rounds, medians)")
+    table = Table(
+        title=f"pagechat bench: {model_dir.name} ({p['dtype']}, {p['quant']}, {rounds} rounds, medians)"
+    )
     table.add_column("figure")
     table.add_column("pagechat", justify="right")
     if t:
@@ -50,17 +70,29 @@ def bench_command(model_dir: Path, config: EngineConfig, rounds: int, vs_hf: boo
     turns = " ".join(f"{x:.0f}" for x in p["turn_ttft_ms"])
     row = ["turn 1..8 TTFT ms", turns]
     if t:
-        row += [" ".join(f"{x:.0f}" for x in t["turn_ttft_ms"]), f"turn 8: {r['turn_ttft_ms'][-1]:.2f}x"]
+        row += [
+            " ".join(f"{x:.0f}" for x in t["turn_ttft_ms"]),
+            f"turn 8: {r['turn_ttft_ms'][-1]:.2f}x",
+        ]
     table.add_row(*row)
-    table.add_row("weights", f"{p['weight_bytes'] / 2**20:.1f} MiB", *([f"{t['weight_bytes'] / 2**20:.1f} MiB", ""] if t else []))
+    table.add_row(
+        "weights",
+        f"{p['weight_bytes'] / 2**20:.1f} MiB",
+        *([f"{t['weight_bytes'] / 2**20:.1f} MiB", ""] if t else []),
+    )
     table.add_row("KV bytes per token", str(p["kv_bytes_per_token"]), *(["", ""] if t else []))
-    table.add_row("bandwidth (measured), decode floor",
-                  f"{p['bandwidth_gb_s']:.1f} GB/s, {p['decode_floor_ms']:.2f} ms", *(["", ""] if t else []))
+    table.add_row(
+        "bandwidth (measured), decode floor",
+        f"{p['bandwidth_gb_s']:.1f} GB/s, {p['decode_floor_ms']:.2f} ms",
+        *(["", ""] if t else []),
+    )
     Console().print(table)
     if "speculation" in p:
         s = p["speculation"]
-        Console().print(f"speculation ({s['proposer']}, k={s['num_draft']}): plain {s['plain']['decode_tok_s']:.1f} "
-                        f"tok/s, speculative {s['spec']['decode_tok_s']:.1f} tok/s = {s['speedup']:.2f}x; acceptance "
-                        f"{s['spec']['acceptance_rate']:.0%}; target forwards per token "
-                        f"{s['plain']['target_forwards_per_token']:.2f} -> {s['spec']['target_forwards_per_token']:.2f}")
+        Console().print(
+            f"speculation ({s['proposer']}, k={s['num_draft']}): plain {s['plain']['decode_tok_s']:.1f} "
+            f"tok/s, speculative {s['spec']['decode_tok_s']:.1f} tok/s = {s['speedup']:.2f}x; acceptance "
+            f"{s['spec']['acceptance_rate']:.0%}; target forwards per token "
+            f"{s['plain']['target_forwards_per_token']:.2f} -> {s['spec']['target_forwards_per_token']:.2f}"
+        )
     sys.stdout.flush()

@@ -19,7 +19,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-
 from pagechat.core.blocks import BlockSnapshot
 from pagechat.core.engine import Engine
 from pagechat.core.errors import PagechatError
@@ -108,10 +107,17 @@ class Synced:
     n: int
 
 
-Event = (StepReport | Started | FirstToken | Finished | Refused | ParamsApplied | BlocksChanged | SpeculationSet
-         | MemoryRead)
-
-
+Event = (
+    StepReport
+    | Started
+    | FirstToken
+    | Finished
+    | Refused
+    | ParamsApplied
+    | BlocksChanged
+    | SpeculationSet
+    | MemoryRead
+)
 
 
 def settle_heap(full: bool = False) -> None:
@@ -149,8 +155,18 @@ class EngineInfo:
     @classmethod
     def of(cls, engine: Engine) -> EngineInfo:
         proposer = engine.proposer.name if engine.proposer is not None else None
-        return cls(str(engine.model_dir), engine.precision, engine.device, engine.graphs, torch.get_num_threads(),
-                   EngineMemory.of(engine), engine.blocks.snapshot(), proposer, engine.speculate, engine.num_draft)
+        return cls(
+            str(engine.model_dir),
+            engine.precision,
+            engine.device,
+            engine.graphs,
+            torch.get_num_threads(),
+            EngineMemory.of(engine),
+            engine.blocks.snapshot(),
+            proposer,
+            engine.speculate,
+            engine.num_draft,
+        )
 
     @property
     def model_name(self) -> str:
@@ -266,8 +282,17 @@ class EngineLoop:
         seq = self.engine.requests[rid]
         ttft = seq.first_token_time - seq.arrival if seq.first_token_time else None
         total = (seq.finish_time or time.perf_counter()) - seq.arrival
-        self.port.emit(Finished(rid, seq.finish_reason, seq.error, seq.num_output_tokens, seq.num_cached_tokens,
-                                ttft, total))
+        self.port.emit(
+            Finished(
+                rid,
+                seq.finish_reason,
+                seq.error,
+                seq.num_output_tokens,
+                seq.num_cached_tokens,
+                ttft,
+                total,
+            )
+        )
         if rid == self.active:
             self.active = None
 
@@ -336,7 +361,9 @@ class EngineClient:
             self._put(None)
             self._join(timeout)
 
-    def send(self, ticket: int, messages: list[dict], params: SamplingParams, hold: bool = False) -> None:
+    def send(
+        self, ticket: int, messages: list[dict], params: SamplingParams, hold: bool = False
+    ) -> None:
         """Start a reply to the conversation `messages` (chat template applied where the engine runs).
 
         hold: keep the command until release() (or the next command): the app draws the new turn first, so
@@ -396,7 +423,9 @@ class ThreadedEngine(EngineClient):
         super().__init__(EngineInfo.of(engine))
         self.engine = engine
         self._commands: queue.SimpleQueue[Command | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=EngineLoop(engine, self).run, name="pagechat-engine", daemon=True)
+        self._thread = threading.Thread(
+            target=EngineLoop(engine, self).run, name="pagechat-engine", daemon=True
+        )
 
     def start(self) -> ThreadedEngine:
         self._thread.start()

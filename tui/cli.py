@@ -4,37 +4,70 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
-
 from pagechat.core.errors import PagechatError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Chat with a local LLM through a paged-KV engine you can watch.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Chat with a local LLM through a paged-KV engine you can watch.",
+)
 
-Dtype = Annotated[str, typer.Option(help="auto | float32 | bfloat16 | float16 (auto: bf16 on a CPU with native bf16, "
-                                         "the checkpoint's dtype on CUDA, else float32, with a bf16 checkpoint's "
-                                         "weights kept in bf16 as --quant bf16-wo)")]
+Dtype = Annotated[
+    str,
+    typer.Option(
+        help="auto | float32 | bfloat16 | float16 (auto: bf16 on a CPU with native bf16, "
+        "the checkpoint's dtype on CUDA, else float32, with a bf16 checkpoint's "
+        "weights kept in bf16 as --quant bf16-wo)"
+    ),
+]
 Device = Annotated[str, typer.Option(help="auto | cpu | cuda")]
-Draft = Annotated[Optional[Path], typer.Option(help="draft model directory (same tokenizer) for speculative decoding; "
-                                                    "`demo`: the shipped demo draft")]
-OptionalModelDir = Annotated[Optional[Path], typer.Argument(help="local Hugging Face model directory (safetensors); "
-                                                                 "default: the shipped demo chat model")]
-Eager = Annotated[bool, typer.Option("--eager", help="run every op from Python; default: decode steps replay a "
-                                                     "traced graph (TorchScript), traced while the model loads")]
-Ngram = Annotated[bool, typer.Option("--ngram", help="speculate by prompt lookup (n-gram match in the context)")]
+Draft = Annotated[
+    Path | None,
+    typer.Option(
+        help="draft model directory (same tokenizer) for speculative decoding; "
+        "`demo`: the shipped demo draft"
+    ),
+]
+OptionalModelDir = Annotated[
+    Path | None,
+    typer.Argument(
+        help="local Hugging Face model directory (safetensors); "
+        "default: the shipped demo chat model"
+    ),
+]
+Eager = Annotated[
+    bool,
+    typer.Option(
+        "--eager",
+        help="run every op from Python; default: decode steps replay a "
+        "traced graph (TorchScript), traced while the model loads",
+    ),
+]
+Ngram = Annotated[
+    bool, typer.Option("--ngram", help="speculate by prompt lookup (n-gram match in the context)")
+]
 NumDraft = Annotated[int, typer.Option(help="tokens drafted per speculative step")]
-Quant = Annotated[Optional[str], typer.Option(help="int8 (bitsandbytes LLM.int8) | int8-wo (torch int8 weight-only) | "
-                                                   "bf16-wo (bf16 weights, float32 prefill) | "
-                                                   "awq (AWQ checkpoints are detected without it)")]
+Quant = Annotated[
+    str | None,
+    typer.Option(
+        help="int8 (bitsandbytes LLM.int8) | int8-wo (torch int8 weight-only) | "
+        "bf16-wo (bf16 weights, float32 prefill) | "
+        "awq (AWQ checkpoints are detected without it)"
+    ),
+]
 
 
 @app.command("make-model")
 def make_model_cmd(
     out_dir: Annotated[Path, typer.Argument(help="new directory for the checkpoint")],
     arch: Annotated[str, typer.Option(help="llama | mistral | qwen2 | qwen3")] = "llama",
-    size: Annotated[str, typer.Option(help="tiny (runs in well under a second) | small (SmolLM2-135M shape)")] = "tiny",
+    size: Annotated[
+        str, typer.Option(help="tiny (runs in well under a second) | small (SmolLM2-135M shape)")
+    ] = "tiny",
     seed: Annotated[int, typer.Option(help="weights are identical for the same seed")] = 0,
 ) -> None:
     """Write a random-initialised checkpoint (transformers' own classes) with a locally trained tokenizer."""
@@ -46,19 +79,33 @@ def make_model_cmd(
 
 @app.command()
 def generate(
-    prompt: Annotated[list[str], typer.Option("--prompt", "-p", help="prompt text; repeat to run a continuous batch")],
+    prompt: Annotated[
+        list[str],
+        typer.Option("--prompt", "-p", help="prompt text; repeat to run a continuous batch"),
+    ],
     model_dir: OptionalModelDir = None,
-    chat: Annotated[Optional[bool], typer.Option(help="wrap each prompt in the model's chat template "
-                                                      "(default: on for the demo model, off for a MODEL_DIR)")] = None,
-    system: Annotated[Optional[str], typer.Option(help="system message (with --chat)")] = None,
+    chat: Annotated[
+        bool | None,
+        typer.Option(
+            help="wrap each prompt in the model's chat template "
+            "(default: on for the demo model, off for a MODEL_DIR)"
+        ),
+    ] = None,
+    system: Annotated[str | None, typer.Option(help="system message (with --chat)")] = None,
     max_tokens: Annotated[int, typer.Option(help="new tokens at most")] = 128,
     temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
-    top_p: Annotated[float, typer.Option(help="nucleus: keep the smallest set with this probability, in (0, 1]")] = 1.0,
+    top_p: Annotated[
+        float, typer.Option(help="nucleus: keep the smallest set with this probability, in (0, 1]")
+    ] = 1.0,
     top_k: Annotated[int, typer.Option(help="keep the k most likely tokens (0 = off)")] = 0,
-    min_p: Annotated[float, typer.Option(help="drop tokens below min-p x the top probability")] = 0.0,
-    repetition_penalty: Annotated[float, typer.Option(help="> 1 discourages repeating earlier tokens")] = 1.0,
-    seed: Annotated[Optional[int], typer.Option(help="sampling seed (same seed, same tokens)")] = None,
-    stop: Annotated[Optional[list[str]], typer.Option(help="stop string; repeatable")] = None,
+    min_p: Annotated[
+        float, typer.Option(help="drop tokens below min-p x the top probability")
+    ] = 0.0,
+    repetition_penalty: Annotated[
+        float, typer.Option(help="> 1 discourages repeating earlier tokens")
+    ] = 1.0,
+    seed: Annotated[int | None, typer.Option(help="sampling seed (same seed, same tokens)")] = None,
+    stop: Annotated[list[str] | None, typer.Option(help="stop string; repeatable")] = None,
     ignore_eos: Annotated[bool, typer.Option(help="keep generating past end-of-sequence")] = False,
     dtype: Dtype = "auto",
     device: Device = "auto",
@@ -67,13 +114,17 @@ def generate(
     ngram: Ngram = False,
     num_draft: NumDraft = 4,
     block_size: Annotated[int, typer.Option(help="tokens per KV block")] = 16,
-    kv_blocks: Annotated[Optional[int], typer.Option(help="KV pool size in blocks")] = None,
-    kv_memory: Annotated[Optional[str], typer.Option(help="KV pool budget, e.g. 2GiB")] = None,
-    max_batch_tokens: Annotated[int, typer.Option(help="tokens computed per step (longer prompts are chunked)")] = 2048,
+    kv_blocks: Annotated[int | None, typer.Option(help="KV pool size in blocks")] = None,
+    kv_memory: Annotated[str | None, typer.Option(help="KV pool budget, e.g. 2GiB")] = None,
+    max_batch_tokens: Annotated[
+        int, typer.Option(help="tokens computed per step (longer prompts are chunked)")
+    ] = 2048,
     max_seqs: Annotated[int, typer.Option(help="sequences running at once")] = 64,
     prefix_cache: Annotated[bool, typer.Option(help="reuse KV blocks of repeated prefixes")] = True,
     eager: Eager = False,
-    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object (results and stats) instead")] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="print one JSON object (results and stats) instead")
+    ] = False,
 ) -> None:
     """Generate from one or more prompts; text streams to stdout, a stats line goes to stderr."""
     from pagechat.core.config import EngineConfig, parse_bytes
@@ -81,16 +132,41 @@ def generate(
     from pagechat.core.params import SamplingParams
     from pagechat.tui.generate import run_generate
 
-    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                            repetition_penalty=repetition_penalty, max_tokens=max_tokens, seed=seed,
-                            stop=tuple(stop or ()), ignore_eos=ignore_eos).validate()
-    config = EngineConfig(device=device, dtype=dtype, block_size=block_size, kv_blocks=kv_blocks,
-                          kv_memory=parse_bytes(kv_memory) if kv_memory else None,
-                          max_batch_tokens=max_batch_tokens, max_seqs=max_seqs, prefix_cache=prefix_cache,
-                          draft=draft_or_demo(draft), ngram=ngram, num_draft=num_draft, quant=quant,
-                          graphs=not eager).validate()
-    code = run_generate(model_or_demo(model_dir, quant), prompt, params, config,
-                        chat=model_dir is None if chat is None else chat, system=system, as_json=as_json)
+    params = SamplingParams(
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
+        repetition_penalty=repetition_penalty,
+        max_tokens=max_tokens,
+        seed=seed,
+        stop=tuple(stop or ()),
+        ignore_eos=ignore_eos,
+    ).validate()
+    config = EngineConfig(
+        device=device,
+        dtype=dtype,
+        block_size=block_size,
+        kv_blocks=kv_blocks,
+        kv_memory=parse_bytes(kv_memory) if kv_memory else None,
+        max_batch_tokens=max_batch_tokens,
+        max_seqs=max_seqs,
+        prefix_cache=prefix_cache,
+        draft=draft_or_demo(draft),
+        ngram=ngram,
+        num_draft=num_draft,
+        quant=quant,
+        graphs=not eager,
+    ).validate()
+    code = run_generate(
+        model_or_demo(model_dir, quant),
+        prompt,
+        params,
+        config,
+        chat=model_dir is None if chat is None else chat,
+        system=system,
+        as_json=as_json,
+    )
     raise typer.Exit(code)
 
 
@@ -100,10 +176,16 @@ ModelDir = Annotated[Path, typer.Argument(help="local Hugging Face model directo
 @app.command()
 def quantize(
     model_dir: ModelDir,
-    out_dir: Annotated[Path, typer.Argument(help="new directory for the 4-bit AutoAWQ GEMM checkpoint")],
-    method: Annotated[str, typer.Option(help="awq (activation-aware search) | rtn (round-to-nearest baseline)")] = "awq",
+    out_dir: Annotated[
+        Path, typer.Argument(help="new directory for the 4-bit AutoAWQ GEMM checkpoint")
+    ],
+    method: Annotated[
+        str, typer.Option(help="awq (activation-aware search) | rtn (round-to-nearest baseline)")
+    ] = "awq",
     group_size: Annotated[int, typer.Option(help="inputs per quantisation group")] = 128,
-    calib: Annotated[Optional[Path], typer.Option(help="calibration text file (default: the demo corpus)")] = None,
+    calib: Annotated[
+        Path | None, typer.Option(help="calibration text file (default: the demo corpus)")
+    ] = None,
     samples: Annotated[int, typer.Option(help="calibration windows")] = 128,
     seqlen: Annotated[int, typer.Option(help="tokens per calibration window")] = 512,
 ) -> None:
@@ -118,7 +200,9 @@ def eval_cmd(
     model_dir: ModelDir,
     text: Annotated[Path, typer.Option(help="text file to score")],
     quant: Quant = None,
-    seqlen: Annotated[Optional[int], typer.Option(help="tokens per window (default: the context, at most 2048)")] = None,
+    seqlen: Annotated[
+        int | None, typer.Option(help="tokens per window (default: the context, at most 2048)")
+    ] = None,
     dtype: Dtype = "auto",
     device: Device = "auto",
 ) -> None:
@@ -131,12 +215,21 @@ def eval_cmd(
 @app.command()
 def plan(
     model_dir: ModelDir,
-    quant: Annotated[Optional[str], typer.Option(help="int8 | int8-wo | bf16-wo | awq (awq on a float model: after quantize)")] = None,
+    quant: Annotated[
+        str | None,
+        typer.Option(help="int8 | int8-wo | bf16-wo | awq (awq on a float model: after quantize)"),
+    ] = None,
     gpu_memory: Annotated[str, typer.Option(help="memory budget, e.g. 24GiB")] = "24GiB",
-    context: Annotated[Optional[int], typer.Option(help="tokens per request (default: the model's context)")] = None,
-    dtype: Annotated[str, typer.Option(help="activation / KV dtype (auto: what the engine picks on CUDA)")] = "auto",
+    context: Annotated[
+        int | None, typer.Option(help="tokens per request (default: the model's context)")
+    ] = None,
+    dtype: Annotated[
+        str, typer.Option(help="activation / KV dtype (auto: what the engine picks on CUDA)")
+    ] = "auto",
     block_size: Annotated[int, typer.Option(help="tokens per KV block")] = 16,
-    group_size: Annotated[int, typer.Option(help="AWQ group size when planning a quantisation")] = 128,
+    group_size: Annotated[
+        int, typer.Option(help="AWQ group size when planning a quantisation")
+    ] = 128,
 ) -> None:
     """Weights, KV bytes per token and block, and how many blocks and sequences fit a budget (config.json only)."""
     from pagechat.tui.quant_cmds import plan_command
@@ -147,8 +240,12 @@ def plan(
 @app.command("bench-quant")
 def bench_quant(
     model_dir: ModelDir,
-    awq_dir: Annotated[Optional[Path], typer.Option(help="its AWQ checkpoint (default: a temporary RTN one)")] = None,
-    modes: Annotated[str, typer.Option(help="comma-separated: fp32,bf16,int8,int8-wo,bf16-wo,awq")] = "fp32,bf16,int8,int8-wo,bf16-wo,awq",
+    awq_dir: Annotated[
+        Path | None, typer.Option(help="its AWQ checkpoint (default: a temporary RTN one)")
+    ] = None,
+    modes: Annotated[
+        str, typer.Option(help="comma-separated: fp32,bf16,int8,int8-wo,bf16-wo,awq")
+    ] = "fp32,bf16,int8,int8-wo,bf16-wo,awq",
     tokens: Annotated[int, typer.Option(help="new tokens per round")] = 64,
     prompt_tokens: Annotated[int, typer.Option(help="prompt length")] = 32,
     batch: Annotated[int, typer.Option(help="sequences decoding together")] = 1,
@@ -164,17 +261,33 @@ def bench_quant(
 @app.command()
 def run(
     model_dir: OptionalModelDir = None,
-    resume: Annotated[Optional[str], typer.Option(help="continue a saved chat (id from `pagechat history`)")] = None,
-    save: Annotated[Optional[Path], typer.Option(help="also write the chat as JSON to this path after every turn")] = None,
-    system: Annotated[Optional[str], typer.Option(help="system prompt")] = None,
-    temperature: Annotated[Optional[float], typer.Option(help="0 = greedy (default 0.7)")] = None,
-    top_p: Annotated[Optional[float], typer.Option(help="nucleus, in (0, 1] (default 0.95)")] = None,
-    top_k: Annotated[Optional[int], typer.Option(help="keep the k most likely tokens (0 = off)")] = None,
-    min_p: Annotated[Optional[float], typer.Option(help="drop tokens below min-p x the top probability")] = None,
-    max_tokens: Annotated[Optional[int], typer.Option(help="new tokens per reply at most (default 512)")] = None,
-    seed: Annotated[Optional[int], typer.Option(help="sampling seed (same seed, same reply)")] = None,
-    ignore_eos: Annotated[Optional[bool], typer.Option("--ignore-eos", help="keep generating past end-of-sequence (benchmarks)")] = None,
-    layout: Annotated[str, typer.Option(help="auto | tabs | grid (auto: every panel at once from 150x40)")] = "auto",
+    resume: Annotated[
+        str | None, typer.Option(help="continue a saved chat (id from `pagechat history`)")
+    ] = None,
+    save: Annotated[
+        Path | None,
+        typer.Option(help="also write the chat as JSON to this path after every turn"),
+    ] = None,
+    system: Annotated[str | None, typer.Option(help="system prompt")] = None,
+    temperature: Annotated[float | None, typer.Option(help="0 = greedy (default 0.7)")] = None,
+    top_p: Annotated[float | None, typer.Option(help="nucleus, in (0, 1] (default 0.95)")] = None,
+    top_k: Annotated[
+        int | None, typer.Option(help="keep the k most likely tokens (0 = off)")
+    ] = None,
+    min_p: Annotated[
+        float | None, typer.Option(help="drop tokens below min-p x the top probability")
+    ] = None,
+    max_tokens: Annotated[
+        int | None, typer.Option(help="new tokens per reply at most (default 512)")
+    ] = None,
+    seed: Annotated[int | None, typer.Option(help="sampling seed (same seed, same reply)")] = None,
+    ignore_eos: Annotated[
+        bool | None,
+        typer.Option("--ignore-eos", help="keep generating past end-of-sequence (benchmarks)"),
+    ] = None,
+    layout: Annotated[
+        str, typer.Option(help="auto | tabs | grid (auto: every panel at once from 150x40)")
+    ] = "auto",
     draft: Draft = None,
     ngram: Ngram = False,
     num_draft: NumDraft = 4,
@@ -182,8 +295,8 @@ def run(
     dtype: Dtype = "auto",
     device: Device = "auto",
     block_size: Annotated[int, typer.Option(help="tokens per KV block")] = 16,
-    kv_blocks: Annotated[Optional[int], typer.Option(help="KV pool size in blocks")] = None,
-    kv_memory: Annotated[Optional[str], typer.Option(help="KV pool budget, e.g. 2GiB")] = None,
+    kv_blocks: Annotated[int | None, typer.Option(help="KV pool size in blocks")] = None,
+    kv_memory: Annotated[str | None, typer.Option(help="KV pool budget, e.g. 2GiB")] = None,
     eager: Eager = False,
 ) -> None:
     """Chat with a local model in the terminal app, with live KV-block, timing, sampling and memory panels."""
@@ -191,17 +304,39 @@ def run(
     from pagechat.core.demo import draft_or_demo
     from pagechat.tui.launch import run_app
 
-    config = EngineConfig(device=device, dtype=dtype, block_size=block_size, kv_blocks=kv_blocks,
-                          kv_memory=parse_bytes(kv_memory) if kv_memory else None, quant=quant,
-                          draft=draft_or_demo(draft), ngram=ngram, num_draft=num_draft, graphs=not eager).validate()
-    overrides = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, max_tokens=max_tokens, seed=seed,
-                     ignore_eos=ignore_eos)
-    raise typer.Exit(run_app(model_dir, config, overrides, resume=resume, save=save, system=system, layout=layout))
+    config = EngineConfig(
+        device=device,
+        dtype=dtype,
+        block_size=block_size,
+        kv_blocks=kv_blocks,
+        kv_memory=parse_bytes(kv_memory) if kv_memory else None,
+        quant=quant,
+        draft=draft_or_demo(draft),
+        ngram=ngram,
+        num_draft=num_draft,
+        graphs=not eager,
+    ).validate()
+    overrides = dict(
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
+        max_tokens=max_tokens,
+        seed=seed,
+        ignore_eos=ignore_eos,
+    )
+    raise typer.Exit(
+        run_app(
+            model_dir, config, overrides, resume=resume, save=save, system=system, layout=layout
+        )
+    )
 
 
 @app.command()
 def history(
-    as_json: Annotated[bool, typer.Option("--json", help="print one JSON array instead of a table")] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="print one JSON array instead of a table")
+    ] = False,
 ) -> None:
     """List saved chats (newest first); resume one with `pagechat run MODEL_DIR --resume ID`."""
     from pagechat.tui.history import print_history
@@ -216,14 +351,23 @@ def bench(
     draft: Draft = None,
     ngram: Ngram = False,
     num_draft: NumDraft = 4,
-    vs_hf: Annotated[bool, typer.Option("--vs-hf", help="also run transformers' generate on the same weights")] = False,
+    vs_hf: Annotated[
+        bool, typer.Option("--vs-hf", help="also run transformers' generate on the same weights")
+    ] = False,
     rounds: Annotated[int, typer.Option(help="repetitions; the table shows medians")] = 3,
     dtype: Dtype = "auto",
     device: Device = "auto",
     eager: Eager = False,
-    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object instead of the table")] = False,
-    spec_prompt: Annotated[Optional[str], typer.Option(help="prompt of the speculation round (chat template applied "
-                                                            "when the model has one); default: repeat a passage")] = None,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="print one JSON object instead of the table")
+    ] = False,
+    spec_prompt: Annotated[
+        str | None,
+        typer.Option(
+            help="prompt of the speculation round (chat template applied "
+            "when the model has one); default: repeat a passage"
+        ),
+    ] = None,
 ) -> None:
     """Measure TTFT, prefill, decode, 8 concurrent requests, multi-turn TTFT and MBU (optionally vs transformers)."""
     from pagechat.core.config import EngineConfig
@@ -232,10 +376,19 @@ def bench(
 
     if rounds < 1:
         raise PagechatError(f"--rounds must be >= 1, got {rounds}")
-    config = EngineConfig(device=device, dtype=dtype, quant=quant, draft=draft_or_demo(draft),
-                          ngram=ngram, num_draft=num_draft, graphs=not eager).validate()
+    config = EngineConfig(
+        device=device,
+        dtype=dtype,
+        quant=quant,
+        draft=draft_or_demo(draft),
+        ngram=ngram,
+        num_draft=num_draft,
+        graphs=not eager,
+    ).validate()
     if spec_prompt is not None and not (draft or ngram):
-        raise PagechatError("--spec-prompt needs --draft DIR or --ngram (it is the speculation round's prompt)")
+        raise PagechatError(
+            "--spec-prompt needs --draft DIR or --ngram (it is the speculation round's prompt)"
+        )
     if spec_prompt is not None and not spec_prompt.strip():
         raise PagechatError("--spec-prompt is empty")
     bench_command(model_or_demo(model_dir, quant), config, rounds, vs_hf, as_json, spec_prompt)
@@ -243,8 +396,15 @@ def bench(
 
 @app.command("train-demo")
 def train_demo_cmd(
-    out_dir: Annotated[Path, typer.Argument(help="new directory for the chat, chat-awq and draft models and metrics.json")],
-    seed: Annotated[int, typer.Option(help="corpus and weights are identical for the same seed and threads")] = 0,
+    out_dir: Annotated[
+        Path,
+        typer.Argument(
+            help="new directory for the chat, chat-awq and draft models and metrics.json"
+        ),
+    ],
+    seed: Annotated[
+        int, typer.Option(help="corpus and weights are identical for the same seed and threads")
+    ] = 0,
     threads: Annotated[int, typer.Option(help="torch threads (the result depends on it)")] = 2,
 ) -> None:
     """Train the demo chat model and its draft from an offline generated corpus (about 25 minutes on 2 CPU
@@ -254,11 +414,15 @@ def train_demo_cmd(
     if threads < 1:
         raise PagechatError(f"--threads must be >= 1, got {threads}")
     if out_dir.exists() and any(out_dir.iterdir()):
-        raise PagechatError(f"{out_dir} is not empty; train-demo writes into a new or empty directory")
+        raise PagechatError(
+            f"{out_dir} is not empty; train-demo writes into a new or empty directory"
+        )
     metrics = train_demo(out_dir, seed=seed, threads=threads, log=lambda s: typer.echo(s, err=True))
-    typer.echo(f"wrote the demo models to {out_dir}: chat held-out {metrics['chat']['heldout_correct']}/"
-               f"{metrics['chat']['heldout_total']}, draft acceptance {metrics['speculation']['acceptance_rate']}",
-               err=True)
+    typer.echo(
+        f"wrote the demo models to {out_dir}: chat held-out {metrics['chat']['heldout_correct']}/"
+        f"{metrics['chat']['heldout_total']}, draft acceptance {metrics['speculation']['acceptance_rate']}",
+        err=True,
+    )
 
 
 def main() -> None:

@@ -8,9 +8,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from textual.pilot import Pilot
-
 from pagechat.tui.app import PagechatApp
+from textual.pilot import Pilot
 
 
 @functools.cache
@@ -18,10 +17,14 @@ def tiny_model_dir() -> Path:
     """A tiny random llama checkpoint (seed 1: identical bytes every time), made once per process."""
     from pagechat.core.make_model import make_model
 
-    return make_model(Path(tempfile.mkdtemp(prefix="pagechat-tiny-")) / "tiny-llama", "llama", "tiny", seed=1)
+    return make_model(
+        Path(tempfile.mkdtemp(prefix="pagechat-tiny-")) / "tiny-llama", "llama", "tiny", seed=1
+    )
 
 
-async def wait_until(pilot: Pilot, predicate: Callable[[], bool], timeout: float = 30.0, what: str = "") -> None:
+async def wait_until(
+    pilot: Pilot, predicate: Callable[[], bool], timeout: float = 30.0, what: str = ""
+) -> None:
     """Poll predicate between short pauses (one pause is flaky for background work); TimeoutError after timeout."""
     end = time.monotonic() + timeout
     while not predicate():
@@ -68,7 +71,9 @@ async def hold_engine(pilot: Pilot) -> None:
     app: PagechatApp = pilot.app  # type: ignore[assignment]
     app.loop.pause()
     app.loop.sync()
-    await wait_until(pilot, lambda: not app.render_pending, 10, "the UI to draw the engine's events")
+    await wait_until(
+        pilot, lambda: not app.render_pending, 10, "the UI to draw the engine's events"
+    )
     await pilot.pause(0.1)
 
 
@@ -85,5 +90,7 @@ async def advance(pilot: Pilot, steps: int) -> None:
     app: PagechatApp = pilot.app  # type: ignore[assignment]
     app.loop.advance(steps)
     app.loop.sync(timeout=60)
-    await wait_until(pilot, lambda: not app.render_pending, 10, "the UI to draw the engine's events")
+    await wait_until(
+        pilot, lambda: not app.render_pending, 10, "the UI to draw the engine's events"
+    )
     await pilot.pause(0.05)

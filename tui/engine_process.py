@@ -31,13 +31,29 @@ from pagechat.core.blocks import BlockSnapshot
 from pagechat.core.config import EngineConfig
 from pagechat.core.errors import PagechatError
 from pagechat.core.report import StepReport
-from pagechat.tui.bridge import (NOTHING, BlocksChanged, Command, EngineClient, EngineInfo, EngineLoop, Finished,
-                                 FirstToken, ParamsApplied, Refused, SpeculationSet, Started, Synced, settle_heap)
+from pagechat.tui.bridge import (
+    NOTHING,
+    BlocksChanged,
+    Command,
+    EngineClient,
+    EngineInfo,
+    EngineLoop,
+    Finished,
+    FirstToken,
+    ParamsApplied,
+    Refused,
+    SpeculationSet,
+    Started,
+    Synced,
+    settle_heap,
+)
 
 FLUSH_HZ = 20  # batches a second at most while decoding; the UI draws at most this often
 URGENT = (Started, FirstToken, Finished, Refused, ParamsApplied, SpeculationSet, Synced)
 
-Delta = tuple[BlockSnapshot, tuple]  # (the new snapshot with no blocks, the BlockInfos that changed)
+Delta = tuple[
+    BlockSnapshot, tuple
+]  # (the new snapshot with no blocks, the BlockInfos that changed)
 
 
 def blocks_delta(old: BlockSnapshot, new: BlockSnapshot) -> Delta:
@@ -118,7 +134,9 @@ class _PipePort:
 
 def serve(conn: Connection, model_dir: str, config: EngineConfig) -> None:
     """The child's body: load the engine, send its EngineInfo (or a one-line error), then run the loop."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C belongs to the app; it closes this process
+    signal.signal(
+        signal.SIGINT, signal.SIG_IGN
+    )  # Ctrl+C belongs to the app; it closes this process
     from pagechat.core.engine import Engine
 
     try:
@@ -147,16 +165,19 @@ class EngineProcess(EngineClient):
         """Start the child and wait until the engine is loaded; a failure to load raises PagechatError."""
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=serve, args=(child, str(model_dir), config), name="pagechat-engine",
-                                 daemon=True)
+        self._proc = ctx.Process(
+            target=serve, args=(child, str(model_dir), config), name="pagechat-engine", daemon=True
+        )
         self._proc.start()
         child.close()
         try:
             first = self._conn.recv()
         except EOFError:
             self._proc.join(5)
-            raise PagechatError(f"the engine process exited while loading {model_dir} "
-                                f"(exit code {self._proc.exitcode})") from None
+            raise PagechatError(
+                f"the engine process exited while loading {model_dir} "
+                f"(exit code {self._proc.exitcode})"
+            ) from None
         except BaseException:  # Ctrl+C while loading
             self._proc.terminate()
             raise
@@ -165,7 +186,9 @@ class EngineProcess(EngineClient):
             raise PagechatError(first)
         super().__init__(first)
         self._snapshot = first.blocks
-        self._reader = threading.Thread(target=self._read, name="pagechat-engine-reader", daemon=True)
+        self._reader = threading.Thread(
+            target=self._read, name="pagechat-engine-reader", daemon=True
+        )
 
     @property
     def pid(self) -> int | None:
@@ -182,7 +205,11 @@ class EngineProcess(EngineClient):
             except (EOFError, OSError):
                 if not self._closed:
                     self._proc.join(1)
-                    self._deliver(Refused(None, f"the engine process exited (exit code {self._proc.exitcode})"))
+                    self._deliver(
+                        Refused(
+                            None, f"the engine process exited (exit code {self._proc.exitcode})"
+                        )
+                    )
                 return
             events, self._snapshot = unpack(batch, self._snapshot)
             for ev in events:

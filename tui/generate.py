@@ -12,8 +12,16 @@ from pagechat.core.params import SamplingParams
 from pagechat.core.stats import RunStats
 
 
-def run_generate(model_dir: Path, prompts: list[str], params: SamplingParams, config: EngineConfig, *,
-                 chat: bool, system: str | None, as_json: bool) -> int:
+def run_generate(
+    model_dir: Path,
+    prompts: list[str],
+    params: SamplingParams,
+    config: EngineConfig,
+    *,
+    chat: bool,
+    system: str | None,
+    as_json: bool,
+) -> int:
     """Run the prompts as one batch; returns the exit code (2 when a request failed)."""
     engine = Engine(model_dir, config)
     ids = [engine.add_request(engine.encode(p, chat=chat, system=system), params) for p in prompts]
@@ -36,8 +44,16 @@ def run_generate(model_dir: Path, prompts: list[str], params: SamplingParams, co
         sys.stdout.flush()
     seqs = [engine.requests[i] for i in ids]
     if as_json:
-        results = [{"prompt_ids": s.token_ids[:s.num_prompt_tokens], "token_ids": s.output_ids, "text": s.text,
-                    "finish_reason": s.finish_reason, **({"error": s.error} if s.error else {})} for s in seqs]
+        results = [
+            {
+                "prompt_ids": s.token_ids[: s.num_prompt_tokens],
+                "token_ids": s.output_ids,
+                "text": s.text,
+                "finish_reason": s.finish_reason,
+                **({"error": s.error} if s.error else {}),
+            }
+            for s in seqs
+        ]
         print(json.dumps({"results": results, "stats": stats.as_dict()}))
     else:
         print(stats.line(), file=sys.stderr)

@@ -14,7 +14,16 @@ from pagechat.core.errors import PagechatError
 from pagechat.core.params import SamplingParams
 
 FORMAT_VERSION = 1
-PARAM_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens", "seed", "ignore_eos")
+PARAM_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "max_tokens",
+    "seed",
+    "ignore_eos",
+)
 
 
 def data_dir() -> Path:
@@ -59,7 +68,9 @@ class ChatRecord:
     model: str = ""
     system: str = ""
     params: dict = field(default_factory=dict)
-    messages: list[dict] = field(default_factory=list)  # {"role", "content"[, "finish_reason", "stats"]}
+    messages: list[dict] = field(
+        default_factory=list
+    )  # {"role", "content"[, "finish_reason", "stats"]}
     created: str = field(default_factory=now_iso)
     updated: str = field(default_factory=now_iso)
 
@@ -80,12 +91,24 @@ class ChatRecord:
     @classmethod
     def from_json(cls, text: str) -> ChatRecord:
         d = json.loads(text)
-        return cls(**{k: d[k] for k in ("id", "model", "system", "params", "messages", "created", "updated") if k in d})
+        return cls(
+            **{
+                k: d[k]
+                for k in ("id", "model", "system", "params", "messages", "created", "updated")
+                if k in d
+            }
+        )
 
     def to_markdown(self) -> str:
         """The chat as a Markdown document: a heading per message, settings on top."""
-        lines = [f"# pagechat chat {self.id}", "", f"- model: `{self.model}`", f"- created: {self.created}",
-                 "- params: " + ", ".join(f"{k}={v}" for k, v in self.params.items()), ""]
+        lines = [
+            f"# pagechat chat {self.id}",
+            "",
+            f"- model: `{self.model}`",
+            f"- created: {self.created}",
+            "- params: " + ", ".join(f"{k}={v}" for k, v in self.params.items()),
+            "",
+        ]
         if self.system:
             lines += ["## System", "", self.system, ""]
         for m in self.messages:
@@ -132,10 +155,14 @@ class ChatStore:
         """A saved chat by id (or unique id prefix); PagechatError naming what to run when it is missing."""
         path = self.path(chat_id)
         if not path.is_file():
-            matches = sorted(self.root.glob(f"{chat_id}*.json")) if self.root.is_dir() and chat_id else []
+            matches = (
+                sorted(self.root.glob(f"{chat_id}*.json")) if self.root.is_dir() and chat_id else []
+            )
             if len(matches) != 1:
                 why = "is ambiguous" if matches else "was not found"
-                raise PagechatError(f"chat {chat_id!r} {why} in {self.root}; `pagechat history` lists saved chats")
+                raise PagechatError(
+                    f"chat {chat_id!r} {why} in {self.root}; `pagechat history` lists saved chats"
+                )
             path = matches[0]
         try:
             return ChatRecord.from_json(path.read_text(encoding="utf-8"))
@@ -156,7 +183,7 @@ class ChatStore:
 def export_markdown(chat: ChatRecord, directory: Path | None = None) -> Path:
     """Write the chat as Markdown into directory (default: the current one, else the data dir); return the path."""
     name = f"pagechat-{chat.id}.md"
-    for d in ([directory] if directory else [Path.cwd(), data_dir() / "exports"]):
+    for d in [directory] if directory else [Path.cwd(), data_dir() / "exports"]:
         try:
             path = d / name
             write_atomic(path, chat.to_markdown())
@@ -174,8 +201,21 @@ def print_history(store: ChatStore | None = None, as_json: bool = False) -> int:
     store = store or ChatStore()
     chats = store.list()
     if as_json:
-        print(json.dumps([{"id": c.id, "updated": c.updated, "model": c.model, "turns": c.turns, "title": c.title,
-                           "path": str(store.path(c.id))} for c in chats]))
+        print(
+            json.dumps(
+                [
+                    {
+                        "id": c.id,
+                        "updated": c.updated,
+                        "model": c.model,
+                        "turns": c.turns,
+                        "title": c.title,
+                        "path": str(store.path(c.id)),
+                    }
+                    for c in chats
+                ]
+            )
+        )
         return 0
     console = Console()
     if not chats:

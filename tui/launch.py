@@ -21,28 +21,44 @@ def weights_bytes(model_dir: Path) -> int:
 
 def start_engine(model_dir: Path, config: EngineConfig):
     """Start the engine's process and wait, under a rich progress bar, until it has loaded the model."""
+    from pagechat.core.memory import fmt_bytes
+    from pagechat.tui.engine_process import EngineProcess
     from rich.console import Console
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from pagechat.core.memory import fmt_bytes
-    from pagechat.tui.engine_process import EngineProcess
-
     console = Console(stderr=True)
     label = f"loading {model_dir.name} ({fmt_bytes(weights_bytes(model_dir))} of safetensors)"
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
-                  console=console, transient=True) as progress:
+    with Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    ) as progress:
         progress.add_task(label, total=None)
         client = EngineProcess(model_dir, config)
     i = client.info
     threads = f", {i.threads} CPU thread{'s' * (i.threads > 1)}" if i.device.type == "cpu" else ""
-    console.print(f"loaded {model_dir.name}: {i.precision} on {i.device}{threads} in process {client.pid}, "
-                  f"{i.memory.num_blocks} KV blocks of {i.memory.block_size} tokens, "
-                  f"{'decode graphs' if i.graphs else 'eager'}", style="dim")
+    console.print(
+        f"loaded {model_dir.name}: {i.precision} on {i.device}{threads} in process {client.pid}, "
+        f"{i.memory.num_blocks} KV blocks of {i.memory.block_size} tokens, "
+        f"{'decode graphs' if i.graphs else 'eager'}",
+        style="dim",
+    )
     return client
 
 
-def run_app(model_dir: Path | None, config: EngineConfig, overrides: dict, *, resume: str | None = None,
-            save: Path | None = None, system: str | None = None, layout: str = "auto") -> int:
+def run_app(
+    model_dir: Path | None,
+    config: EngineConfig,
+    overrides: dict,
+    *,
+    resume: str | None = None,
+    save: Path | None = None,
+    system: str | None = None,
+    layout: str = "auto",
+) -> int:
     """Open the app on the model; returns the exit code."""
     if layout not in ("auto", "tabs", "grid"):
         raise PagechatError(f"--layout must be auto, tabs or grid, got {layout!r}")
@@ -51,22 +67,30 @@ def run_app(model_dir: Path | None, config: EngineConfig, overrides: dict, *, re
     chat = store.load(resume) if resume else ChatRecord(model=str(path))
     if system is not None:
         chat.system = system
-    params = replace(DEFAULT_PARAMS, **{k: v for k, v in overrides.items() if v is not None}).validate()
+    params = replace(
+        DEFAULT_PARAMS, **{k: v for k, v in overrides.items() if v is not None}
+    ).validate()
     if resume and chat.params:
         from pagechat.tui.history import params_from_dict
 
-        params = replace(params_from_dict(chat.params, params), **{k: v for k, v in overrides.items()
-                                                                    if v is not None}).validate()
+        params = replace(
+            params_from_dict(chat.params, params),
+            **{k: v for k, v in overrides.items() if v is not None},
+        ).validate()
     chat.params = {}
     client = start_engine(path, config)
     try:
         from pagechat.tui.app import PagechatApp
 
-        app = PagechatApp(client, chat=chat, params=params, store=store, save_path=save, layout=layout)
+        app = PagechatApp(
+            client, chat=chat, params=params, store=store, save_path=save, layout=layout
+        )
         app.run()
     finally:
         client.close()
     if app.session.messages:
-        print(f"chat saved as {app.session.record.id} (pagechat run {path} --resume {app.session.record.id})",
-              file=sys.stderr)
+        print(
+            f"chat saved as {app.session.record.id} (pagechat run {path} --resume {app.session.record.id})",
+            file=sys.stderr,
+        )
     return 0

@@ -5,11 +5,10 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from pagechat.core.errors import PagechatError
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
-
-from pagechat.core.errors import PagechatError
 
 out = Console(highlight=False, markup=False, soft_wrap=True)
 if not out.is_terminal:
@@ -24,15 +23,29 @@ def _read_text(path: Path, what: str) -> str:
         raise PagechatError(f"cannot read {what} {path}: {e}") from None
 
 
-def quantize_command(model_dir: Path, out_dir: Path, method: str, group_size: int, calib: Path | None,
-                     samples: int, seqlen: int) -> None:
+def quantize_command(
+    model_dir: Path,
+    out_dir: Path,
+    method: str,
+    group_size: int,
+    calib: Path | None,
+    samples: int,
+    seqlen: int,
+) -> None:
     """Quantise a float checkpoint to an AutoAWQ GEMM checkpoint, with a progress bar per decoder block."""
     from pagechat.quant.checkpoint import check_request, quantize_checkpoint
 
-    check_request(model_dir, out_dir, method, group_size, samples, seqlen)  # fail before the progress bar shows
+    check_request(
+        model_dir, out_dir, method, group_size, samples, seqlen
+    )  # fail before the progress bar shows
     texts = [_read_text(calib, "--calib file")] if calib else None
-    cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("blocks"),
-            TimeElapsedColumn())
+    cols = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("blocks"),
+        TimeElapsedColumn(),
+    )
     with Progress(*cols, console=err, transient=False) as bar:
         task = bar.add_task(f"{method} g{group_size}", total=None)
 
@@ -41,17 +54,32 @@ def quantize_command(model_dir: Path, out_dir: Path, method: str, group_size: in
             if not err.is_terminal:  # a log file gets one line per block instead of a live bar
                 err.print(f"{method} g{group_size}: block {i}/{n} {stage}")
 
-        res = quantize_checkpoint(model_dir, out_dir, method, group_size, texts, samples, seqlen, progress)
-    calib_note = f", calibrated on {res.calib_shape[0]} x {res.calib_shape[1]} tokens" if res.calib_shape else ""
-    out.print(f"wrote {method} 4-bit g{group_size} AutoAWQ GEMM checkpoint to {res.out_dir} "
-              f"in {res.seconds:.1f}s{calib_note}")
+        res = quantize_checkpoint(
+            model_dir, out_dir, method, group_size, texts, samples, seqlen, progress
+        )
+    calib_note = (
+        f", calibrated on {res.calib_shape[0]} x {res.calib_shape[1]} tokens"
+        if res.calib_shape
+        else ""
+    )
+    out.print(
+        f"wrote {method} 4-bit g{group_size} AutoAWQ GEMM checkpoint to {res.out_dir} "
+        f"in {res.seconds:.1f}s{calib_note}"
+    )
     if res.alphas:
         groups = sorted({g for a in res.alphas for g in a})
-        out.print("AWQ alpha per block: " + "; ".join(
-            f"{i}: " + " ".join(f"{g}={a[g]:.2f}" for g in groups if g in a) for i, a in enumerate(res.alphas)))
+        out.print(
+            "AWQ alpha per block: "
+            + "; ".join(
+                f"{i}: " + " ".join(f"{g}={a[g]:.2f}" for g in groups if g in a)
+                for i, a in enumerate(res.alphas)
+            )
+        )
 
 
-def eval_command(model_dir: Path, text: Path, quant: str | None, seqlen: int | None, dtype: str, device: str) -> None:
+def eval_command(
+    model_dir: Path, text: Path, quant: str | None, seqlen: int | None, dtype: str, device: str
+) -> None:
     """Perplexity of a text file through pagechat's engine."""
     from pagechat.core.config import EngineConfig
     from pagechat.core.engine import Engine
@@ -60,19 +88,32 @@ def eval_command(model_dir: Path, text: Path, quant: str | None, seqlen: int | N
     from pagechat.quant.evaluate import perplexity
 
     body = _read_text(text, "--text file")
-    engine = Engine(model_dir, EngineConfig(dtype=dtype, device=device, quant=quant, prefix_cache=False))
-    ids = engine.tokenizer(body, add_special_tokens=False, verbose=False).input_ids  # long texts are windowed
+    engine = Engine(
+        model_dir, EngineConfig(dtype=dtype, device=device, quant=quant, prefix_cache=False)
+    )
+    ids = engine.tokenizer(
+        body, add_special_tokens=False, verbose=False
+    ).input_ids  # long texts are windowed
     res = perplexity(engine, ids, seqlen)
     rep = weight_report(engine.model)
     kernels = ",".join(sorted({r.path for r in rep.rows if r.kind in ("attention", "mlp")}))
     dt = dtype_name(engine.dtype)
-    out.print(f"perplexity {res.ppl:.4f} (mean NLL {res.nll:.4f}) over {res.tokens} tokens in {res.windows} "
-              f"window(s) | quant {engine.quant.mode or 'none'} ({kernels}) | {dt} on {engine.device} | "
-              f"weights {fmt_bytes(rep.total)} | {res.seconds:.1f}s")
+    out.print(
+        f"perplexity {res.ppl:.4f} (mean NLL {res.nll:.4f}) over {res.tokens} tokens in {res.windows} "
+        f"window(s) | quant {engine.quant.mode or 'none'} ({kernels}) | {dt} on {engine.device} | "
+        f"weights {fmt_bytes(rep.total)} | {res.seconds:.1f}s"
+    )
 
 
-def plan_command(model_dir: Path, quant: str | None, gpu_memory: str, context: int | None, dtype: str,
-                 block_size: int, group_size: int) -> None:
+def plan_command(
+    model_dir: Path,
+    quant: str | None,
+    gpu_memory: str,
+    context: int | None,
+    dtype: str,
+    block_size: int,
+    group_size: int,
+) -> None:
     """vLLM-style capacity lines for a budget, from config.json alone."""
     from pagechat.core.config import check_dtype, parse_bytes
     from pagechat.core.loader import DTYPES, read_spec
@@ -81,61 +122,124 @@ def plan_command(model_dir: Path, quant: str | None, gpu_memory: str, context: i
 
     check_dtype(dtype)
     spec = read_spec(model_dir)
-    hypothetical = quant == "awq" and spec.quantization is None  # planning a `pagechat quantize` first
+    hypothetical = (
+        quant == "awq" and spec.quantization is None
+    )  # planning a `pagechat quantize` first
     plan = None if hypothetical else resolve_quant(spec, quant, model_dir)
     mode = "awq" if hypothetical else plan.mode
     group = group_size if hypothetical else (plan.group_size or group_size)
-    if dtype == "auto":  # what the engine picks on CUDA: the checkpoint's dtype (fp16 for AWQ / bnb checkpoints);
+    if (
+        dtype == "auto"
+    ):  # what the engine picks on CUDA: the checkpoint's dtype (fp16 for AWQ / bnb checkpoints);
         # bf16-wo exists for float32 models
-        name = "float16" if hypothetical else "float32" if mode == "bf16-wo" else (spec.torch_dtype or "bfloat16")
+        name = (
+            "float16"
+            if hypothetical
+            else "float32"
+            if mode == "bf16-wo"
+            else (spec.torch_dtype or "bfloat16")
+        )
         dtype = name if name in DTYPES else "bfloat16"
     if block_size < 1:
         raise PagechatError(f"--block-size must be >= 1, got {block_size}")
     ctx = context or spec.max_position_embeddings
     if not 1 <= ctx <= spec.max_position_embeddings:
-        raise PagechatError(f"--context {ctx} must be between 1 and the model's max_position_embeddings "
-                            f"({spec.max_position_embeddings})")
+        raise PagechatError(
+            f"--context {ctx} must be between 1 and the model's max_position_embeddings "
+            f"({spec.max_position_embeddings})"
+        )
     weights = estimate_weights(spec, mode, DTYPES[dtype], group, "cuda")
     cap = plan_capacity(spec, weights, DTYPES[dtype], parse_bytes(gpu_memory), ctx, block_size)
-    table = Table(title=f"{spec.arch}: {spec.num_layers} layers, hidden {spec.hidden_size}, {spec.num_heads} heads "
-                        f"({spec.num_kv_heads} KV), vocab {spec.vocab_size}")
+    table = Table(
+        title=f"{spec.arch}: {spec.num_layers} layers, hidden {spec.hidden_size}, {spec.num_heads} heads "
+        f"({spec.num_kv_heads} KV), vocab {spec.vocab_size}"
+    )
     for c in ("kind", "format", "kernel", "params", "bytes"):
         table.add_column(c, justify="right" if c in ("params", "bytes") else "left")
     for r in weights.rows:
         table.add_row(r.kind, r.fmt, r.path, f"{r.params:,}", fmt_bytes(r.bytes))
-    table.add_row("total", "", "", f"{sum(r.params for r in weights.rows):,}", fmt_bytes(weights.total))
+    table.add_row(
+        "total", "", "", f"{sum(r.params for r in weights.rows):,}", fmt_bytes(weights.total)
+    )
     out.print(table)
-    out.print(f"quantisation: {MODE_LABELS[mode]}{' (after pagechat quantize)' if hypothetical else ''}; "
-              f"activations and KV in {dtype}")
-    out.print(f"KV cache: {fmt_bytes(cap.kv_per_token)} per token, {fmt_bytes(cap.kv_per_block)} per block of "
-              f"{block_size} tokens")
-    out.print(f"budget {fmt_bytes(cap.budget)}: weights {fmt_bytes(weights.total)}, KV pool {fmt_bytes(cap.kv_budget)} "
-              "(80% of what is left after the weights, as the engine sizes it on CUDA)")
+    out.print(
+        f"quantisation: {MODE_LABELS[mode]}{' (after pagechat quantize)' if hypothetical else ''}; "
+        f"activations and KV in {dtype}"
+    )
+    out.print(
+        f"KV cache: {fmt_bytes(cap.kv_per_token)} per token, {fmt_bytes(cap.kv_per_block)} per block of "
+        f"{block_size} tokens"
+    )
+    out.print(
+        f"budget {fmt_bytes(cap.budget)}: weights {fmt_bytes(weights.total)}, KV pool {fmt_bytes(cap.kv_budget)} "
+        "(80% of what is left after the weights, as the engine sizes it on CUDA)"
+    )
     if weights.total > cap.budget:
         out.print(f"does not fit: the weights alone need {fmt_bytes(weights.total)}")
         return
     out.print(f"# KV blocks: {cap.num_blocks:,} ({cap.num_blocks * block_size:,} tokens)")
-    out.print(f"Maximum concurrency for {ctx:,} tokens per request: {cap.concurrency:.2f}x "
-              f"({cap.max_seqs:,} sequences of {math.ceil(ctx / block_size)} blocks at once)")
+    out.print(
+        f"Maximum concurrency for {ctx:,} tokens per request: {cap.concurrency:.2f}x "
+        f"({cap.max_seqs:,} sequences of {math.ceil(ctx / block_size)} blocks at once)"
+    )
 
 
-def bench_quant_command(model_dir: Path, awq_dir: Path | None, modes: str, tokens: int, prompt_tokens: int,
-                        batch: int, rounds: int, device: str) -> None:
+def bench_quant_command(
+    model_dir: Path,
+    awq_dir: Path | None,
+    modes: str,
+    tokens: int,
+    prompt_tokens: int,
+    batch: int,
+    rounds: int,
+    device: str,
+) -> None:
     """Decode tok/s and weight memory per mode, measured in interleaved rounds."""
     from pagechat.core.memory import fmt_bytes
     from pagechat.quant.bench import bench_quant
 
-    for name, v in (("--tokens", tokens), ("--prompt-tokens", prompt_tokens), ("--batch", batch), ("--rounds", rounds)):
+    for name, v in (
+        ("--tokens", tokens),
+        ("--prompt-tokens", prompt_tokens),
+        ("--batch", batch),
+        ("--rounds", rounds),
+    ):
         if v < 1:
             raise PagechatError(f"{name} must be >= 1, got {v}")
     chosen = tuple(m.strip() for m in modes.split(",") if m.strip())
-    rows = bench_quant(model_dir, awq_dir, chosen, tokens, prompt_tokens, batch, rounds, device,
-                       log=lambda s: err.print(s))
+    rows = bench_quant(
+        model_dir,
+        awq_dir,
+        chosen,
+        tokens,
+        prompt_tokens,
+        batch,
+        rounds,
+        device,
+        log=lambda s: err.print(s),
+    )
     base = rows[0]
-    table = Table(title=f"decode, batch {batch}, {tokens} new tokens, median of {rounds} interleaved rounds")
-    for c in ("mode", "activations", "kernel", "decode tok/s", f"vs {base.mode}", "weights", "decoder linears"):
+    table = Table(
+        title=f"decode, batch {batch}, {tokens} new tokens, median of {rounds} interleaved rounds"
+    )
+    for c in (
+        "mode",
+        "activations",
+        "kernel",
+        "decode tok/s",
+        f"vs {base.mode}",
+        "weights",
+        "decoder linears",
+    ):
         table.add_column(c, justify="left" if c in ("mode", "activations", "kernel") else "right")
     for r in rows:
-        table.add_row(r.mode, r.dtype, r.kernels, f"{r.decode_tok_s:.1f}", f"{r.decode_tok_s / base.decode_tok_s:.2f}x",
-                      fmt_bytes(r.weight_bytes), fmt_bytes(r.linear_bytes))
+        table.add_row(
+            r.mode,
+            r.dtype,
+            r.kernels,
+            f"{r.decode_tok_s:.1f}",
+            f"{r.decode_tok_s / base.decode_tok_s:.2f}x",
+            fmt_bytes(r.weight_bytes),
+            fmt_bytes(r.linear_bytes),
+        )
     out.print(table)

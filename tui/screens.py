@@ -33,7 +33,9 @@ KEYS: tuple[tuple[str, str, str], ...] = (
 
 
 def keys_table() -> Table:
-    table = Table(box=None, show_header=True, header_style="bold #8a8a8a", expand=True, pad_edge=False)
+    table = Table(
+        box=None, show_header=True, header_style="bold #8a8a8a", expand=True, pad_edge=False
+    )
     table.add_column("key", style="bold #5fafff", no_wrap=True)
     table.add_column("does")
     table.add_column("where", style="dim", no_wrap=True)
@@ -52,7 +54,10 @@ class HelpScreen(ModalScreen[None]):
             box.border_title = "pagechat keys"
             box.border_subtitle = "Esc closes"
             yield Static(keys_table())
-            yield Static(Text.from_markup(
-                "\n[dim]Panels render the engine's own records: the block map is the BlockManager's snapshot, the "
-                "candidates are the sampler's record of each token, timings are the StepReports'. Controls apply "
-                "to the reply in flight from its next token; the engine refuses invalid values with a reason.[/]"))
+            yield Static(
+                Text.from_markup(
+                    "\n[dim]Panels render the engine's own records: the block map is the BlockManager's snapshot, the "
+                    "candidates are the sampler's record of each token, timings are the StepReports'. Controls apply "
+                    "to the reply in flight from its next token; the engine refuses invalid values with a reason.[/]"
+                )
+            )

@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from pagechat.core.blocks import BlockSnapshot
 from pagechat.core.params import SamplingParams
 from pagechat.core.report import StepReport
 from pagechat.core.sampler import SampleRecord
-from pagechat.core.blocks import BlockSnapshot
-from pagechat.tui.bridge import BlocksChanged, Event, FirstToken, Finished, Refused, Started
+from pagechat.tui.bridge import BlocksChanged, Event, Finished, FirstToken, Refused, Started
 from pagechat.tui.history import ChatRecord, params_from_dict, params_to_dict
 
 STEP_HISTORY = 512  # steps kept for the latency sparkline
@@ -53,26 +53,41 @@ class TurnTiming:
     @property
     def wall_decode_tok_s(self) -> float:
         """Tokens after the first over the wall time after the first: includes everything between steps."""
-        if self.total_s is None or self.ttft_s is None or self.output_tokens < 2 or self.total_s <= self.ttft_s:
+        if (
+            self.total_s is None
+            or self.ttft_s is None
+            or self.output_tokens < 2
+            or self.total_s <= self.ttft_s
+        ):
             return 0.0
         return (self.output_tokens - 1) / (self.total_s - self.ttft_s)
 
     def as_dict(self) -> dict:
         """Figures saved with the message."""
         r = lambda x: None if x is None else round(x, 4)  # noqa: E731
-        return {"prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
-                "ttft_ms": r(None if self.ttft_s is None else 1000 * self.ttft_s),
-                "prefill_tokens": self.prefill_tokens, "prefill_tok_s": r(self.prefill_tok_s),
-                "decode_tokens": self.decode_tokens, "decode_tok_s": r(self.decode_tok_s),
-                "ms_per_token": r(self.ms_per_token), "wall_decode_tok_s": r(self.wall_decode_tok_s),
-                "output_tokens": self.output_tokens}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "ttft_ms": r(None if self.ttft_s is None else 1000 * self.ttft_s),
+            "prefill_tokens": self.prefill_tokens,
+            "prefill_tok_s": r(self.prefill_tok_s),
+            "decode_tokens": self.decode_tokens,
+            "decode_tok_s": r(self.decode_tok_s),
+            "ms_per_token": r(self.ms_per_token),
+            "wall_decode_tok_s": r(self.wall_decode_tok_s),
+            "output_tokens": self.output_tokens,
+        }
 
     @classmethod
     def from_dict(cls, d: dict) -> TurnTiming:
         """Rebuild the saved figures of a resumed message (rates become step times)."""
-        t = cls(prompt_tokens=d.get("prompt_tokens", 0), cached_tokens=d.get("cached_tokens", 0),
-                prefill_tokens=d.get("prefill_tokens", 0), decode_tokens=d.get("decode_tokens", 0),
-                output_tokens=d.get("output_tokens", 0))
+        t = cls(
+            prompt_tokens=d.get("prompt_tokens", 0),
+            cached_tokens=d.get("cached_tokens", 0),
+            prefill_tokens=d.get("prefill_tokens", 0),
+            decode_tokens=d.get("decode_tokens", 0),
+            output_tokens=d.get("output_tokens", 0),
+        )
         if d.get("ttft_ms") is not None:
             t.ttft_s = d["ttft_ms"] / 1000
         if d.get("prefill_tok_s"):
@@ -115,12 +130,16 @@ class ChatSession:
         self.params = params_from_dict(record.params, params) if record.params else params
         self.messages: list[Message] = []
         for m in record.messages:
-            msg = Message(m["role"], m["content"], finish_reason=m.get("finish_reason"), error=m.get("error"))
+            msg = Message(
+                m["role"], m["content"], finish_reason=m.get("finish_reason"), error=m.get("error")
+            )
             if m.get("stats"):
                 msg.timing = TurnTiming.from_dict(m["stats"])
             self.messages.append(msg)
         self.steps: deque[tuple[str, float]] = deque(maxlen=STEP_HISTORY)  # (kind, elapsed_s)
-        self.drafts: deque = deque(maxlen=STEP_HISTORY)  # the engine's DraftRecords (speculation), newest last
+        self.drafts: deque = deque(
+            maxlen=STEP_HISTORY
+        )  # the engine's DraftRecords (speculation), newest last
         self.wall = {"prefill": 0.0, "decode": 0.0, "mixed": 0.0}  # step time by kind, this chat
         self.latest: StepReport | None = None
         self.blocks: BlockSnapshot | None = None  # the newest BlockManager snapshot the engine sent
@@ -163,7 +182,9 @@ class ChatSession:
         """Append the user's message and an empty assistant reply waiting for the engine; returns the reply."""
         self.messages.append(Message("user", text))
         self._next_ticket += 1
-        reply = Message("assistant", "", ticket=self._next_ticket, streaming=True, timing=TurnTiming())
+        reply = Message(
+            "assistant", "", ticket=self._next_ticket, streaming=True, timing=TurnTiming()
+        )
         self.messages.append(reply)
         return reply
 
@@ -175,10 +196,14 @@ class ChatSession:
 
     # -- engine events ---------------------------------------------------------------------------
     def _by_ticket(self, ticket: int | None) -> Message | None:
-        return next((m for m in reversed(self.messages) if m.ticket == ticket and ticket is not None), None)
+        return next(
+            (m for m in reversed(self.messages) if m.ticket == ticket and ticket is not None), None
+        )
 
     def _by_request(self, rid: int | None) -> Message | None:
-        return next((m for m in reversed(self.messages) if m.request_id == rid and rid is not None), None)
+        return next(
+            (m for m in reversed(self.messages) if m.request_id == rid and rid is not None), None
+        )
 
     def apply(self, ev: Event) -> Message | None:
         """Apply one engine event; returns the message it changed, if any."""

@@ -1,5 +1,6 @@
 """The demo models shipped with pagechat: a tiny chat model, its 4-bit AWQ variant and a draft, trained by
 `pagechat train-demo` and used whenever a command is given no MODEL_DIR."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,8 +15,10 @@ DEMO_DRAFT = "demo"  # `--draft demo`: the shipped draft model
 def _shipped(name: str) -> Path:
     path = DEMO_DIR / name
     if not (path / "config.json").is_file():
-        raise PagechatError(f"the demo {name} model is missing from {path}; reinstall pagechat, run "
-                            f"`pagechat train-demo {DEMO_DIR}`, or make a model with `pagechat make-model ./tiny`")
+        raise PagechatError(
+            f"the demo {name} model is missing from {path}; reinstall pagechat, run "
+            f"`pagechat train-demo {DEMO_DIR}`, or make a model with `pagechat make-model ./tiny`"
+        )
     return path
 
 

@@ -11,6 +11,7 @@ training generator never emits them. Two strengths of reservation:
   half of the unseen sums, off by one), so what is tested there is that it understands a phrasing it never
   saw with those numbers.
 """
+
 from __future__ import annotations
 
 import random
@@ -18,7 +19,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 HELDOUT_SEED = 20240  # the held-out split is fixed: it does not move with the training seed
-HELDOUT_MIX = ("add", "add", "mul", "cmp", "cmp", "count", "next", "repeat", "fact", "fact")  # one round of 10
+HELDOUT_MIX = (
+    "add",
+    "add",
+    "mul",
+    "cmp",
+    "cmp",
+    "count",
+    "next",
+    "repeat",
+    "fact",
+    "fact",
+)  # one round of 10
 HELDOUT_ROUNDS = 5  # reserved pool: 50 questions; the first round is the official 10
 
 SYSTEM_PROMPTS = (
@@ -30,74 +42,277 @@ SYSTEM_PROMPTS = (
 
 # concept -> (answer, expected substring of a correct reply)
 FACTS: dict[str, tuple[str, str]] = {
-    "a KV block": ("A KV block holds the keys and values of 16 tokens for every layer of the model.", "keys and values of 16 tokens"),
-    "the block size": ("The block size is how many tokens one KV block holds; pagechat uses 16 by default.", "16 by default"),
-    "the KV cache": ("The KV cache keeps the keys and values of earlier tokens, so a new token attends to them without recomputing them.", "without recomputing"),
-    "a block table": ("A block table lists the KV blocks of one sequence in order, so attention can find its tokens in the pool.", "lists the KV blocks"),
-    "prefill": ("Prefill runs the whole prompt through the model in one pass and writes its keys and values into the KV cache.", "whole prompt"),
-    "chunked prefill": ("Chunked prefill splits a long prompt into pieces, so decode steps of other sequences keep running in between.", "splits a long prompt"),
-    "decode": ("Decode makes one new token per step for each running sequence, reading the KV cache of the tokens before it.", "one new token per step"),
-    "sampling": ("Sampling picks the next token at random from the model's probabilities, shaped by temperature, top-k and top-p.", "at random from the model's probabilities"),
-    "greedy decoding": ("Greedy decoding always takes the most likely token; it is what temperature 0 means.", "most likely token"),
-    "temperature": ("Temperature divides the logits before the softmax: 0 is greedy, higher values make the text more varied.", "divides the logits"),
-    "top-p": ("Top-p keeps the smallest set of tokens whose probabilities add up to p, and samples from that set.", "smallest set of tokens"),
-    "top-k": ("Top-k keeps only the k most likely tokens and samples from them.", "k most likely tokens"),
-    "min-p": ("Min-p drops every token whose probability is below min-p times the probability of the best token.", "times the probability of the best token"),
-    "the repetition penalty": ("The repetition penalty lowers the scores of tokens that already appeared, so the text repeats less.", "already appeared"),
-    "the prefix cache": ("The prefix cache shares full KV blocks between prompts that start with the same tokens, so they are computed once.", "start with the same tokens"),
-    "copy-on-write": ("Copy-on-write gives a sequence its own copy of a shared block just before it writes to that block.", "its own copy"),
-    "speculative decoding": ("Speculative decoding lets a small draft model propose a few tokens, and the target model checks them all in one pass.", "draft model propose"),
-    "the draft model": ("The draft model is a small model with the same vocabulary that guesses the next few tokens for the big model.", "guesses the next few tokens"),
-    "the acceptance rate": ("The acceptance rate is the share of draft tokens that the target model accepts.", "share of draft tokens"),
-    "preemption": ("Preemption frees the blocks of the newest sequence when the pool runs out, and recomputes that sequence later.", "newest sequence"),
-    "the scheduler": ("The scheduler chooses which sequences run in each step, under a budget of tokens per step.", "budget of tokens"),
-    "continuous batching": ("Continuous batching adds new requests to the running batch at every step instead of waiting for the batch to end.", "at every step"),
-    "TTFT": ("TTFT is the time to first token: how long a request waits before its first new token appears.", "time to first token"),
-    "AWQ": ("AWQ stores weights in 4 bits, scaled so that the weights that matter most keep their precision.", "4 bits"),
-    "int8 weights": ("Int8 weights use one byte per weight, half the memory of bf16.", "one byte per weight"),
-    "the memory panel": ("The memory panel shows how much memory the weights and the KV cache take, and whether a model fits.", "whether a model fits"),
-    "a token": ("A token is a piece of text, often a word or part of a word, that the model reads and writes.", "piece of text"),
-    "the chat template": ("The chat template turns the messages of a conversation into the text the model was trained on.", "messages of a conversation"),
+    "a KV block": (
+        "A KV block holds the keys and values of 16 tokens for every layer of the model.",
+        "keys and values of 16 tokens",
+    ),
+    "the block size": (
+        "The block size is how many tokens one KV block holds; pagechat uses 16 by default.",
+        "16 by default",
+    ),
+    "the KV cache": (
+        "The KV cache keeps the keys and values of earlier tokens, so a new token attends to them without recomputing them.",
+        "without recomputing",
+    ),
+    "a block table": (
+        "A block table lists the KV blocks of one sequence in order, so attention can find its tokens in the pool.",
+        "lists the KV blocks",
+    ),
+    "prefill": (
+        "Prefill runs the whole prompt through the model in one pass and writes its keys and values into the KV cache.",
+        "whole prompt",
+    ),
+    "chunked prefill": (
+        "Chunked prefill splits a long prompt into pieces, so decode steps of other sequences keep running in between.",
+        "splits a long prompt",
+    ),
+    "decode": (
+        "Decode makes one new token per step for each running sequence, reading the KV cache of the tokens before it.",
+        "one new token per step",
+    ),
+    "sampling": (
+        "Sampling picks the next token at random from the model's probabilities, shaped by temperature, top-k and top-p.",
+        "at random from the model's probabilities",
+    ),
+    "greedy decoding": (
+        "Greedy decoding always takes the most likely token; it is what temperature 0 means.",
+        "most likely token",
+    ),
+    "temperature": (
+        "Temperature divides the logits before the softmax: 0 is greedy, higher values make the text more varied.",
+        "divides the logits",
+    ),
+    "top-p": (
+        "Top-p keeps the smallest set of tokens whose probabilities add up to p, and samples from that set.",
+        "smallest set of tokens",
+    ),
+    "top-k": (
+        "Top-k keeps only the k most likely tokens and samples from them.",
+        "k most likely tokens",
+    ),
+    "min-p": (
+        "Min-p drops every token whose probability is below min-p times the probability of the best token.",
+        "times the probability of the best token",
+    ),
+    "the repetition penalty": (
+        "The repetition penalty lowers the scores of tokens that already appeared, so the text repeats less.",
+        "already appeared",
+    ),
+    "the prefix cache": (
+        "The prefix cache shares full KV blocks between prompts that start with the same tokens, so they are computed once.",
+        "start with the same tokens",
+    ),
+    "copy-on-write": (
+        "Copy-on-write gives a sequence its own copy of a shared block just before it writes to that block.",
+        "its own copy",
+    ),
+    "speculative decoding": (
+        "Speculative decoding lets a small draft model propose a few tokens, and the target model checks them all in one pass.",
+        "draft model propose",
+    ),
+    "the draft model": (
+        "The draft model is a small model with the same vocabulary that guesses the next few tokens for the big model.",
+        "guesses the next few tokens",
+    ),
+    "the acceptance rate": (
+        "The acceptance rate is the share of draft tokens that the target model accepts.",
+        "share of draft tokens",
+    ),
+    "preemption": (
+        "Preemption frees the blocks of the newest sequence when the pool runs out, and recomputes that sequence later.",
+        "newest sequence",
+    ),
+    "the scheduler": (
+        "The scheduler chooses which sequences run in each step, under a budget of tokens per step.",
+        "budget of tokens",
+    ),
+    "continuous batching": (
+        "Continuous batching adds new requests to the running batch at every step instead of waiting for the batch to end.",
+        "at every step",
+    ),
+    "TTFT": (
+        "TTFT is the time to first token: how long a request waits before its first new token appears.",
+        "time to first token",
+    ),
+    "AWQ": (
+        "AWQ stores weights in 4 bits, scaled so that the weights that matter most keep their precision.",
+        "4 bits",
+    ),
+    "int8 weights": (
+        "Int8 weights use one byte per weight, half the memory of bf16.",
+        "one byte per weight",
+    ),
+    "the memory panel": (
+        "The memory panel shows how much memory the weights and the KV cache take, and whether a model fits.",
+        "whether a model fits",
+    ),
+    "a token": (
+        "A token is a piece of text, often a word or part of a word, that the model reads and writes.",
+        "piece of text",
+    ),
+    "the chat template": (
+        "The chat template turns the messages of a conversation into the text the model was trained on.",
+        "messages of a conversation",
+    ),
 }
-FACT_TEMPLATES = ("What is {c}?", "Explain {c}.", "What does {c} mean?", "Tell me about {c}.",
-                  "Can you explain {c}?", "What is {c} in pagechat?", "Describe {c} briefly.")
+FACT_TEMPLATES = (
+    "What is {c}?",
+    "Explain {c}.",
+    "What does {c} mean?",
+    "Tell me about {c}.",
+    "Can you explain {c}?",
+    "What is {c} in pagechat?",
+    "Describe {c} briefly.",
+)
 
 SMALL_TALK = (
-    (("Hello!", "Hi!", "Hi there.", "Hey!", "Good morning!", "Hello, who is this?"),
-     "Hello! I am the pagechat demo model. Ask me a sum, a comparison, or something about the engine."),
-    (("How are you?", "How are you doing?", "How is it going?"),
-     "I am fine, thank you. My KV blocks are free and ready."),
-    (("Who are you?", "What are you?", "What is your name?"),
-     "I am the pagechat demo model, a small Llama model trained on this machine in a few minutes."),
-    (("What can you do?", "What do you know?", "How can you help me?"),
-     "I can add, subtract and multiply small numbers, compare numbers, count, repeat a sentence, and explain how "
-     "pagechat works."),
+    (
+        ("Hello!", "Hi!", "Hi there.", "Hey!", "Good morning!", "Hello, who is this?"),
+        "Hello! I am the pagechat demo model. Ask me a sum, a comparison, or something about the engine.",
+    ),
+    (
+        ("How are you?", "How are you doing?", "How is it going?"),
+        "I am fine, thank you. My KV blocks are free and ready.",
+    ),
+    (
+        ("Who are you?", "What are you?", "What is your name?"),
+        "I am the pagechat demo model, a small Llama model trained on this machine in a few minutes.",
+    ),
+    (
+        ("What can you do?", "What do you know?", "How can you help me?"),
+        "I can add, subtract and multiply small numbers, compare numbers, count, repeat a sentence, and explain how "
+        "pagechat works.",
+    ),
     (("Thanks!", "Thank you.", "Thank you very much!", "Great, thanks."), "You are welcome!"),
     (("Bye!", "Goodbye.", "See you later."), "Goodbye! Your KV blocks will be freed."),
-    (("What is pagechat?", "Tell me about pagechat.", "What does pagechat do?"),
-     "pagechat runs a language model on your own machine with a paged KV cache, and shows what the engine does."),
-    (("Are you a large model?", "Is this a big model?", "How big are you?"),
-     "No, I am tiny: a few million parameters, small enough to train on a laptop CPU."),
+    (
+        ("What is pagechat?", "Tell me about pagechat.", "What does pagechat do?"),
+        "pagechat runs a language model on your own machine with a paged KV cache, and shows what the engine does.",
+    ),
+    (
+        ("Are you a large model?", "Is this a big model?", "How big are you?"),
+        "No, I am tiny: a few million parameters, small enough to train on a laptop CPU.",
+    ),
 )
 
 WORDS = (
-    "the", "a", "cat", "dog", "bird", "sun", "moon", "river", "tree", "house", "road", "book", "lamp", "cup",
-    "red", "blue", "green", "small", "big", "old", "new", "quiet", "fast", "slow", "warm", "cold", "bright",
-    "runs", "sleeps", "sings", "reads", "waits", "jumps", "shines", "falls", "grows", "opens", "turns",
-    "over", "under", "near", "with", "into", "from", "today", "again", "now", "here", "there", "always",
-    "model", "token", "block", "cache", "prompt", "engine", "step", "batch", "queue", "page", "memory",
-    "apple", "stone", "cloud", "wind", "rain", "snow", "field", "hill", "boat", "train", "song",
+    "the",
+    "a",
+    "cat",
+    "dog",
+    "bird",
+    "sun",
+    "moon",
+    "river",
+    "tree",
+    "house",
+    "road",
+    "book",
+    "lamp",
+    "cup",
+    "red",
+    "blue",
+    "green",
+    "small",
+    "big",
+    "old",
+    "new",
+    "quiet",
+    "fast",
+    "slow",
+    "warm",
+    "cold",
+    "bright",
+    "runs",
+    "sleeps",
+    "sings",
+    "reads",
+    "waits",
+    "jumps",
+    "shines",
+    "falls",
+    "grows",
+    "opens",
+    "turns",
+    "over",
+    "under",
+    "near",
+    "with",
+    "into",
+    "from",
+    "today",
+    "again",
+    "now",
+    "here",
+    "there",
+    "always",
+    "model",
+    "token",
+    "block",
+    "cache",
+    "prompt",
+    "engine",
+    "step",
+    "batch",
+    "queue",
+    "page",
+    "memory",
+    "apple",
+    "stone",
+    "cloud",
+    "wind",
+    "rain",
+    "snow",
+    "field",
+    "hill",
+    "boat",
+    "train",
+    "song",
 )
-REPEAT_TEMPLATES = ("Repeat after me: {s}", "Say this back to me: {s}", "Please repeat: {s}", "Echo this sentence: {s}")
-ADD_TEMPLATES = ("What is {a} plus {b}?", "What is {a} + {b}?", "Add {a} and {b}.", "How much is {a} plus {b}?",
-                 "Compute {a} + {b}.", "What do you get when you add {a} and {b}?")
-SUB_TEMPLATES = ("What is {a} minus {b}?", "What is {a} - {b}?", "Subtract {b} from {a}.",
-                 "How much is {a} minus {b}?", "Compute {a} - {b}.", "What is left when you take {b} from {a}?")
-MUL_TEMPLATES = ("What is {a} times {b}?", "What is {a} x {b}?", "Multiply {a} by {b}.", "How much is {a} times {b}?")
+REPEAT_TEMPLATES = (
+    "Repeat after me: {s}",
+    "Say this back to me: {s}",
+    "Please repeat: {s}",
+    "Echo this sentence: {s}",
+)
+ADD_TEMPLATES = (
+    "What is {a} plus {b}?",
+    "What is {a} + {b}?",
+    "Add {a} and {b}.",
+    "How much is {a} plus {b}?",
+    "Compute {a} + {b}.",
+    "What do you get when you add {a} and {b}?",
+)
+SUB_TEMPLATES = (
+    "What is {a} minus {b}?",
+    "What is {a} - {b}?",
+    "Subtract {b} from {a}.",
+    "How much is {a} minus {b}?",
+    "Compute {a} - {b}.",
+    "What is left when you take {b} from {a}?",
+)
+MUL_TEMPLATES = (
+    "What is {a} times {b}?",
+    "What is {a} x {b}?",
+    "Multiply {a} by {b}.",
+    "How much is {a} times {b}?",
+)
 SMALL = 10  # sums and differences use operands 0..SMALL; products 1..12
-AFTER_TEMPLATES = ("What comes after {n}?", "Which number follows {n}?", "What is the next number after {n}?")
-BEFORE_TEMPLATES = ("What comes before {n}?", "Which number is just before {n}?", "What is the number before {n}?")
-COUNT_TEMPLATES = ("Count from {a} to {b}.", "List the numbers from {a} to {b}.", "Please count from {a} to {b}.")
+AFTER_TEMPLATES = (
+    "What comes after {n}?",
+    "Which number follows {n}?",
+    "What is the next number after {n}?",
+)
+BEFORE_TEMPLATES = (
+    "What comes before {n}?",
+    "Which number is just before {n}?",
+    "What is the number before {n}?",
+)
+COUNT_TEMPLATES = (
+    "Count from {a} to {b}.",
+    "List the numbers from {a} to {b}.",
+    "Please count from {a} to {b}.",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +337,9 @@ def _add(rng: random.Random, hard: bool) -> Item:
 def _sub(rng: random.Random, hard: bool) -> Item:
     a, b = sorted((rng.randint(0, SMALL), rng.randint(0, SMALL)), reverse=True)
     q = rng.choice(SUB_TEMPLATES).format(a=a, b=b)
-    return Item("sub", ("sub", q), q, f"The difference between {a} and {b} is {a - b}.", f"is {a - b}.")
+    return Item(
+        "sub", ("sub", q), q, f"The difference between {a} and {b} is {a - b}.", f"is {a - b}."
+    )
 
 
 def _mul(rng: random.Random, hard: bool) -> Item:
@@ -136,7 +353,11 @@ def _cmp(rng: random.Random, hard: bool) -> Item:
     hi, lo = max(a, b), min(a, b)
     form = rng.randrange(4)
     if form < 3:
-        q = (f"Which is larger, {a} or {b}?", f"Which number is bigger: {a} or {b}?", f"Which is smaller, {a} or {b}?")[form]
+        q = (
+            f"Which is larger, {a} or {b}?",
+            f"Which number is bigger: {a} or {b}?",
+            f"Which is smaller, {a} or {b}?",
+        )[form]
         ans = f"The smaller number is {lo}." if form == 2 else f"The larger number is {hi}."
         exp = ans
     else:
@@ -166,12 +387,16 @@ def _next(rng: random.Random, hard: bool) -> Item:
 
 def _sentence(rng: random.Random, hard: bool) -> str:
     words = [rng.choice(WORDS) for _ in range(rng.randint(4, 8) if hard else rng.randint(3, 16))]
-    return " ".join(words) + "."  # lower case: a capitalised first word would be a rare token to copy
+    return (
+        " ".join(words) + "."
+    )  # lower case: a capitalised first word would be a rare token to copy
 
 
 def _repeat(rng: random.Random, hard: bool) -> Item:
     s = _sentence(rng, hard)
-    return Item("repeat", ("repeat", s), rng.choice(REPEAT_TEMPLATES).format(s=s), f"You said: {s}", s)
+    return Item(
+        "repeat", ("repeat", s), rng.choice(REPEAT_TEMPLATES).format(s=s), f"You said: {s}", s
+    )
 
 
 def _fact(rng: random.Random, hard: bool) -> Item:
@@ -189,12 +414,29 @@ def _talk(rng: random.Random, hard: bool) -> Item:
 
 
 MAKERS: dict[str, Callable[[random.Random, bool], Item]] = {
-    "add": _add, "sub": _sub, "mul": _mul, "cmp": _cmp, "count": _count, "next": _next,
-    "repeat": _repeat, "fact": _fact, "talk": _talk,
+    "add": _add,
+    "sub": _sub,
+    "mul": _mul,
+    "cmp": _cmp,
+    "count": _count,
+    "next": _next,
+    "repeat": _repeat,
+    "fact": _fact,
+    "talk": _talk,
 }
 # Copying is what a tiny model learns last (it needs induction heads), and sums, comparisons and counts
 # all copy numbers from the question: long repeat-after-me sentences give it a dense copy signal.
-WEIGHTS = {"add": 13, "sub": 5, "mul": 8, "cmp": 16, "count": 10, "next": 9, "repeat": 20, "fact": 8, "talk": 4}
+WEIGHTS = {
+    "add": 13,
+    "sub": 5,
+    "mul": 8,
+    "cmp": 16,
+    "count": 10,
+    "next": 9,
+    "repeat": 20,
+    "fact": 8,
+    "talk": 4,
+}
 
 
 def heldout_pool() -> list[Item]:
@@ -225,11 +467,16 @@ def sample_items(rng: random.Random, reserved: set[tuple]) -> Item:
 
 def dialogue(rng: random.Random, reserved: set[tuple]) -> list[dict]:
     """One conversation: an optional system prompt and 1-3 user/assistant exchanges."""
-    messages = [{"role": "system", "content": rng.choice(SYSTEM_PROMPTS)}] if rng.random() < 0.15 else []
+    messages = (
+        [{"role": "system", "content": rng.choice(SYSTEM_PROMPTS)}] if rng.random() < 0.15 else []
+    )
     turns = rng.choices((1, 2, 3), weights=(70, 20, 10))[0]
     for _ in range(turns):
         item = sample_items(rng, reserved)
-        messages += [{"role": "user", "content": item.question}, {"role": "assistant", "content": item.answer}]
+        messages += [
+            {"role": "user", "content": item.question},
+            {"role": "assistant", "content": item.answer},
+        ]
     return messages
 
 
@@ -250,7 +497,9 @@ def copy_drills(n: int, seed: int = 0) -> list[list[dict]]:
         s = " ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 24))) + "."
         if ("repeat", s) not in reserved:
             q = rng.choice(REPEAT_TEMPLATES).format(s=s)
-            out.append([{"role": "user", "content": q}, {"role": "assistant", "content": f"You said: {s}"}])
+            out.append(
+                [{"role": "user", "content": q}, {"role": "assistant", "content": f"You said: {s}"}]
+            )
     return out
 
 

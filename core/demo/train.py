@@ -1,5 +1,6 @@
 """Train the demo models offline on a CPU: a BPE tokenizer, a Llama chat model and its draft, then check
 them through pagechat's own engine. `train_demo(out_dir, seed)` is deterministic under the seed."""
+
 from __future__ import annotations
 
 import json
@@ -13,11 +14,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import transformers
-
 from pagechat.core.demo import corpus
 from pagechat.core.loader import dtype_name
 from pagechat.core.make_model import (
-    ENDOFTEXT_ID, EOS_IDS, IM_END, _add_legacy_keys, _quiet_transformers, builtin_corpus, save_tokenizer,
+    ENDOFTEXT_ID,
+    EOS_IDS,
+    IM_END,
+    _add_legacy_keys,
+    _quiet_transformers,
+    builtin_corpus,
+    save_tokenizer,
     train_tokenizer,
 )
 
@@ -61,7 +67,10 @@ def build_tokenizer(dialogues: list[list[dict]], vocab_size: int = VOCAB):
     """Byte-level BPE on the dialogue texts and Python's own docstrings, with every number 0..199 made one
     token (with and without its leading space): copying, comparing and counting numbers is then copying,
     comparing and stepping single tokens, which a tiny model learns in minutes (digit by digit it does not)."""
-    numbers = [" ".join(str(i) for i in range(NUMBERS)), "\n".join(str(i) for i in range(NUMBERS))] * 200
+    numbers = [
+        " ".join(str(i) for i in range(NUMBERS)),
+        "\n".join(str(i) for i in range(NUMBERS)),
+    ] * 200
     texts = [m["content"] for d in dialogues for m in d] + ["user", "assistant", "system"] * 500
     tok = train_tokenizer(texts + numbers + builtin_corpus(), vocab_size)
     tok.model_max_length = MAX_LEN
@@ -83,14 +92,18 @@ def encode(tok, messages: list[dict]) -> tuple[list[int], list[bool]]:
     return enc.input_ids, learn
 
 
-def pack(examples: list[tuple[list[int], list[bool]]], row: int, rng: random.Random) -> list[list[int]]:
+def pack(
+    examples: list[tuple[list[int], list[bool]]], row: int, rng: random.Random
+) -> list[list[int]]:
     """Group whole conversations, in a seeded order, into rows of at most `row` tokens (first fit)."""
     order = list(range(len(examples)))
     rng.shuffle(order)
     rows, room = [], []
     for j in order:
         n = len(examples[j][0])
-        k = next((i for i in range(max(0, len(rows) - 8), len(rows)) if room[i] >= n), None)  # a few open rows
+        k = next(
+            (i for i in range(max(0, len(rows) - 8), len(rows)) if room[i] >= n), None
+        )  # a few open rows
         if k is None:
             rows.append([]), room.append(row)
             k = len(rows) - 1
@@ -104,7 +117,7 @@ def batches(examples, rows: list[list[int]], per_step: int):
     position 0, as it will at inference; targets are -100 where nothing is learned and on the padding."""
     width = max(sum(len(examples[j][0]) for j in r) for r in rows)
     for i in range(0, len(rows), per_step):
-        group = rows[i:i + per_step]
+        group = rows[i : i + per_step]
         ids = torch.full((len(group), width), ENDOFTEXT_ID)
         pos = torch.zeros((len(group), width), dtype=torch.long)
         doc = torch.full((len(group), width), -1)
@@ -117,18 +130,30 @@ def batches(examples, rows: list[list[int]], per_step: int):
                 ids[r, sl], pos[r, sl], doc[r, sl] = torch.tensor(x), torch.arange(len(x)), d
                 targets[r, sl] = torch.where(torch.tensor(learn), torch.tensor(x), -100)
                 at += len(x)
-        mask = (doc[:, :, None] == doc[:, None, :]) & torch.ones(width, width, dtype=torch.bool).tril()
+        mask = (doc[:, :, None] == doc[:, None, :]) & torch.ones(
+            width, width, dtype=torch.bool
+        ).tril()
         yield ids, pos, mask[:, None], targets
 
 
 def llama_config(shape: Shape, vocab_size: int) -> transformers.LlamaConfig:
     """The transformers config of a demo model (tied embeddings, ChatML eos ids)."""
     return transformers.LlamaConfig(
-        architectures=["LlamaForCausalLM"], vocab_size=vocab_size, hidden_size=shape.hidden,
-        intermediate_size=shape.intermediate, num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
-        num_key_value_heads=shape.kv_heads, max_position_embeddings=MAX_LEN, rope_theta=10000.0,
-        rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=None, pad_token_id=ENDOFTEXT_ID,
-        eos_token_id=EOS_IDS)
+        architectures=["LlamaForCausalLM"],
+        vocab_size=vocab_size,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        max_position_embeddings=MAX_LEN,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        pad_token_id=ENDOFTEXT_ID,
+        eos_token_id=EOS_IDS,
+    )
 
 
 def num_params(model: torch.nn.Module) -> int:
@@ -136,23 +161,40 @@ def num_params(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def train_model(recipe: Recipe, drills, examples, vocab_size: int, seed: int, log: Callable[[str], None],
-                on_step=None):
+def train_model(
+    recipe: Recipe,
+    drills,
+    examples,
+    vocab_size: int,
+    seed: int,
+    log: Callable[[str], None],
+    on_step=None,
+):
     """Train one Llama from scratch, drills first; returns the model and its mean loss over the last 50 steps."""
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(llama_config(recipe.shape, vocab_size)).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, betas=(0.9, 0.95), weight_decay=recipe.weight_decay)
-    drills, examples = drills[:recipe.drills], examples[:recipe.dialogues]
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=recipe.lr, betas=(0.9, 0.95), weight_decay=recipe.weight_decay
+    )
+    drills, examples = drills[: recipe.drills], examples[: recipe.dialogues]
     rows = pack(drills, ROW, random.Random(seed))
     rows += [[len(drills) + j for j in r] for r in pack(examples, ROW, random.Random(seed))]
     examples = drills + examples
     total = math.ceil(len(rows) / recipe.rows)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min((s + 1) / recipe.warmup, 0.1 + 0.45 * (
-        1 + math.cos(math.pi * min(s / total, 1.0)))))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt,
+        lambda s: min(
+            (s + 1) / recipe.warmup, 0.1 + 0.45 * (1 + math.cos(math.pi * min(s / total, 1.0)))
+        ),
+    )
     losses, t0 = [], time.perf_counter()
     for step, (ids, pos, mask, targets) in enumerate(batches(examples, rows, recipe.rows)):
-        hidden = model.model(input_ids=ids, position_ids=pos, attention_mask=mask).last_hidden_state[:, :-1]
-        learn = targets[:, 1:] != -100  # the head runs only where a token is learned (saves its share)
+        hidden = model.model(
+            input_ids=ids, position_ids=pos, attention_mask=mask
+        ).last_hidden_state[:, :-1]
+        learn = (
+            targets[:, 1:] != -100
+        )  # the head runs only where a token is learned (saves its share)
         loss = F.cross_entropy(model.lm_head(hidden[learn]), targets[:, 1:][learn])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -161,8 +203,10 @@ def train_model(recipe: Recipe, drills, examples, vocab_size: int, seed: int, lo
         sched.step()
         losses.append(loss.item())
         if step % 50 == 0 or step == total - 1:
-            log(f"  step {step + 1}/{total}  loss {sum(losses[-50:]) / len(losses[-50:]):.4f}  "
-                f"{time.perf_counter() - t0:.0f}s")
+            log(
+                f"  step {step + 1}/{total}  loss {sum(losses[-50:]) / len(losses[-50:]):.4f}  "
+                f"{time.perf_counter() - t0:.0f}s"
+            )
         if on_step is not None:
             on_step(step + 1, model)
     return model.eval(), sum(losses[-50:]) / len(losses[-50:])
@@ -172,8 +216,9 @@ def save_model(model, tokenizer, out_dir: Path, dtype: torch.dtype = torch.bfloa
     """save_pretrained (safetensors) in dtype, the tokenizer, and generation eos ids as make_model writes them."""
     out_dir.mkdir(parents=True, exist_ok=True)
     model = model.to(dtype)
-    model.generation_config = transformers.GenerationConfig(bos_token_id=None, pad_token_id=ENDOFTEXT_ID,
-                                                            eos_token_id=EOS_IDS)
+    model.generation_config = transformers.GenerationConfig(
+        bos_token_id=None, pad_token_id=ENDOFTEXT_ID, eos_token_id=EOS_IDS
+    )
     with _quiet_transformers():
         model.save_pretrained(out_dir, safe_serialization=True)
         save_tokenizer(tokenizer, out_dir)
@@ -185,23 +230,35 @@ def _engine(model_dir: Path, **config):
     from pagechat.core.config import EngineConfig
     from pagechat.core.engine import Engine
 
-    return Engine(model_dir, EngineConfig(device="cpu", dtype="float32", **config))  # float32: the same on every CPU
+    return Engine(
+        model_dir, EngineConfig(device="cpu", dtype="float32", **config)
+    )  # float32: the same on every CPU
 
 
 def _greedy(engine, questions: list[str], max_tokens: int = 96, on_report=None):
     from pagechat.core.params import SamplingParams
 
     prompts = [engine.encode(q, chat=True) for q in questions]
-    return engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens), on_report=on_report)
+    return engine.generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens), on_report=on_report
+    )
 
 
 def evaluate(model_dir: str | Path, n: int = 10, quant: str | None = None) -> dict:
     """Held-out accuracy at temperature 0 through the Engine (float32): the first n held-out questions."""
     items = corpus.heldout(n)
-    texts = [s.text for s in _greedy(_engine(Path(model_dir), quant=quant), [it.question for it in items])]
+    texts = [
+        s.text
+        for s in _greedy(_engine(Path(model_dir), quant=quant), [it.question for it in items])
+    ]
     ok = [corpus.check(t, it) for t, it in zip(texts, items)]
-    return {"correct": sum(ok), "total": len(items),
-            "replies": [{"question": it.question, "reply": t, "ok": k} for it, t, k in zip(items, texts, ok)]}
+    return {
+        "correct": sum(ok),
+        "total": len(items),
+        "replies": [
+            {"question": it.question, "reply": t, "ok": k} for it, t, k in zip(items, texts, ok)
+        ],
+    }
 
 
 def acceptance(chat_dir: Path, draft_dir: Path, k: int = 4, n: int = 50) -> dict:
@@ -210,17 +267,30 @@ def acceptance(chat_dir: Path, draft_dir: Path, k: int = 4, n: int = 50) -> dict
     from pagechat.core.stats import SpecStats
 
     spec, questions = SpecStats(), [it.question for it in corpus.heldout(n)]
-    fast = _greedy(_engine(chat_dir, draft=str(draft_dir), num_draft=k), questions,
-                   on_report=lambda r: [spec.add(d) for d in r.drafts])
+    fast = _greedy(
+        _engine(chat_dir, draft=str(draft_dir), num_draft=k),
+        questions,
+        on_report=lambda r: [spec.add(d) for d in r.drafts],
+    )
     plain = _greedy(_engine(chat_dir), questions)
-    return {"k": k, "questions": n, "acceptance_rate": round(spec.acceptance_rate, 4),
-            "mean_acceptance_length": round(spec.mean_acceptance_length, 4),
-            "per_position": [round(x, 4) for x in spec.per_position()],
-            "same_as_plain": all(a.output_ids == b.output_ids for a, b in zip(fast, plain))}
+    return {
+        "k": k,
+        "questions": n,
+        "acceptance_rate": round(spec.acceptance_rate, 4),
+        "mean_acceptance_length": round(spec.mean_acceptance_length, 4),
+        "per_position": [round(x, 4) for x in spec.per_position()],
+        "same_as_plain": all(a.output_ids == b.output_ids for a, b in zip(fast, plain)),
+    }
 
 
-def train_demo(out_dir: str | Path, seed: int = 0, threads: int = 2, log: Callable[[str], None] = print,
-               chat: Recipe = CHAT, draft: Recipe = DRAFT) -> dict:
+def train_demo(
+    out_dir: str | Path,
+    seed: int = 0,
+    threads: int = 2,
+    log: Callable[[str], None] = print,
+    chat: Recipe = CHAT,
+    draft: Recipe = DRAFT,
+) -> dict:
     """Train tokenizer, chat model and draft into out_dir/{chat,draft}, quantise the chat model to out_dir/chat-awq,
     evaluate all through the engine, write out_dir/metrics.json. The same seed and thread count give the same
     files (the thread count fixes the reductions' order)."""
@@ -235,7 +305,9 @@ def train_demo(out_dir: str | Path, seed: int = 0, threads: int = 2, log: Callab
     tok = build_tokenizer(dialogues)
     examples = [encode(tok, d) for d in dialogues]
     drills = [encode(tok, d) for d in corpus.copy_drills(max(chat.drills, draft.drills), seed)]
-    log(f"corpus: {len(examples)} dialogues, {sum(len(x) for x, _ in examples)} tokens, vocab {len(tok)}")
+    log(
+        f"corpus: {len(examples)} dialogues, {sum(len(x) for x, _ in examples)} tokens, vocab {len(tok)}"
+    )
     metrics = {"seed": seed, "threads": threads, "vocab_size": len(tok), "dialogues": len(examples)}
     for name, recipe in (("chat", chat), ("draft", draft)):
         log(f"training {name} {recipe.shape}")
@@ -243,22 +315,33 @@ def train_demo(out_dir: str | Path, seed: int = 0, threads: int = 2, log: Callab
         model, loss = train_model(recipe, drills, examples, len(tok), seed, log)
         path = save_model(model, tok, out_dir / name)
         result = evaluate(path)
-        metrics[name] = {"shape": asdict(recipe.shape), "params": num_params(model), "dialogues": recipe.dialogues,
-                         "final_loss": round(loss, 6), "heldout_correct": result["correct"],
-                         "heldout_total": result["total"], "heldout_50_correct": evaluate(path, 50)["correct"],
-                         "train_seconds": round(time.perf_counter() - t, 1)}
+        metrics[name] = {
+            "shape": asdict(recipe.shape),
+            "params": num_params(model),
+            "dialogues": recipe.dialogues,
+            "final_loss": round(loss, 6),
+            "heldout_correct": result["correct"],
+            "heldout_total": result["total"],
+            "heldout_50_correct": evaluate(path, 50)["correct"],
+            "train_seconds": round(time.perf_counter() - t, 1),
+        }
         if name == "chat":
             metrics[name]["heldout_replies"] = result["replies"]
         log(f"{name}: loss {loss:.4f}, held-out {result['correct']}/{result['total']}")
     quantize_checkpoint(out_dir / "chat", out_dir / "chat-awq", "awq", group=128)
     metrics["variants"] = {
-        label: {"heldout_correct": evaluate(path, quant=quant)["correct"],
-                "heldout_50_correct": evaluate(path, 50, quant=quant)["correct"]}
-        for label, path, quant in (("awq", out_dir / "chat-awq", None), ("int8", out_dir / "chat", "int8"),
-                                   ("int8-wo", out_dir / "chat", "int8-wo"))}
+        label: {
+            "heldout_correct": evaluate(path, quant=quant)["correct"],
+            "heldout_50_correct": evaluate(path, 50, quant=quant)["correct"],
+        }
+        for label, path, quant in (
+            ("awq", out_dir / "chat-awq", None),
+            ("int8", out_dir / "chat", "int8"),
+            ("int8-wo", out_dir / "chat", "int8-wo"),
+        )
+    }
     log(f"variants: {metrics['variants']}")
     metrics["speculation"] = acceptance(out_dir / "chat", out_dir / "draft")
     metrics["total_seconds"] = round(time.perf_counter() - t0, 1)
     (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     return metrics
-

@@ -6,6 +6,8 @@ import math
 import time
 from collections import Counter
 
+from pagechat.core.blocks import BlockInfo, BlockSnapshot
+from pagechat.tui.widgets.panel import Panel, short_bytes
 from rich.segment import Segment
 from rich.style import Style
 from rich.text import Text
@@ -15,11 +17,16 @@ from textual.strip import Strip
 from textual.widget import Widget
 from textual.widgets import Static
 
-from pagechat.core.blocks import BlockInfo, BlockSnapshot
-from pagechat.tui.widgets.panel import short_bytes
-from pagechat.tui.widgets.panel import Panel
-
-OWNER_COLOURS = ("#5fafff", "#ff8787", "#87d787", "#ffd75f", "#d787ff", "#5fd7d7", "#ffaf5f", "#afafff")
+OWNER_COLOURS = (
+    "#5fafff",
+    "#ff8787",
+    "#87d787",
+    "#ffd75f",
+    "#d787ff",
+    "#5fd7d7",
+    "#ffaf5f",
+    "#afafff",
+)
 FILL = "▁▂▃▄▅▆▇█"  # partly filled last block: height = filled / block_size
 FULL, SHARED, CACHED, FREE = "█", "◆", "○", "·"
 STATE_STYLES = {"free": Style(color="#585858"), "cached": Style(color="#00af87", bold=True)}
@@ -113,7 +120,7 @@ class BlockGrid(Widget):
         if k == 1:
             cells = [block_cell(b, bs) for b in blocks]
         else:
-            cells = [folded_cell(blocks[i:i + k], bs) for i in range(0, len(blocks), k)]
+            cells = [folded_cell(blocks[i : i + k], bs) for i in range(0, len(blocks), k)]
         self._next_build = now + 10 * (time.perf_counter() - now) if len(blocks) > 4096 else 0.0
         per_row = self.per_row
         rows = math.ceil(len(cells) / per_row)
@@ -145,9 +152,14 @@ class BlockGrid(Widget):
         strip = self._rows[y]
         if strip is None:
             per_row = self.per_row
-            segs = [self._segment(c) for c in self._cells[y * per_row:(y + 1) * per_row]]
+            segs = [self._segment(c) for c in self._cells[y * per_row : (y + 1) * per_row]]
             # line-API strips get no background of their own: lay the widget's style under the cells
-            strip = Strip(segs).adjust_cell_length(self.size.width).apply_style(self.rich_style).simplify()
+            strip = (
+                Strip(segs)
+                .adjust_cell_length(self.size.width)
+                .apply_style(self.rich_style)
+                .simplify()
+            )
             self._rows[y] = strip
         return strip
 
@@ -155,9 +167,13 @@ class BlockGrid(Widget):
 def legend(snap: BlockSnapshot) -> Text:
     """What each mark means, and the colour of each sequence holding blocks."""
     t = Text()
-    for glyph, label, style in ((FULL, "full", Style(color="#d0d0d0")), (FILL[3], "part", Style(color="#d0d0d0")),
-                                (SHARED, "shared", Style(color="#d0d0d0")), (CACHED, "cached", STATE_STYLES["cached"]),
-                                (FREE, "free", STATE_STYLES["free"])):
+    for glyph, label, style in (
+        (FULL, "full", Style(color="#d0d0d0")),
+        (FILL[3], "part", Style(color="#d0d0d0")),
+        (SHARED, "shared", Style(color="#d0d0d0")),
+        (CACHED, "cached", STATE_STYLES["cached"]),
+        (FREE, "free", STATE_STYLES["free"]),
+    ):
         t.append(glyph, style).append(f" {label} ", "dim")
     owners = sorted({o for b in snap.blocks for o in b.owners})
     for o in owners[:4]:
@@ -176,11 +192,15 @@ def header(snap: BlockSnapshot, block_bytes: int, fold: int) -> Text:
     t.append(" · free ", "dim").append(str(snap.num_free), "bold")
     t.append(" · shared ", "dim").append(str(snap.num_shared), "bold")
     t.append("\ntokens ", "dim").append(str(snap.tokens_stored), "bold")
-    t.append(" · KV ", "dim").append(f"{short_bytes(snap.num_used * block_bytes)}/{short_bytes(n * block_bytes)}",
-                                    "bold")
+    t.append(" · KV ", "dim").append(
+        f"{short_bytes(snap.num_used * block_bytes)}/{short_bytes(n * block_bytes)}", "bold"
+    )
     t.append(" · frag ", "dim").append(f"{100 * snap.fragmentation:.1f}%", "bold")
     t.append("\nprefix hits ", "dim").append(f"{100 * snap.hit_rate:.0f}%", "bold")
-    t.append(f" ({snap.prefix_hit_tokens}/{snap.prefix_queried_tokens} tok) · {snap.block_size} tok/block", "dim")
+    t.append(
+        f" ({snap.prefix_hit_tokens}/{snap.prefix_queried_tokens} tok) · {snap.block_size} tok/block",
+        "dim",
+    )
     if fold > 1:
         t.append(f"\n1 cell = {fold} blocks (pool folded to fit)", "italic #ffd75f")
     return t

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pagechat.tui.session import Message
+from pagechat.tui.widgets.panel import update_static
+from pagechat.tui.widgets.sampling import token_label
 from rich.style import Style
 from rich.text import Text
 from textual import events
@@ -13,10 +16,6 @@ from textual.message import Message as TMessage
 from textual.reactive import reactive
 from textual.widget import AwaitMount
 from textual.widgets import Markdown, Static, TextArea
-
-from pagechat.tui.session import Message
-from pagechat.tui.widgets.panel import update_static
-from pagechat.tui.widgets.sampling import token_label
 
 CONTROL_PICTURES = {c: 0x2400 + c for c in range(32) if c not in (9, 10)} | {127: 0x2421}
 
@@ -71,10 +70,15 @@ class TokenView(Static):
         for i, tok in enumerate(message.tokens):
             text = tok.text
             special = text.startswith(SPECIAL) and text.endswith((">",))
-            shown = token_label(text, 40) if special or not text or text.isspace() and "\n" not in text and text != " " \
+            shown = (
+                token_label(text, 40)
+                if special or not text or text.isspace() and "\n" not in text and text != " "
                 else printable(text)
+            )
             # meta, not an "@click" action: actions get link styling (underlines) on every token
-            style = Style(bgcolor=TOKEN_SHADES[i % 2], dim=special, italic=special, meta={"token": i})
+            style = Style(
+                bgcolor=TOKEN_SHADES[i % 2], dim=special, italic=special, meta={"token": i}
+            )
             if i == selected:
                 style += Style(reverse=True, bold=True)
             t.append(shown, style)
@@ -140,8 +144,11 @@ class ReplyView(Vertical, can_focus=True):
             self._reserved = 0
             body.styles.height = "auto"
         if m.streaming:
-            text = Text(printable(m.content)) + Text().append("▌", "blink #5fafff") if m.content else \
-                Text().append("…", "dim")
+            text = (
+                Text(printable(m.content)) + Text().append("▌", "blink #5fafff")
+                if m.content
+                else Text().append("…", "dim")
+            )
             body.update(self.fit(body, Text("\n").join((text, self.meta_text()))), layout=False)
         elif self._markdown_for != m.content:
             self._markdown_for = m.content
@@ -169,7 +176,9 @@ class ReplyView(Vertical, can_focus=True):
         lines = text.wrap(self.app.console, width)
         if len(lines) > self._reserved:
             hidden = len(lines) - self._reserved + 1
-            note = Text(f"⋯ {hidden} more lines above; the whole reply shows when it is done", "dim italic")
+            note = Text(
+                f"⋯ {hidden} more lines above; the whole reply shows when it is done", "dim italic"
+            )
             text = Text("\n").join([note, *lines[hidden:]])
         return text
 
@@ -180,14 +189,22 @@ class ReplyView(Vertical, can_focus=True):
         before any layout, and the body's height is set in the same layout pass.
         """
         log = self.parent
-        rows = log.scrollable_content_region.height - self.styles.margin.height - self.styles.gutter.height
+        rows = (
+            log.scrollable_content_region.height
+            - self.styles.margin.height
+            - self.styles.gutter.height
+        )
         siblings = log.children
         i = siblings.index(self)
         if i > 0:
             above = siblings[i - 1]
             st = above.styles
             width = log.scrollable_content_region.width - st.margin.width - st.gutter.width
-            rows -= above.get_content_height(log.size, log.size, width) + st.gutter.height + st.margin.height
+            rows -= (
+                above.get_content_height(log.size, log.size, width)
+                + st.gutter.height
+                + st.margin.height
+            )
         return max(MIN_ROOM, rows)
 
     def meta_text(self) -> Text:
@@ -264,7 +281,9 @@ class ChatLog(VerticalScroll):
     def add(self, message: Message) -> AwaitMount:
         """Mount a widget for a new message."""
         follow = self.near_bottom()
-        view = ReplyView(message, self.frozen) if message.role == "assistant" else UserMessage(message)
+        view = (
+            ReplyView(message, self.frozen) if message.role == "assistant" else UserMessage(message)
+        )
         self.views[id(message)] = view
         mounted = self.mount(view)
         if follow:
@@ -306,8 +325,16 @@ class ChatColumn(Vertical):
     def compose(self) -> ComposeResult:
         from textual.widgets import Input
 
-        yield Input(self.system, placeholder="system prompt (optional; applies from the next message)",
-                    id="system-prompt")
+        yield Input(
+            self.system,
+            placeholder="system prompt (optional; applies from the next message)",
+            id="system-prompt",
+        )
         yield ChatLog(self.frozen, id="chat-log")
-        yield PromptInput(id="prompt", soft_wrap=True, show_line_numbers=False, compact=True,
-                          placeholder="Message · Enter sends · Alt+Enter: new line")
+        yield PromptInput(
+            id="prompt",
+            soft_wrap=True,
+            show_line_numbers=False,
+            compact=True,
+            placeholder="Message · Enter sends · Alt+Enter: new line",
+        )

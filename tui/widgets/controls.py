@@ -4,16 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from pagechat.core.errors import PagechatError
+from pagechat.core.params import SamplingParams
+from pagechat.tui.widgets.panel import Panel
 from rich.text import Text
 from textual import on
 from textual.app import ComposeResult
 from textual.containers import Horizontal
 from textual.message import Message
 from textual.widgets import Input, Label, Static, Switch
-
-from pagechat.core.errors import PagechatError
-from pagechat.core.params import SamplingParams
-from pagechat.tui.widgets.panel import Panel
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,27 +73,50 @@ class ControlsPanel(Panel):
             super().__init__()
             self.enabled, self.num_draft = enabled, num_draft
 
-    def __init__(self, params: SamplingParams, spec: tuple[bool, bool, int] = (False, False, 4), **kwargs) -> None:
+    def __init__(
+        self, params: SamplingParams, spec: tuple[bool, bool, int] = (False, False, 4), **kwargs
+    ) -> None:
         super().__init__(**kwargs)
         self.params = params
-        self.spec_available, self.spec_on, self.num_draft = spec  # (a proposer exists, on, draft length)
+        self.spec_available, self.spec_on, self.num_draft = (
+            spec  # (a proposer exists, on, draft length)
+        )
 
     def compose(self) -> ComposeResult:
         for f in FIELDS:
             with Horizontal(classes="control-row"):
                 yield Label(f.label, classes="control-label")
-                yield Input(show_value(getattr(self.params, f.name)), id=f"ctl-{f.name}", classes="control-input",
-                            type="number" if f.kind is float else "text", placeholder=f.hint, select_on_focus=True)
+                yield Input(
+                    show_value(getattr(self.params, f.name)),
+                    id=f"ctl-{f.name}",
+                    classes="control-input",
+                    type="number" if f.kind is float else "text",
+                    placeholder=f.hint,
+                    select_on_focus=True,
+                )
                 yield Label(f.hint, classes="control-hint")
         with Horizontal(classes="control-row"):
             yield Label("speculation", classes="control-label")
-            yield Switch(self.spec_on, id="ctl-spec", disabled=not self.spec_available,
-                         tooltip=None if self.spec_available else "start with --draft DIR or --ngram")
+            yield Switch(
+                self.spec_on,
+                id="ctl-spec",
+                disabled=not self.spec_available,
+                tooltip=None if self.spec_available else "start with --draft DIR or --ngram",
+            )
             yield Label("draft length", classes="control-hint")
-            yield Input(str(self.num_draft), id="ctl-draft", classes="control-input -short", type="integer",
-                        disabled=not self.spec_available, select_on_focus=True)
+            yield Input(
+                str(self.num_draft),
+                id="ctl-draft",
+                classes="control-input -short",
+                type="integer",
+                disabled=not self.spec_available,
+                select_on_focus=True,
+            )
         yield Static(id="control-error")
-        yield Static(Text().append("F5/F6 temperature −/+ · F7/F8 top-p −/+ · Enter applies", "dim"), id="control-help")
+        yield Static(
+            Text().append("F5/F6 temperature −/+ · F7/F8 top-p −/+ · Enter applies", "dim"),
+            id="control-help",
+        )
 
     def set_params(self, params: SamplingParams) -> None:
         """Show params (e.g. after a key nudge) without re-validating."""
@@ -134,8 +156,10 @@ class ControlsPanel(Panel):
             k = 0
         if k < 1:  # the engine's own rule (Engine.set_speculation), refused here before it is sent
             self.query_one("#ctl-draft", Input).add_class("-refused")
-            self.set_text("#control-error", Text().append(f"refused: draft length must be >= 1, got {text!r}",
-                                                          "bold #ff8787"))
+            self.set_text(
+                "#control-error",
+                Text().append(f"refused: draft length must be >= 1, got {text!r}", "bold #ff8787"),
+            )
             return
         self.query_one("#ctl-draft", Input).remove_class("-refused")
         self.set_text("#control-error", "")

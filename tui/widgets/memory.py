@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+from pagechat.core.blocks import BlockSnapshot
+from pagechat.core.memory import EngineMemory, Readings
+from pagechat.tui.widgets.panel import Panel, short_bytes
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.widgets import Static
 
-from pagechat.core.blocks import BlockSnapshot
-from pagechat.core.memory import EngineMemory, Readings
-from pagechat.tui.widgets.panel import Panel, short_bytes
-
-BAR_COLOURS = {"weights": "#5fafff", "kv used": "#87d787", "kv free": "#2e5e2e", "other": "#d787ff", "free": "#3a3a3a"}
+BAR_COLOURS = {
+    "weights": "#5fafff",
+    "kv used": "#87d787",
+    "kv free": "#2e5e2e",
+    "other": "#d787ff",
+    "free": "#3a3a3a",
+}
 
 
 def bar_legend() -> Text:
@@ -61,13 +66,17 @@ class MemoryPanel(Panel):
                 fmts[key] = fmts.get(key, 0) + r.bytes
         t.append(" · " + " · ".join(f"{k} {short_bytes(v)}" for k, v in fmts.items()), "dim")
         names = {"embedding": "emb", "attention": "attn", "lm_head": "head"}
-        kinds = " · ".join(f"{names.get(k, k)} {short_bytes(v)}" for k, v in w.by_kind().items() if v)
+        kinds = " · ".join(
+            f"{names.get(k, k)} {short_bytes(v)}" for k, v in w.by_kind().items() if v
+        )
         return t.append("\n" + kinds, "dim")
 
     def capacity_text(self) -> Text:
         i = self.info
         t = Text().append("fits ", "dim")
-        t.append(str(i.seqs_that_fit(i.max_model_len)), "bold").append(f" seqs of {i.max_model_len} (full ctx) · ", "dim")
+        t.append(str(i.seqs_that_fit(i.max_model_len)), "bold").append(
+            f" seqs of {i.max_model_len} (full ctx) · ", "dim"
+        )
         return t.append(str(i.seqs_that_fit(2048)), "bold").append(" of 2k", "dim")
 
     def show(self, snap: BlockSnapshot | None, readings: Readings | None = None) -> None:
@@ -89,25 +98,55 @@ class MemoryPanel(Panel):
             return Text().append(f"{i.device.type} readings hidden (frozen numbers)", "dim")
         t = Text()
         if r.device_total is not None:
-            t.append("activation peak ", "dim").append(short_bytes(max(0, r.peak - w - i.pool_bytes)), "bold")
+            t.append("activation peak ", "dim").append(
+                short_bytes(max(0, r.peak - w - i.pool_bytes)), "bold"
+            )
             t.append(" (peak − weights − KV)", "dim")
-            t.append("\ntorch ", "dim").append(short_bytes(r.allocated), "bold").append(" allocated · ", "dim")
+            t.append("\ntorch ", "dim").append(short_bytes(r.allocated), "bold").append(
+                " allocated · ", "dim"
+            )
             t.append(short_bytes(r.reserved), "bold").append(" reserved", "dim")
-            t.append("\nother ", "dim").append(short_bytes(max(0, r.reserved - w - i.pool_bytes)), "bold")
+            t.append("\nother ", "dim").append(
+                short_bytes(max(0, r.reserved - w - i.pool_bytes)), "bold"
+            )
             t.append(" (reserved − weights − KV)", "dim")
             dev_used = r.device_total - r.device_free
-            t.append(f"\n{i.device} ", "dim").append(f"{short_bytes(dev_used)} / {short_bytes(r.device_total)}", "bold")
+            t.append(f"\n{i.device} ", "dim").append(
+                f"{short_bytes(dev_used)} / {short_bytes(r.device_total)}", "bold"
+            )
             t.append(f" used · {short_bytes(r.device_free)} free\n", "dim")
-            parts = [("weights", w), ("kv used", kv_used), ("kv free", i.pool_bytes - kv_used),
-                     ("other", dev_used - w - i.pool_bytes)]
-            return t.append_text(bar(parts, r.device_total, width)).append("\n").append_text(bar_legend())
+            parts = [
+                ("weights", w),
+                ("kv used", kv_used),
+                ("kv free", i.pool_bytes - kv_used),
+                ("other", dev_used - w - i.pool_bytes),
+            ]
+            return (
+                t.append_text(bar(parts, r.device_total, width))
+                .append("\n")
+                .append_text(bar_legend())
+            )
         other = r.rss - w - i.pool_bytes
         t.append("activation peak ", "dim").append("not tracked on CPU", "italic dim")
         t.append("\nengine RSS ", "dim").append(short_bytes(r.rss), "bold")
-        t.append(" · other ", "dim").append(short_bytes(max(0, other)), "bold").append(" (RSS − weights − KV)", "dim")
+        t.append(" · other ", "dim").append(short_bytes(max(0, other)), "bold").append(
+            " (RSS − weights − KV)", "dim"
+        )
         if r.mem_total:
             t.append("\n")
-            t.append_text(bar([("weights", w), ("kv used", kv_used), ("kv free", i.pool_bytes - kv_used),
-                               ("other", other)], r.mem_total, width - 14))
-            t.append(f" of {short_bytes(r.mem_total)}", "dim").append("\n").append_text(bar_legend())
+            t.append_text(
+                bar(
+                    [
+                        ("weights", w),
+                        ("kv used", kv_used),
+                        ("kv free", i.pool_bytes - kv_used),
+                        ("other", other),
+                    ],
+                    r.mem_total,
+                    width - 14,
+                )
+            )
+            t.append(f" of {short_bytes(r.mem_total)}", "dim").append("\n").append_text(
+                bar_legend()
+            )
         return t

@@ -27,7 +27,10 @@ def update_static(static: Static, text: Text | str) -> None:
     width, height = static.content_size
     if isinstance(text, Text) and width > 0:
         floor = static.styles.min_height
-        lines = max(len(text.wrap(static.app.console, width)), int(floor.value) if floor and floor.is_cells else 0)
+        lines = max(
+            len(text.wrap(static.app.console, width)),
+            int(floor.value) if floor and floor.is_cells else 0,
+        )
         layout = lines != height
     else:
         layout = True  # not laid out yet, or markup: the height is unknown

@@ -2,26 +2,29 @@
 
 from __future__ import annotations
 
-from rich.text import Text
-from textual.app import ComposeResult
-from textual.widgets import Static
-
 from pagechat.core.params import SamplingParams
 from pagechat.core.sampler import Candidate, SampleRecord
 from pagechat.tui.widgets.panel import Panel
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.widgets import Static
 
 
 def token_label(text: str, width: int = 12) -> str:
     """A token's text made visible: escapes for whitespace and control characters, cut to width."""
     shown = repr(text)[1:-1].replace(" ", "␣") if text else "∅"
-    return shown if len(shown) <= width else shown[:width - 1] + "…"
+    return shown if len(shown) <= width else shown[: width - 1] + "…"
 
 
 def params_line(p: SamplingParams) -> Text:
     """Compact settings: T, top-p, top-k, min-p, repetition penalty (when on), seed, max tokens."""
     t = Text()
-    items = [("T", f"{p.temperature:g}" + (" greedy" if p.greedy else "")), ("top-p", f"{p.top_p:g}"),
-             ("top-k", str(p.top_k or "off")), ("min-p", f"{p.min_p:g}")]
+    items = [
+        ("T", f"{p.temperature:g}" + (" greedy" if p.greedy else "")),
+        ("top-p", f"{p.top_p:g}"),
+        ("top-k", str(p.top_k or "off")),
+        ("min-p", f"{p.min_p:g}"),
+    ]
     if p.repetition_penalty != 1:
         items.append(("rep", f"{p.repetition_penalty:g}"))
     items += [("seed", "rand" if p.seed is None else str(p.seed)), ("max", str(p.max_tokens))]
@@ -35,7 +38,10 @@ def candidate_row(c: Candidate, bar_width: int) -> Text:
     mark = "▶" if c.chosen else " "
     status = "kept" if c.kept else f"cut {c.cut_by}" if c.cut_by else "cut"
     style = "bold #87d787" if c.chosen else "" if c.kept else "#8a8a8a"
-    line = Text(f"{mark} {token_label(c.text):<12} {c.logit:>6.2f} {c.prob:>6.3f} {c.cum_prob:>6.3f} ", style=style)
+    line = Text(
+        f"{mark} {token_label(c.text):<12} {c.logit:>6.2f} {c.prob:>6.3f} {c.cum_prob:>6.3f} ",
+        style=style,
+    )
     if bar_width > 0:
         n = round(bar_width * c.prob)
         line.append("█" * n + "·" * (bar_width - n), "#5fafff" if c.kept else "#585858").append(" ")
@@ -72,11 +78,18 @@ class SamplingPanel(Panel):
             title.append(f" · id {record.token_id}", "dim")
         self.set_text("#sampling-title", title)
         if record is None:
-            self.set_text("#sampling-params", Text().append("send a prompt: each sampled token's candidates appear here", "dim"))
+            self.set_text(
+                "#sampling-params",
+                Text().append("send a prompt: each sampled token's candidates appear here", "dim"),
+            )
             self.set_text("#sampling-table", "")
         else:
-            self.set_text("#sampling-params", Text().append("in force ", "dim") + params_line(record.params))
-            table = Text().append(HEADER + ("bar".ljust(bar) + " " if bar else "") + "filter", "bold #8a8a8a")
+            self.set_text(
+                "#sampling-params", Text().append("in force ", "dim") + params_line(record.params)
+            )
+            table = Text().append(
+                HEADER + ("bar".ljust(bar) + " " if bar else "") + "filter", "bold #8a8a8a"
+            )
             for c in record.candidates:
                 table.append("\n").append_text(candidate_row(c, bar))
             if not record.candidates:

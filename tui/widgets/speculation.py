@@ -4,15 +4,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from pagechat.tui.widgets.panel import Panel
+from pagechat.tui.widgets.sampling import token_label
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.widgets import Static
 
-from pagechat.tui.widgets.panel import Panel
-from pagechat.tui.widgets.sampling import token_label
-
-MARKS = {"accepted": ("✓", "#87d787"), "rejected": ("✗", "#ff8787"), "bonus": ("+", "#ffd75f"),
-         "correction": ("→", "#5fafff")}
+MARKS = {
+    "accepted": ("✓", "#87d787"),
+    "rejected": ("✗", "#ff8787"),
+    "bonus": ("+", "#ffd75f"),
+    "correction": ("→", "#5fafff"),
+}
 
 
 def step_line(d) -> Text:
@@ -36,15 +39,23 @@ def summary(records: Sequence, k: int) -> Text:
     accepted = sum(d.accepted for d in steps)
     emitted = sum(len(d.emitted) for d in records)
     t = Text()
-    t.append("acceptance ", "dim").append(f"{100 * accepted / drafted:.0f}%" if drafted else "—", "bold")
-    t.append(" · mean accepted ", "dim").append(f"{accepted / len(steps):.2f}" if steps else "—", "bold")
-    t.append("\nforwards/token ", "dim").append(f"{len(records) / emitted:.2f}" if emitted else "—", "bold")
+    t.append("acceptance ", "dim").append(
+        f"{100 * accepted / drafted:.0f}%" if drafted else "—", "bold"
+    )
+    t.append(" · mean accepted ", "dim").append(
+        f"{accepted / len(steps):.2f}" if steps else "—", "bold"
+    )
+    t.append("\nforwards/token ", "dim").append(
+        f"{len(records) / emitted:.2f}" if emitted else "—", "bold"
+    )
     t.append(f" ({len(records)} fwd, {emitted} tok)" if emitted else "", "dim")
     t.append("\nper position", "dim")
     for pos in range(k):
         tried = [d for d in steps if len(d.drafted) > pos]
         rate = sum(1 for d in tried if d.accepted > pos) / len(tried) if tried else None
-        t.append(f" {pos + 1}:", "dim").append("—" if rate is None else f"{100 * rate:.0f}%", "bold")
+        t.append(f" {pos + 1}:", "dim").append(
+            "—" if rate is None else f"{100 * rate:.0f}%", "bold"
+        )
     return t
 
 

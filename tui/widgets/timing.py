@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from pagechat.tui.session import ChatSession, TurnTiming
+from pagechat.tui.widgets.panel import Panel
 from rich.style import Style
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.widgets import Static
-
-from pagechat.tui.session import ChatSession, TurnTiming
-from pagechat.tui.widgets.panel import Panel
 
 KIND_COLOURS = {"prefill": "#ffaf5f", "decode": "#5fafff", "mixed": "#d787ff"}
 BARS = " ▁▂▃▄▅▆▇█"
@@ -37,7 +36,9 @@ def sparkline(steps: Sequence[tuple[str, float]], width: int, height: int = 2) -
             level = round(min(s, top) / top * 8 * height)  # eighths of a row, over all rows
             part = min(8, max(0, level - 8 * r))
             clipped = s > top and r == height - 1
-            line.append("▲" if clipped else BARS[part] if part else " ", KIND_COLOURS.get(kind, "white"))
+            line.append(
+                "▲" if clipped else BARS[part] if part else " ", KIND_COLOURS.get(kind, "white")
+            )
         rows.append(line)
     return Text("\n").join(rows)
 
@@ -65,14 +66,31 @@ def _num(value: float | None, fmt: str, frozen: bool) -> str:
     return "—" if value is None or value == 0 else format(value, fmt)
 
 
-COLUMNS = (("#", 2), ("TTFTms", 6), ("prefill", 7), ("tok/s", 6), ("decode", 6), ("ms/tok", 6), ("tok/s", 6))
+COLUMNS = (
+    ("#", 2),
+    ("TTFTms", 6),
+    ("prefill", 7),
+    ("tok/s", 6),
+    ("decode", 6),
+    ("ms/tok", 6),
+    ("tok/s", 6),
+)
 
 
 def turn_row(i: int, t: TurnTiming, frozen: bool, live: bool) -> Text:
-    cells = [("▶" if live else "") + str(i), _num(None if t.ttft_s is None else 1000 * t.ttft_s, ".0f", frozen), str(t.prefill_tokens),
-             _num(t.prefill_tok_s, ".0f", frozen), str(t.decode_tokens), _num(t.ms_per_token, ".1f", frozen),
-             _num(t.decode_tok_s, ".1f", frozen)]
-    return Text(" ".join(c.rjust(w) for c, (_, w) in zip(cells, COLUMNS)), style="bold #87d787" if live else "")
+    cells = [
+        ("▶" if live else "") + str(i),
+        _num(None if t.ttft_s is None else 1000 * t.ttft_s, ".0f", frozen),
+        str(t.prefill_tokens),
+        _num(t.prefill_tok_s, ".0f", frozen),
+        str(t.decode_tokens),
+        _num(t.ms_per_token, ".1f", frozen),
+        _num(t.decode_tok_s, ".1f", frozen),
+    ]
+    return Text(
+        " ".join(c.rjust(w) for c, (_, w) in zip(cells, COLUMNS)),
+        style="bold #87d787" if live else "",
+    )
 
 
 class TimingPanel(Panel):
@@ -106,7 +124,15 @@ class TimingPanel(Panel):
         for kind, colour in KIND_COLOURS.items():
             title.append(" ■", Style(color=colour)).append(kind, "dim")
         self.set_text("#timing-spark-title", title)
-        self.set_text("#timing-spark", sparkline(steps, width) if not self.frozen else
-                      Text(HIDDEN * min(width, len(steps)), "dim"))
-        self.set_text("#timing-split", split_bar(session.wall, width) if not self.frozen else
-                      Text().append("wall-time split hidden (frozen numbers)", "dim"))
+        self.set_text(
+            "#timing-spark",
+            sparkline(steps, width)
+            if not self.frozen
+            else Text(HIDDEN * min(width, len(steps)), "dim"),
+        )
+        self.set_text(
+            "#timing-split",
+            split_bar(session.wall, width)
+            if not self.frozen
+            else Text().append("wall-time split hidden (frozen numbers)", "dim"),
+        )
