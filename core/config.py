@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from pagechat.core.errors import PagechatError
 from pagechat.core.loader import DTYPES
-from pagechat.quant.loaders import QUANT_MODES
+from pagechat.core.quantization import quant_modes
 
 _UNITS = {
     "": 1,
@@ -51,9 +51,14 @@ class EngineConfig:
         if self.device not in ("auto", "cpu", "cuda"):
             raise PagechatError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         check_dtype(self.dtype)
-        if self.quant is not None and self.quant not in QUANT_MODES:
+        modes = quant_modes()
+        if self.quant is not None and self.quant not in modes:
+            if not modes:
+                raise PagechatError(
+                    f"--quant {self.quant} needs pagechat.quant, which is not installed"
+                )
             raise PagechatError(
-                f"--quant must be {', '.join(QUANT_MODES[:-1])} or {QUANT_MODES[-1]}, got {self.quant!r}"
+                f"--quant must be {', '.join(modes[:-1])} or {modes[-1]}, got {self.quant!r}"
             )
         if self.draft and self.ngram:
             raise PagechatError("choose one proposer: --draft DIR or --ngram, not both")

@@ -25,13 +25,13 @@ from pagechat.core.loader import (
 )
 from pagechat.core.model import DecoderModel
 from pagechat.core.params import SamplingParams
+from pagechat.core.quantization import QuantPlan, resolve_quant
 from pagechat.core.report import DraftRecord, StepReport, TokenOutput
 from pagechat.core.runner import ModelRunner
 from pagechat.core.sampler import Sampler, SampleRow, target_probs
 from pagechat.core.scheduler import ScheduledSeq, Scheduler
 from pagechat.core.sequence import Sequence, Status
 from pagechat.core.spec import DraftModelProposer, NgramProposer, verify
-from pagechat.quant.loaders import resolve_quant
 
 
 def resolve_device(name: str) -> torch.device:
@@ -81,7 +81,7 @@ class LoadedModel:
     """A checkpoint ready to run: its spec, tokenizer, quantisation mode and decoder on the device."""
 
     spec: ModelSpec
-    quant: object  # pagechat.quant.loaders' resolved mode
+    quant: QuantPlan
     tokenizer: object
     model: DecoderModel
     dtype: torch.dtype

@@ -21,9 +21,8 @@ import warnings
 import torch
 from pagechat.core.attention import AttentionMetadata
 from pagechat.core.model import DecoderModel
-from pagechat.quant.layers import Bf16WOLinear
 
-MAX_GRAPH_TOKENS = Bf16WOLinear.MAX_BF16_ROWS
+MAX_GRAPH_TOKENS = 8  # a layer that branches on its row count (bf16-wo) splits here too
 TRACE_SUPPORTED = sys.version_info < (
     3,
     14,

@@ -6,11 +6,10 @@ activations (the block's input, output and the four groups' inputs) at a time.
 
 from __future__ import annotations
 
-import itertools
 import json
 import shutil
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,7 +21,6 @@ from pagechat.quant.pack import to_awq
 from safetensors.torch import save_file
 
 METHODS = ("awq", "rtn")
-CALIB_SEED = 1234  # demo dialogues for calibration; eval text uses other seeds
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 Progress = Callable[[int, int, str], None]  # (block index, number of blocks, stage)
@@ -50,14 +48,6 @@ def awq_quant_config(group: int) -> dict:
         "version": "gemm",
         "modules_to_not_convert": None,
     }
-
-
-def default_calibration_texts() -> Iterator[str]:
-    """Offline calibration text, endless: the demo corpus's dialogues rendered in ChatML, 200 per seed."""
-    from pagechat.core.demo.corpus import render, training_dialogues
-
-    for seed in itertools.count(CALIB_SEED):
-        yield "".join(render(d) for d in training_dialogues(200, seed=seed))
 
 
 def calibration_ids(tokenizer, texts: Iterable[str], samples: int, seqlen: int) -> torch.Tensor:
@@ -153,9 +143,9 @@ def quantize_checkpoint(
     result = QuantizeResult(out_dir, method, group, None)
     x = None
     if method == "awq":
-        ids = calibration_ids(
-            tokenizer, texts if texts is not None else default_calibration_texts(), samples, seqlen
-        )
+        if texts is None:
+            raise PagechatError("AWQ needs calibration text (texts=...); RTN does not")
+        ids = calibration_ids(tokenizer, texts, samples, seqlen)
         result.calib_shape = tuple(ids.shape)
         x = embed.float()[ids]  # [samples, seqlen, hidden]: the first block's input
     with torch.inference_mode():

@@ -12,6 +12,7 @@ import logging
 
 import torch
 import torch.nn.functional as F
+from pagechat.core.graphs import MAX_GRAPH_TOKENS
 from pagechat.quant.pack import dequantize, pack_awq, unpack_awq
 from torch import nn
 
@@ -201,7 +202,7 @@ class Bf16WOLinear(_WeightOnlyLinear):
 
     quant_format = "bf16-wo"
     path = "bf16 <= 8 rows, else fp32"
-    MAX_BF16_ROWS = 8
+    MAX_BF16_ROWS = MAX_GRAPH_TOKENS  # a traced step records one side of the branch below
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None, device: torch.device

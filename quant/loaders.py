@@ -15,7 +15,14 @@ import torch
 from pagechat.core.errors import PagechatError
 from pagechat.core.loader import ModelSpec, WeightReader
 from pagechat.core.model import LinearLoader, dense_linear, linear
-from pagechat.quant.layers import AWQLinear, Bf16WOLinear, Int8WOLinear, bf16_head, bnb_int8_linear
+from pagechat.quant.layers import (
+    AWQLinear,
+    Bf16WOLinear,
+    Int8WOLinear,
+    bf16_head,
+    bnb_int8_linear,
+    quant_tensors,
+)
 from pagechat.quant.pack import unpack_awq
 from torch import nn
 
@@ -252,3 +259,14 @@ def _int8_loader(mode: str, prequantised: bool, device: torch.device) -> LinearL
         return bnb_int8_linear(b, device, weight=weight.float())
 
     return load
+
+
+class Backend:
+    """pagechat's quantisation as the engine's registry sees it (the `pagechat.quant` entry point)."""
+
+    modes = QUANT_MODES
+    resolve = staticmethod(resolve_quant)
+    storage = staticmethod(quant_tensors)
+
+
+BACKEND = Backend()

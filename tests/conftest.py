@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import torch
-from pagechat.core.make_model import make_model
+from pagechat.tools.make_model import make_model
 
 # Tiny models run fastest on one thread, and a shared 2-core machine makes extra threads spin-wait.
 torch.set_num_threads(1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from conftest import cli
-from pagechat.core.bench import KEYS, Workload, median_of
+from pagechat.tools.bench import KEYS, Workload, median_of
 
 
 def test_bench_json_vs_hf(tiny_llama, capsys):
@@ -66,9 +66,9 @@ def test_bench_speculation_round_decodes_the_given_prompt(tiny_llama, capsys):
 
 
 def test_bench_main_figures_decode_plainly_with_a_proposer(tiny_llama):
-    from pagechat.core.bench import pagechat_round
     from pagechat.core.config import EngineConfig
     from pagechat.core.engine import Engine
+    from pagechat.tools.bench import pagechat_round
 
     engine = Engine(tiny_llama, EngineConfig(device="cpu", dtype="float32", ngram=True))
     reports, step = [], engine.step

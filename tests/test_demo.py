@@ -4,12 +4,12 @@ import json
 import math
 import re
 
-import pagechat.core.demo as demo
+import pagechat.tools.demo as demo
 import pytest
 from conftest import cli
-from pagechat.core.demo import corpus
-from pagechat.core.demo.train import CHAT, Recipe, Shape, evaluate, train_demo
 from pagechat.core.errors import PagechatError
+from pagechat.tools.demo import corpus
+from pagechat.tools.demo.train import CHAT, Recipe, Shape, evaluate, train_demo
 from safetensors import safe_open
 
 

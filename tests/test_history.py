@@ -121,7 +121,7 @@ def test_run_refuses_with_one_line(tmp_path, monkeypatch, capsys):
 def test_run_without_model_dir_uses_the_demo_or_says_how_to_make_a_model(
     monkeypatch, capsys, tmp_path
 ):
-    import pagechat.core.demo as demo
+    import pagechat.tools.demo as demo
 
     assert demo.model_or_demo(None) == demo.chat_model_dir()
     monkeypatch.setattr(demo, "DEMO_DIR", tmp_path)  # an install that lost its demo files

@@ -6,7 +6,7 @@ import pytest
 import torch
 import transformers
 from pagechat.core.errors import PagechatError
-from pagechat.core.make_model import (
+from pagechat.tools.make_model import (
     ARCHS,
     EOS_IDS,
     builtin_corpus,

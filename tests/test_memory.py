@@ -9,9 +9,10 @@ from conftest import cli
 from pagechat.core.config import EngineConfig
 from pagechat.core.engine import Engine
 from pagechat.core.kv import block_bytes
-from pagechat.core.memory import estimate_weights, kv_bytes_per_token, plan_capacity, weight_report
+from pagechat.core.memory import kv_bytes_per_token, weight_report
 from pagechat.core.params import SamplingParams
 from pagechat.quant.checkpoint import quantize_checkpoint
+from pagechat.tools.planner import estimate_weights, plan_capacity
 
 
 def unique_bytes(model: torch.nn.Module) -> int:

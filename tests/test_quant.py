@@ -16,7 +16,7 @@ import transformers
 from conftest import cli
 from pagechat.core.config import EngineConfig
 from pagechat.core.engine import Engine
-from pagechat.core.memory import estimate_weights, weight_report
+from pagechat.core.memory import weight_report
 from pagechat.core.model import linear
 from pagechat.core.params import SamplingParams
 from pagechat.quant import layers as qlayers
@@ -26,6 +26,8 @@ from pagechat.quant.evaluate import greedy_agreement, perplexity, window_logits
 from pagechat.quant.layers import AWQLinear, Bf16WOLinear, Int8WOLinear, bnb_int8_linear
 from pagechat.quant.loaders import QuantPlan
 from pagechat.quant.pack import AWQ_ORDER, dequantize, fake_quantize, pack_awq, to_awq, unpack_awq
+from pagechat.tools.demo.corpus import calibration_texts
+from pagechat.tools.planner import estimate_weights
 from safetensors.torch import load_file, save_file
 
 CPU = torch.device("cpu")
@@ -311,7 +313,9 @@ def test_awq_engine_equals_a_dense_model_of_the_dequantised_weights(rtn, monkeyp
 
 
 def test_awq_quantize_runs_folds_exactly_and_loads(llama, tmp_path):
-    res = quantize_checkpoint(llama, tmp_path / "awq", "awq", 128, samples=2, seqlen=16)
+    res = quantize_checkpoint(
+        llama, tmp_path / "awq", "awq", 128, calibration_texts(), samples=2, seqlen=16
+    )
     assert res.calib_shape == (2, 16) and len(res.alphas) == 2
     assert set(res.alphas[0]) == {"qkv", "gate_up", "down"}  # GQA: no v -> o group
     e = engine(res.out_dir)

@@ -7,9 +7,9 @@ import torch
 from pagechat.core.config import EngineConfig
 from pagechat.core.engine import Engine
 from pagechat.core.errors import PagechatError
-from pagechat.core.make_model import make_model, save_tokenizer, train_tokenizer
 from pagechat.core.params import SamplingParams
 from pagechat.core.spec import ngram_propose, verify
+from pagechat.tools.make_model import make_model, save_tokenizer, train_tokenizer
 
 PROMPTS = [
     "Hi",

@@ -6,9 +6,9 @@ import json
 import sys
 from pathlib import Path
 
-from pagechat.core.bench import run_bench
 from pagechat.core.config import EngineConfig
 from pagechat.core.engine import Engine
+from pagechat.tools.bench import run_bench
 from rich.console import Console
 from rich.table import Table
 

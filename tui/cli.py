@@ -71,7 +71,7 @@ def make_model_cmd(
     seed: Annotated[int, typer.Option(help="weights are identical for the same seed")] = 0,
 ) -> None:
     """Write a random-initialised checkpoint (transformers' own classes) with a locally trained tokenizer."""
-    from pagechat.core.make_model import make_model
+    from pagechat.tools.make_model import make_model
 
     path = make_model(out_dir, arch, size, seed)
     typer.echo(f"wrote {arch} {size} checkpoint to {path}", err=True)
@@ -128,8 +128,8 @@ def generate(
 ) -> None:
     """Generate from one or more prompts; text streams to stdout, a stats line goes to stderr."""
     from pagechat.core.config import EngineConfig, parse_bytes
-    from pagechat.core.demo import draft_or_demo, model_or_demo
     from pagechat.core.params import SamplingParams
+    from pagechat.tools.demo import draft_or_demo, model_or_demo
     from pagechat.tui.generate import run_generate
 
     params = SamplingParams(
@@ -301,7 +301,7 @@ def run(
 ) -> None:
     """Chat with a local model in the terminal app, with live KV-block, timing, sampling and memory panels."""
     from pagechat.core.config import EngineConfig, parse_bytes
-    from pagechat.core.demo import draft_or_demo
+    from pagechat.tools.demo import draft_or_demo
     from pagechat.tui.launch import run_app
 
     config = EngineConfig(
@@ -371,7 +371,7 @@ def bench(
 ) -> None:
     """Measure TTFT, prefill, decode, 8 concurrent requests, multi-turn TTFT and MBU (optionally vs transformers)."""
     from pagechat.core.config import EngineConfig
-    from pagechat.core.demo import draft_or_demo, model_or_demo
+    from pagechat.tools.demo import draft_or_demo, model_or_demo
     from pagechat.tui.bench_cmd import bench_command
 
     if rounds < 1:
@@ -409,7 +409,7 @@ def train_demo_cmd(
 ) -> None:
     """Train the demo chat model and its draft from an offline generated corpus (about 25 minutes on 2 CPU
     cores), quantise the chat model to AWQ, and check all of them through the engine."""
-    from pagechat.core.demo.train import train_demo
+    from pagechat.tools.demo.train import train_demo
 
     if threads < 1:
         raise PagechatError(f"--threads must be >= 1, got {threads}")

@@ -15,7 +15,7 @@ from textual.pilot import Pilot
 @functools.cache
 def tiny_model_dir() -> Path:
     """A tiny random llama checkpoint (seed 1: identical bytes every time), made once per process."""
-    from pagechat.core.make_model import make_model
+    from pagechat.tools.make_model import make_model
 
     return make_model(
         Path(tempfile.mkdtemp(prefix="pagechat-tiny-")) / "tiny-llama", "llama", "tiny", seed=1

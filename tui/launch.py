@@ -7,9 +7,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from pagechat.core.config import EngineConfig
-from pagechat.core.demo import model_or_demo
 from pagechat.core.errors import PagechatError
 from pagechat.core.params import SamplingParams
+from pagechat.tools.demo import model_or_demo
 from pagechat.tui.history import ChatRecord, ChatStore
 
 DEFAULT_PARAMS = SamplingParams(temperature=0.7, top_p=0.95, max_tokens=512)

@@ -34,11 +34,12 @@ def quantize_command(
 ) -> None:
     """Quantise a float checkpoint to an AutoAWQ GEMM checkpoint, with a progress bar per decoder block."""
     from pagechat.quant.checkpoint import check_request, quantize_checkpoint
+    from pagechat.tools.demo.corpus import calibration_texts
 
     check_request(
         model_dir, out_dir, method, group_size, samples, seqlen
     )  # fail before the progress bar shows
-    texts = [_read_text(calib, "--calib file")] if calib else None
+    texts = [_read_text(calib, "--calib file")] if calib else calibration_texts()
     cols = (
         TextColumn("{task.description}"),
         BarColumn(),
@@ -117,8 +118,9 @@ def plan_command(
     """vLLM-style capacity lines for a budget, from config.json alone."""
     from pagechat.core.config import check_dtype, parse_bytes
     from pagechat.core.loader import DTYPES, read_spec
-    from pagechat.core.memory import estimate_weights, fmt_bytes, plan_capacity
+    from pagechat.core.memory import fmt_bytes
     from pagechat.quant.loaders import MODE_LABELS, resolve_quant
+    from pagechat.tools.planner import estimate_weights, plan_capacity
 
     check_dtype(dtype)
     spec = read_spec(model_dir)
@@ -196,7 +198,7 @@ def bench_quant_command(
 ) -> None:
     """Decode tok/s and weight memory per mode, measured in interleaved rounds."""
     from pagechat.core.memory import fmt_bytes
-    from pagechat.quant.bench import bench_quant
+    from pagechat.tools.bench_quant import bench_quant
 
     for name, v in (
         ("--tokens", tokens),

@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import transformers
-from pagechat.core.demo import corpus
 from pagechat.core.loader import dtype_name
-from pagechat.core.make_model import (
+from pagechat.tools.demo import corpus
+from pagechat.tools.make_model import (
     ENDOFTEXT_ID,
     EOS_IDS,
     IM_END,
@@ -328,7 +328,9 @@ def train_demo(
         if name == "chat":
             metrics[name]["heldout_replies"] = result["replies"]
         log(f"{name}: loss {loss:.4f}, held-out {result['correct']}/{result['total']}")
-    quantize_checkpoint(out_dir / "chat", out_dir / "chat-awq", "awq", group=128)
+    quantize_checkpoint(
+        out_dir / "chat", out_dir / "chat-awq", "awq", group=128, texts=corpus.calibration_texts()
+    )
     metrics["variants"] = {
         label: {
             "heldout_correct": evaluate(path, quant=quant)["correct"],

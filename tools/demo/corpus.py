@@ -14,8 +14,9 @@ training generator never emits them. Two strengths of reservation:
 
 from __future__ import annotations
 
+import itertools
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 HELDOUT_SEED = 20240  # the held-out split is fixed: it does not move with the training seed
@@ -511,3 +512,12 @@ def render(messages: list[dict]) -> str:
 def check(reply: str, item: Item) -> bool:
     """True when the reply contains the item's expected answer."""
     return item.expect in reply
+
+
+CALIB_SEED = 1234  # calibration dialogues; evaluation text uses other seeds
+
+
+def calibration_texts() -> Iterator[str]:
+    """Offline calibration text for AWQ, endless: the corpus's dialogues rendered in ChatML, 200 per seed."""
+    for seed in itertools.count(CALIB_SEED):
+        yield "".join(render(d) for d in training_dialogues(200, seed=seed))

@@ -1,0 +1,104 @@
+"""The interface quantisation plugs into: the engine asks a registry, and never names a quantised class.
+
+A backend (pagechat.quant is the one this package ships) is found through the `pagechat.quant`
+entry-point group, as vLLM finds its plugins, so the engine imports nothing above itself. It turns a
+checkpoint and a `--quant` request into a `QuantPlan`: how each decoder linear and the LM head are built.
+With no backend installed the engine runs float checkpoints and refuses quantised ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from pagechat.core.errors import PagechatError
+from pagechat.core.loader import ModelSpec
+from pagechat.core.model import LinearLoader, dense_linear, linear
+from torch import nn
+
+ENTRY_POINT_GROUP = "pagechat.quant"
+Storage = tuple[str, str, list[torch.Tensor]]  # (format, kernel path, every tensor the layer holds)
+
+
+class QuantPlan(Protocol):
+    """How one checkpoint's linears load: what the model builder and the step graphs need to know."""
+
+    mode: str | None  # the --quant name in force, None for plain weights
+
+    @property
+    def label(self) -> str: ...
+
+    @property
+    def traceable(self) -> bool:
+        """Whether a trace records these layers faithfully (no data-dependent Python per call)."""
+        ...
+
+    def loader(self, device: torch.device) -> LinearLoader: ...
+
+    def head(
+        self, device: torch.device, dtype: torch.dtype
+    ) -> Callable[[torch.Tensor], nn.Module]: ...
+
+
+class QuantBackend(Protocol):
+    """What a quantisation package registers under the entry-point group."""
+
+    modes: tuple[str, ...]
+
+    def resolve(self, spec: ModelSpec, requested: str | None, model_dir: Path) -> QuantPlan:
+        """The plan for this checkpoint and request; PagechatError (one line) for what cannot run."""
+        ...
+
+    def storage(self, module: nn.Module) -> Storage | None:
+        """A quantised layer's format, kernel path and tensors; None for any other module."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class DensePlan:
+    """Weights as the checkpoint stores them, in the model's dtype."""
+
+    mode: None = None
+    label: str = "none (weights in the model dtype)"
+    traceable: bool = True
+
+    def loader(self, device: torch.device) -> LinearLoader:
+        return dense_linear
+
+    def head(self, device: torch.device, dtype: torch.dtype) -> Callable[[torch.Tensor], nn.Module]:
+        return linear
+
+
+@cache
+def backend() -> QuantBackend | None:
+    """The installed quantisation backend, loaded once; None when there is none."""
+    found = entry_points(group=ENTRY_POINT_GROUP)
+    return next(iter(found)).load() if found else None
+
+
+def quant_modes() -> tuple[str, ...]:
+    """The --quant names the installed backend accepts."""
+    found = backend()
+    return found.modes if found is not None else ()
+
+
+def resolve_quant(spec: ModelSpec, requested: str | None, model_dir: Path) -> QuantPlan:
+    """Ask the backend for a plan; without one, plain weights, and a refusal for anything quantised."""
+    found = backend()
+    if found is not None:
+        return found.resolve(spec, requested, model_dir)
+    if requested is not None or spec.quantization is not None:
+        what = f"--quant {requested}" if requested else f"the quantised checkpoint in {model_dir}"
+        raise PagechatError(f"{what} needs pagechat's quantisation package (pagechat.quant)")
+    return DensePlan()
+
+
+def weight_storage(module: nn.Module) -> Storage | None:
+    """How a quantised layer stores its weights, as its backend says; None for a plain module."""
+    found = backend()
+    return found.storage(module) if found is not None else None

@@ -1,0 +1,143 @@
+"""`pagechat plan`: what a checkpoint's weights and KV pool take, from config.json alone.
+
+`estimate_weights` gives the figures `weight_report` reads from a loaded model (they agree exactly, see
+tests/test_memory.py), so `plan` answers "does it fit?" before anything heavy is loaded.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+from pagechat.core.kv import CUDA_FREE_FRACTION
+from pagechat.core.loader import ModelSpec, dtype_name
+from pagechat.core.memory import KINDS, WeightReport, WeightRow, kv_bytes_per_token
+from pagechat.quant.layers import INT4_GROUPS, Bf16WOLinear, bf16_head
+
+
+def _linear_bytes(
+    n: int, k: int, bias: bool, mode: str | None, elem: int, group: int | None, device_type: str
+) -> tuple[str, str, int]:
+    """(format, path, bytes) of one decoder linear out=n, in=k as quant/layers.py stores it."""
+    b = n * elem if bias else 0
+    if mode is None:
+        return "", "dense", n * k * elem + b
+    if mode == "int8":
+        return "int8", "bnb-llm.int8", n * k + 4 * n + b  # int8 rows + fp32 row absmax (SCB)
+    if mode == "int8-wo":
+        return "int8-wo", f"int8pack-{device_type}", n * k + 2 * n + b  # int8 + bf16 scales
+    if mode == "bf16-wo":
+        return "bf16-wo", Bf16WOLinear.path, 2 * n * k + b
+    g = group or 128
+    fast = g in INT4_GROUPS and (
+        n % 16 == 0 if device_type == "cpu" else n % 8 == 0 and k % 32 == 0
+    )
+    if fast:  # packed int4 [n, k/2] bytes + bf16 (scale, zero) per group and column
+        return f"awq-int4 g{g}", f"int4pack-{device_type}", n * k // 2 + 4 * n * (k // g) + b
+    # the checkpoint's tensors as they are: qweight, qzeros, fp16 scales
+    return f"awq-int4 g{g}", "dequant", n * k // 2 + n * (k // g) // 2 + 2 * n * (k // g) + b
+
+
+def estimate_weights(
+    spec: ModelSpec,
+    mode: str | None,
+    dtype: torch.dtype,
+    group: int | None = None,
+    device_type: str = "cuda",
+) -> WeightReport:
+    """What weight_report would say for this config loaded with `mode` on device_type, from config alone."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    name = dtype_name(dtype)
+    h, d, kv, hid, inter = (
+        spec.num_heads,
+        spec.head_dim,
+        spec.num_kv_heads,
+        spec.hidden_size,
+        spec.intermediate_size,
+    )
+    acc: dict[tuple[str, str, str], list[int]] = defaultdict(lambda: [0, 0])
+    linears = (
+        ("attention", (h + 2 * kv) * d, hid, spec.qkv_bias),
+        ("attention", hid, h * d, spec.o_bias),
+        ("mlp", 2 * inter, hid, spec.mlp_bias),
+        ("mlp", hid, inter, spec.mlp_bias),
+    )
+    for kind, n, k, bias in linears:
+        fmt, path, nbytes = _linear_bytes(n, k, bias, mode, elem, group, device_type)
+        row = acc[(kind, fmt or name, path)]
+        row[0] += (n * k + (n if bias else 0)) * spec.num_layers
+        row[1] += nbytes * spec.num_layers
+    norm = spec.num_layers * (2 * hid + (2 * d if spec.qk_norm else 0)) + hid
+    acc[("norm", name, "dense")] = [norm, norm * elem]
+    vocab = spec.vocab_size * hid
+    head16 = bf16_head(mode, dtype)  # QuantPlan.head: a bf16 lm_head
+    head_bytes = vocab * (2 if head16 else elem)
+    # the engine ties lm_head to the embedding also when a checkpoint simply lacks lm_head.weight
+    if spec.tie_word_embeddings:  # one table, in the head's dtype
+        acc[("embedding", "bfloat16" if head16 else name, "dense")] = [vocab, head_bytes]
+        acc[("lm_head", "tied to embedding", "-")] = [0, 0]
+    else:
+        acc[("embedding", name, "dense")] = [vocab, vocab * elem]
+        acc[("lm_head", "bf16-wo", Bf16WOLinear.path) if head16 else ("lm_head", name, "dense")] = [
+            vocab,
+            head_bytes,
+        ]
+    rows = [WeightRow(k, f, p, v[0], v[1]) for (k, f, p), v in acc.items()]
+    return WeightReport(tuple(sorted(rows, key=lambda r: KINDS.index(r.kind))))
+
+
+@dataclass(frozen=True, slots=True)
+class CapacityPlan:
+    """What fits in a memory budget: the weights, then KV blocks in what is left (vLLM's startup figures)."""
+
+    budget: int
+    weights: WeightReport
+    kv_dtype: str
+    kv_per_token: int
+    block_size: int
+    kv_budget: int
+    num_blocks: int
+    context: int
+
+    @property
+    def kv_per_block(self) -> int:
+        return self.kv_per_token * self.block_size
+
+    @property
+    def fits(self) -> bool:
+        return self.num_blocks >= math.ceil(self.context / self.block_size)
+
+    @property
+    def max_seqs(self) -> int:
+        """Sequences that can each hold a full context at once."""
+        return self.num_blocks // math.ceil(self.context / self.block_size)
+
+    @property
+    def concurrency(self) -> float:
+        """vLLM's 'maximum concurrency': pool tokens / context."""
+        return self.num_blocks * self.block_size / self.context
+
+
+def plan_capacity(
+    spec: ModelSpec,
+    weights: WeightReport,
+    kv_dtype: torch.dtype,
+    budget: int,
+    context: int,
+    block_size: int = 16,
+) -> CapacityPlan:
+    """Blocks that fit when the KV pool takes CUDA_FREE_FRACTION of the budget left after the weights."""
+    per_token = kv_bytes_per_token(spec, kv_dtype)
+    kv_budget = max(0, int((budget - weights.total) * CUDA_FREE_FRACTION))
+    return CapacityPlan(
+        budget=budget,
+        weights=weights,
+        kv_dtype=dtype_name(kv_dtype),
+        kv_per_token=per_token,
+        block_size=block_size,
+        kv_budget=kv_budget,
+        num_blocks=kv_budget // (per_token * block_size),
+        context=context,
+    )
