@@ -1,66 +1,59 @@
-"""BlockManager: which physical KV blocks each sequence holds, shared prefixes and copy-on-write."""
+"""BlockManager: which physical KV blocks each sequence holds, shared prefixes and copy-on-write.
+
+Every change is announced as a BlockEvent to the observers (the block map the app draws, a step's
+event list); the manager itself keeps only what allocation needs.
+"""
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
-# A block's prefix-cache key is (chained hash of the blocks before it, its tokens); the next
-# block chains on hash(key). Keying the registry by the whole key, not by hash(key) alone, makes
-# the dict compare the tokens on every lookup, so colliding hashes never alias two blocks.
-# Python's hash of ints and tuples is unsalted, so keys are stable across processes too.
-# A key holding fewer than block_size tokens is a partial tail: a finished sequence's last block,
-# kept so that a chat's next turn, whose prompt extends it, need not recompute those tokens. A
-# key claims only its first len(tokens) slots; whoever holds the block may write after them.
+# A block's prefix-cache key is (chained hash of the blocks before it, its tokens); the next block
+# chains on hash(key). Keying the registry by the whole key, not by hash(key) alone, makes the dict
+# compare the tokens on every lookup, so colliding hashes never alias two blocks. Python's hash of
+# ints and tuples is unsalted, so keys are stable across processes too. A key holding fewer than
+# block_size tokens is a partial tail: a finished sequence's last block, kept so that a chat's next
+# turn, whose prompt extends it, need not recompute those tokens. A key claims only its first
+# len(tokens) slots; whoever holds the block may write after them.
 _Key = tuple[int, tuple[int, ...]]
 _ROOT = 0  # the "previous hash" of a sequence's first block
 
 
 @dataclass(frozen=True, slots=True)
-class BlockInfo:
-    """One physical block as the UI sees it."""
+class BlockEvent:
+    """One change to the pool, as the allocator makes it; observers build their views from these.
 
-    block_id: int
-    state: str  # "used" | "cached" (ref 0 but holds a registered prefix) | "free"
-    ref_count: int
-    owners: tuple[int, ...]  # seq ids holding it, sorted
-    filled: int  # slots holding tokens
+    kinds: "allocated" (a fresh block for seq_id), "hit" (a prefix-cache block taken by seq_id),
+    "shared" (a block forked to seq_id), "copied" (copy-on-write: seq_id's last block `source`
+    replaced by the fresh `block`), "released" (seq_id dropped `block`, others still hold it),
+    "freed" / "cached" (seq_id dropped the block's last reference; a cached block keeps `tokens`
+    tokens for the prefix cache), "evicted" (a cached block reclaimed), "resized" (seq_id now
+    reserves `tokens` slots), "lookup" (an admission looked `queried` tokens up, `tokens` hit).
+    """
+
+    kind: str
+    seq_id: int = -1
+    block: int = -1
+    tokens: int = 0
+    queried: int = 0
+    source: int = -1
 
 
-@dataclass(frozen=True, slots=True)
-class BlockSnapshot:
-    """The whole pool at one moment: per-block records plus totals and prefix-cache counters."""
-
-    block_size: int
-    blocks: tuple[BlockInfo, ...]  # index = block id
-    num_used: int
-    num_cached: int
-    num_free: int
-    num_shared: int  # used blocks with ref_count > 1
-    tokens_stored: int  # sum of `filled` over used blocks
-    slots_reserved: int  # num_used * block_size
-    prefix_queried_tokens: int
-    prefix_hit_tokens: int
-
-    @property
-    def fragmentation(self) -> float:
-        """Share of reserved slots that hold no token (0 when nothing is used)."""
-        return 1 - self.tokens_stored / self.slots_reserved if self.slots_reserved else 0.0
-
-    @property
-    def hit_rate(self) -> float:
-        """Prefix-cache hit tokens over queried tokens (0 when nothing was queried)."""
-        return (
-            self.prefix_hit_tokens / self.prefix_queried_tokens
-            if self.prefix_queried_tokens
-            else 0.0
-        )
+Observer = Callable[[BlockEvent], None]
 
 
 class BlockManager:
     """Free list, ref counts, prefix cache, copy-on-write and rollback over a pool of KV blocks."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_cache: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_cache: bool = True,
+        observers: tuple[Observer, ...] = (),
+    ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(
                 f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}"
@@ -77,13 +70,7 @@ class BlockManager:
         self._hashes: dict[
             int, list[int]
         ] = {}  # chained hashes of each seq's committed full blocks
-        self._queried = self._hit = 0
-        self._snap: BlockSnapshot | None = None  # cached until the next mutation
-        self._infos = [
-            BlockInfo(b, "free", 0, (), 0) for b in range(num_blocks)
-        ]  # as last snapshotted
-        self._touched: set[int] = set()  # blocks taken, released or evicted since the last snapshot
-        self._num_shared = self._tokens_stored = 0  # totals over self._infos, kept up to date
+        self.observers = list(observers)
 
     # ---- queries -------------------------------------------------------------------------
 
@@ -119,7 +106,8 @@ class BlockManager:
         return self.blocks_needed(len(token_ids)) - len(hits) <= self.num_free_blocks() - revived
 
     def allocate(self, seq_id: int, token_ids: list[int]) -> int:
-        """Create the sequence's table, reusing cached prefix blocks; return the number of hit tokens."""
+        """Create the sequence's table, reusing cached prefix blocks; return the number of hit
+        tokens."""
         if seq_id in self._tables:
             raise ValueError(f"sequence {seq_id} already has blocks")
         if not self.can_allocate(token_ids):
@@ -128,16 +116,18 @@ class BlockManager:
         hit_tokens = len(hashes) * self.block_size
         if len(hits) > len(hashes):  # the last hit is a partial tail
             hit_tokens += len(self._block_key[hits[-1]][1])
-        # Take the hits before popping fresh blocks, so eviction cannot reclaim a block we just matched.
+        # Take the hits before popping fresh blocks, so eviction cannot reclaim a block we just
+        # matched.
         for b in hits:
-            self._take(b)
-        fresh = [self._pop_free() for _ in range(self.blocks_needed(len(token_ids)) - len(hits))]
+            self._take(b, seq_id, "hit")
+        fresh = [
+            self._pop_free(seq_id) for _ in range(self.blocks_needed(len(token_ids)) - len(hits))
+        ]
         self._tables[seq_id], self._lengths[seq_id] = hits + fresh, len(token_ids)
         self._hashes[seq_id] = hashes
+        self._emit(BlockEvent("resized", seq_id, tokens=len(token_ids)))
         if self.enable_prefix_cache:
-            self._queried += len(token_ids)
-            self._hit += hit_tokens
-        self._snap = None
+            self._emit(BlockEvent("lookup", seq_id, tokens=hit_tokens, queried=len(token_ids)))
         return hit_tokens
 
     def can_append(self, seq_id: int, num_slots: int) -> bool:
@@ -146,29 +136,32 @@ class BlockManager:
         return grow + self._needs_cow(seq_id, num_slots) <= self.num_free_blocks()
 
     def append(self, seq_id: int, num_slots: int) -> list[tuple[int, int]]:
-        """Reserve num_slots more slots; return (old, new) block pairs whose KV the engine must copy."""
+        """Reserve num_slots more slots; return (old, new) block pairs whose KV the engine must
+        copy."""
         if num_slots < 0 or not self.can_append(seq_id, num_slots):
             raise ValueError(f"cannot append {num_slots} slots to sequence {seq_id}")
         table, length = self._tables[seq_id], self._lengths[seq_id]
         pairs = []
         if self._needs_cow(seq_id, num_slots):
-            old, new = table[-1], self._pop_free()
+            old, new = table[-1], self._pop_free(seq_id, announce=False)
             self._ref[old] -= 1  # stays >= 1: the other holders keep it
             table[-1] = new
             pairs.append((old, new))
+            self._emit(BlockEvent("copied", seq_id, new, source=old))
         elif (
             num_slots
             and length % self.block_size
             and self._claims_from(table[-1], length % self.block_size)
         ):
-            # Sole holder writing into slots a registered block's key claims (it was left partial by a
-            # rollback while shared): their content is about to change, so it no longer answers for its prefix.
+            # Sole holder writing into slots a registered block's key claims (it was left partial by
+            # a rollback while shared): their content is about to change, so it no longer answers
+            # for its prefix.
             self._unregister(table[-1])
         table.extend(
-            self._pop_free() for _ in range(self.blocks_needed(length + num_slots) - len(table))
+            self._pop_free(seq_id)
+            for _ in range(self.blocks_needed(length + num_slots) - len(table))
         )
-        self._lengths[seq_id] = length + num_slots
-        self._snap = None
+        self._resize(seq_id, length + num_slots)
         return pairs
 
     def fork(self, parent_id: int, child_id: int) -> None:
@@ -177,10 +170,10 @@ class BlockManager:
             raise ValueError(f"sequence {child_id} already has blocks")
         table = self._tables[parent_id]
         for b in table:
-            self._ref[b] += 1
-        self._tables[child_id], self._lengths[child_id] = list(table), self._lengths[parent_id]
+            self._take(b, child_id, "shared")
+        self._tables[child_id] = list(table)
         self._hashes[child_id] = list(self._hashes[parent_id])
-        self._snap = None
+        self._resize(child_id, self._lengths[parent_id])
 
     # ---- shrink / release --------------------------------------------------------------------
 
@@ -192,22 +185,23 @@ class BlockManager:
         table, bs = self._tables[seq_id], self.block_size
         keep = self.blocks_needed(length)
         for b in reversed(table[keep:]):
-            self._release(b)
+            self._release(b, seq_id)
         del table[keep:]
         del self._hashes[seq_id][length // bs :]
-        self._lengths[seq_id] = length
+        self._resize(seq_id, length)
         if length % bs and self._ref[table[-1]] == 1 and self._claims_from(table[-1], length % bs):
-            # We alone hold it and will overwrite slots its key claims; a shared one stays registered
-            # because the next append copies it first (COW), leaving the registered content intact.
+            # We alone hold it and will overwrite slots its key claims; a shared one stays
+            # registered because the next append copies it first (COW), leaving the registered
+            # content intact.
             self._unregister(table[-1])
-        self._snap = None
 
     def free(self, seq_id: int, token_ids: list[int] | None = None, num_computed: int = 0) -> None:
         """Drop the sequence; blocks reaching ref 0 become cached-free if registered, else free.
 
         Given the sequence's tokens and how many have KV, a partly filled last computed block that
         only this sequence holds is registered as a partial tail first, so a prompt extending those
-        tokens (the next turn of a chat) finds them; full blocks are committed by commit() as they fill.
+        tokens (the next turn of a chat) finds them; full blocks are committed by commit() as they
+        fill.
         """
         if token_ids is not None and self.enable_prefix_cache:
             self._register_tail(seq_id, token_ids, num_computed)
@@ -216,13 +210,13 @@ class BlockManager:
         # Release the tail first: it enters the LRU first and so is evicted first, because a tail
         # block can only ever be hit together with the prefix blocks before it.
         for b in reversed(table):
-            self._release(b)
-        self._snap = None
+            self._release(b, seq_id)
 
     # ---- prefix cache ------------------------------------------------------------------------
 
     def commit(self, seq_id: int, token_ids: list[int], num_computed: int) -> None:
-        """Register every full block within the first num_computed tokens that is not registered yet."""
+        """Register every full block within the first num_computed tokens that is not registered
+        yet."""
         if not self.enable_prefix_cache:
             return
         table, hashes, bs = self._tables[seq_id], self._hashes[seq_id], self.block_size
@@ -240,18 +234,12 @@ class BlockManager:
                 self._register(table[i], key)
             prev = hash(key)
             hashes.append(prev)
-        self._snap = None
-
-    def snapshot(self) -> BlockSnapshot:
-        """The pool as the UI shows it; rebuilt only after a mutation, so polling is cheap."""
-        if self._snap is None:
-            self._snap = self._build_snapshot()
-        return self._snap
 
     # ---- private helpers -----------------------------------------------------------------------
 
     def _match(self, token_ids: list[int]) -> tuple[list[int], list[int]]:
-        """Registered blocks matching a prefix of token_ids, and the chained hashes of the full ones.
+        """Registered blocks matching a prefix of token_ids, and the chained hashes of the full
+        ones.
 
         After the full blocks, a cached-free partial tail may match the next few tokens (the longest
         one wins); it is the last hit, and has no hash. One held by a live sequence is no hit: that
@@ -281,22 +269,26 @@ class BlockManager:
         return hits, hashes
 
     def _register_tail(self, seq_id: int, token_ids: list[int], num_computed: int) -> None:
-        """Register the sequence's partly filled last computed block under a partial key (see free)."""
+        """Register the sequence's partly filled last computed block under a partial key (see
+        free)."""
         table, hashes, bs = self._tables[seq_id], self._hashes[seq_id], self.block_size
         computed = min(num_computed, self._lengths[seq_id], len(token_ids))
         full, n = divmod(computed, bs)
         if not n or len(hashes) != full or self._ref[table[full]] != 1:
-            return  # nothing partial, its full blocks not all committed, or shared with another holder
+            # nothing partial, its full blocks not all committed, or shared with another holder
+            return
         key = (hashes[-1] if hashes else _ROOT, tuple(token_ids[full * bs : computed]))
         old = self._block_key.get(table[full])
         if key in self._registry or (old is not None and len(old[1]) == bs):
-            return  # the same tail lives in a block already, or this block answers for a full prefix
+            # the same tail lives in a block already, or this block answers for a full prefix
+            return
         if old is not None:
             self._unregister(table[full])  # a shorter tail this sequence revived and extended
         self._register(table[full], key)
 
     def _claims_from(self, block: int, slot: int) -> bool:
-        """Whether the block is registered under a key claiming slot `slot` or later (writing there breaks it)."""
+        """Whether the block is registered under a key claiming slot `slot` or later (writing there
+        breaks it)."""
         key = self._block_key.get(block)
         return key is not None and len(key[1]) > slot
 
@@ -307,33 +299,49 @@ class BlockManager:
             num_slots and length % self.block_size and self._ref[self._tables[seq_id][-1]] > 1
         )
 
-    def _take(self, block: int) -> None:
-        """Add a holder to a hit block, reviving it from the LRU if it was cached-free."""
+    def _emit(self, event: BlockEvent) -> None:
+        for observer in self.observers:
+            observer(event)
+
+    def _resize(self, seq_id: int, length: int) -> None:
+        self._lengths[seq_id] = length
+        self._emit(BlockEvent("resized", seq_id, tokens=length))
+
+    def _take(self, block: int, seq_id: int, kind: str) -> None:
+        """Add seq_id as a holder of a block with content (a hit, or a fork), reviving a cached
+        one."""
         if self._ref[block] == 0:
             del self._cached[block]
         self._ref[block] += 1
-        self._touched.add(block)
+        self._emit(BlockEvent(kind, seq_id, block))
 
-    def _pop_free(self) -> int:
-        """A fresh block with ref 1: from the free list, else by evicting the LRU cached block."""
+    def _pop_free(self, seq_id: int, announce: bool = True) -> int:
+        """A fresh block with ref 1 for seq_id: from the free list, else by evicting the LRU cached
+        block.
+
+        A copy-on-write target is announced by its own "copied" event (announce=False)."""
         if self._free:
             block = self._free.popleft()
         else:
             block, _ = self._cached.popitem(last=False)
             self._unregister(block)
+            self._emit(BlockEvent("evicted", block=block))
         self._ref[block] = 1
-        self._touched.add(block)
+        if announce:
+            self._emit(BlockEvent("allocated", seq_id, block))
         return block
 
-    def _release(self, block: int) -> None:
-        """Drop one holder; at ref 0 keep a registered block as cached-free (newest in LRU)."""
+    def _release(self, block: int, seq_id: int) -> None:
+        """Drop seq_id's hold; at ref 0 keep a registered block as cached-free (newest in LRU)."""
         self._ref[block] -= 1
-        self._touched.add(block)
-        if self._ref[block] == 0:
-            if block in self._block_key:
-                self._cached[block] = None
-            else:
-                self._free.append(block)
+        if self._ref[block]:
+            self._emit(BlockEvent("released", seq_id, block))
+        elif block in self._block_key:
+            self._cached[block] = None
+            self._emit(BlockEvent("cached", seq_id, block, tokens=len(self._block_key[block][1])))
+        else:
+            self._free.append(block)
+            self._emit(BlockEvent("freed", seq_id, block))
 
     def _register(self, block: int, key: _Key) -> None:
         """Let the block answer for the prefix key."""
@@ -342,47 +350,3 @@ class BlockManager:
     def _unregister(self, block: int) -> None:
         """Forget the prefix a block answered for."""
         del self._registry[self._block_key.pop(block)]
-
-    def _build_snapshot(self) -> BlockSnapshot:
-        """Build the BlockSnapshot in O(blocks in use), not O(pool): a 100k-block pool is snapshotted every step.
-
-        A block's fields change only while it is in a table or as it enters or leaves one (_take,
-        _pop_free, _release mark it touched), so every other block's BlockInfo is still true; the
-        totals are updated by the changed blocks only.
-        """
-        bs = self.block_size
-        owners: dict[int, list[int]] = {}
-        filled: dict[int, int] = {}
-        for sid in sorted(self._tables):  # sorted ids make every owners list sorted for free
-            left = self._lengths[sid]
-            for b in self._tables[sid]:
-                owners.setdefault(b, []).append(sid)
-                filled[b] = max(filled.get(b, 0), min(bs, left))
-                left -= bs
-        for b in self._touched.union(owners):
-            ref = self._ref[b]
-            state = "used" if ref else "cached" if b in self._cached else "free"
-            kept = len(self._block_key[b][1]) if state == "cached" else 0
-            info = (state, ref, tuple(owners.get(b, ())), filled[b] if ref else kept)
-            old = self._infos[b]
-            if info != (old.state, old.ref_count, old.owners, old.filled):
-                self._num_shared += (ref > 1) - (old.ref_count > 1)
-                self._tokens_stored += (info[3] if ref else 0) - (
-                    old.filled if old.ref_count else 0
-                )
-                self._infos[b] = BlockInfo(b, *info)
-        self._touched = set()
-        num_cached, num_free = len(self._cached), len(self._free)
-        num_used = self.num_blocks - num_cached - num_free
-        return BlockSnapshot(
-            block_size=bs,
-            blocks=tuple(self._infos),
-            num_used=num_used,
-            num_cached=num_cached,
-            num_free=num_free,
-            num_shared=self._num_shared,
-            tokens_stored=self._tokens_stored,
-            slots_reserved=num_used * bs,
-            prefix_queried_tokens=self._queried,
-            prefix_hit_tokens=self._hit,
-        )

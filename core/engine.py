@@ -1,15 +1,17 @@
-"""Engine: add requests, step the scheduler and model, stream text; the one object the CLI and the app drive."""
+"""Engine: add requests, step the scheduler and model, stream text; the one object the CLI and the
+app drive."""
 
 from __future__ import annotations
 
 import random
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
-from pagechat.core.blocks import BlockManager
+from pagechat.core.blockmap import BlockMap
+from pagechat.core.blocks import BlockEvent, BlockManager
 from pagechat.core.config import EngineConfig
 from pagechat.core.detok import update_text
 from pagechat.core.errors import PagechatError
@@ -28,9 +30,9 @@ from pagechat.core.params import SamplingParams
 from pagechat.core.quantization import QuantPlan, resolve_quant
 from pagechat.core.report import DraftRecord, StepReport, TokenOutput
 from pagechat.core.runner import ModelRunner
-from pagechat.core.sampler import Sampler, SampleRow, target_probs
-from pagechat.core.scheduler import ScheduledSeq, Scheduler
-from pagechat.core.sequence import Sequence, Status
+from pagechat.core.sampler import Sampler, SampleRecord, SampleRow, target_probs
+from pagechat.core.scheduler import Batch, ScheduledSeq, Scheduler
+from pagechat.core.sequence import SamplingState, Sequence, Status
 from pagechat.core.spec import DraftModelProposer, NgramProposer, verify
 
 
@@ -44,7 +46,8 @@ def resolve_device(name: str) -> torch.device:
 
 
 def cpu_has_native_bf16() -> bool:
-    """True when this CPU computes bf16 natively (AVX512-BF16 / AMX), where bf16 decodes ~2x faster than fp32."""
+    """True when this CPU computes bf16 natively (AVX512-BF16 / AMX): there bf16 is the faster
+    compute dtype, elsewhere it is emulated."""
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
@@ -52,7 +55,8 @@ def cpu_has_native_bf16() -> bool:
 
 
 def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str | None) -> torch.dtype:
-    """auto -> the checkpoint's dtype on CUDA; bfloat16 on a CPU with native bf16; float32 otherwise."""
+    """auto -> the checkpoint's dtype on CUDA; bfloat16 on a CPU with native bf16; float32
+    otherwise."""
     if name != "auto":
         return DTYPES[name]
     if device.type == "cuda":
@@ -61,9 +65,9 @@ def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str | None)
 
 
 def resolve_quant_mode(cfg: EngineConfig, spec: ModelSpec, device: torch.device) -> str | None:
-    """--quant, else bf16-wo for a bf16 checkpoint under --dtype auto on a CPU without native bf16: its linear
-    weights stay in bf16 as stored (half the bytes float32 streams per token; decode 16.3 -> 28.0 tok/s on the
-    135M model here) while prefill, activations and the KV pool stay float32."""
+    """--quant, else bf16-wo for a bf16 checkpoint under --dtype auto on a CPU without native bf16:
+    its linear weights stay in bf16 as stored, so decode streams half the bytes float32 would,
+    while prefill, activations and the KV pool stay float32."""
     if (
         cfg.quant is None
         and cfg.dtype == "auto"
@@ -78,7 +82,8 @@ def resolve_quant_mode(cfg: EngineConfig, spec: ModelSpec, device: torch.device)
 
 @dataclass(slots=True)
 class LoadedModel:
-    """A checkpoint ready to run: its spec, tokenizer, quantisation mode and decoder on the device."""
+    """A checkpoint ready to run: its spec, tokenizer, quantisation mode and decoder on the
+    device."""
 
     spec: ModelSpec
     quant: QuantPlan
@@ -108,6 +113,23 @@ def load_checkpoint(model_dir: Path, cfg: EngineConfig, device: torch.device) ->
     return LoadedModel(spec, quant, tokenizer, model.to(device).eval(), dtype, max_len)
 
 
+@dataclass(slots=True)
+class _StepWork:
+    """What one step's phases hand each other: tokens per item, records, and the work counted."""
+
+    outputs: list[TokenOutput]
+    emitted: dict[int, list[int]] = field(default_factory=dict)  # id(ScheduledSeq) -> tokens
+    samples: list[SampleRecord] = field(default_factory=list)
+    drafts: list[DraftRecord] = field(default_factory=list)
+    prefill: int = 0
+    decode: int = 0
+
+
+def _row(seq: Sequence, history: list[int]) -> SampleRow:
+    """The sampler's view of a sequence: its settings, the tokens so far and its random stream."""
+    return SampleRow(seq.seq_id, seq.sampling.params, history, seq.sampling.generator)
+
+
 class Engine:
     """Paged-KV inference engine over one local checkpoint."""
 
@@ -121,7 +143,11 @@ class Engine:
         self.dtype, self.max_model_len = target.dtype, target.max_len
         num_blocks = pool_blocks(spec, cfg, self.dtype, self.device, self.max_model_len)
         self.pool = allocate_pool(spec, num_blocks, cfg.block_size, self.dtype, self.device)
-        self.blocks = BlockManager(num_blocks, cfg.block_size, enable_prefix_cache=cfg.prefix_cache)
+        self._block_events: list[BlockEvent] = []  # since the last report
+        self.blocks = BlockManager(
+            num_blocks, cfg.block_size, cfg.prefix_cache, (self._block_events.append,)
+        )
+        self.block_map = BlockMap.watching(self.blocks)
         self.scheduler = Scheduler(self.blocks, cfg.max_batch_tokens, cfg.max_seqs)
         self.runner = ModelRunner(
             self.model, self.pool, self.blocks, self.device, self._graphs(self.quant)
@@ -131,7 +157,6 @@ class Engine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_ids = frozenset(eos)
-        self.attention_backend = "torch-sdpa"
         self.proposer = self._proposer(cfg, num_blocks)
         self.speculate, self.num_draft = self.proposer is not None, cfg.num_draft
         if self.proposer is not None:
@@ -151,9 +176,9 @@ class Engine:
             return NgramProposer()
         if not cfg.draft:
             return None
-        # --quant names the target's mode; a draft is quantised only if its own checkpoint is. It runs at the
-        # target's dtype, never as an automatic bf16-wo: a draft is small, so overhead-bound, and bf16-wo's casts
-        # made the demo draft's speculation slower (1.07-1.19x -> 0.90-0.98x of plain decode)
+        # --quant names the target's mode; a draft is quantised only if its own checkpoint is.
+        # It runs at the target's dtype, never as an automatic bf16-wo: a draft is small, so bound
+        # by per-op overhead, which bf16-wo's casts add to (docs/benchmarks.md).
         draft = load_checkpoint(
             Path(cfg.draft), replace(cfg, quant=None, dtype=dtype_name(self.dtype)), self.device
         )
@@ -172,7 +197,8 @@ class Engine:
         )
 
     def _graphs(self, quant) -> bool:
-        """Whether a model's small steps run as traced graphs: unless --eager, on a Python torch.jit supports,
+        """Whether a model's small steps run as traced graphs: unless --eager, on a Python torch.jit
+        supports,
         for layers a trace records faithfully."""
         return self.config.graphs and TRACE_SUPPORTED and quant.traceable
 
@@ -187,7 +213,8 @@ class Engine:
         return self.encode_chat(messages)
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
-        """Token ids of a whole conversation through the chat template, ready for the assistant's turn."""
+        """Token ids of a whole conversation through the chat template, ready for the assistant's
+        turn."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise PagechatError(
                 f"the tokenizer in {self.model_dir} has no chat template; run without --chat"
@@ -198,7 +225,8 @@ class Engine:
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> int:
-        """Queue a prompt (text or token ids); returns its request id. The next step() may admit it."""
+        """Queue a prompt (text or token ids); returns its request id. The next step() may admit
+        it."""
         params = (params or SamplingParams()).validate()
         ids = self.tokenizer(prompt).input_ids if isinstance(prompt, str) else list(prompt)
         if not ids:
@@ -211,12 +239,12 @@ class Engine:
         bad = [t for t in ids if not 0 <= t < self.spec.vocab_size]
         if bad:
             raise PagechatError(
-                f"token id {bad[0]} is outside the model's vocabulary (0..{self.spec.vocab_size - 1})"
+                f"token id {bad[0]} is outside the model's vocabulary "
+                f"(0..{self.spec.vocab_size - 1})"
             )
         seq_id = self._new_id()
-        seq = Sequence(
-            seq_id, ids, len(ids), params, time.perf_counter(), self._generator(params.seed)
-        )
+        sampling = SamplingState(params, self._generator(params.seed))
+        seq = Sequence(seq_id, ids, len(ids), sampling, time.perf_counter())
         self.requests[seq_id] = seq
         self.scheduler.add(seq)
         return seq_id
@@ -234,9 +262,9 @@ class Engine:
         """Change a request's sampling settings; they apply from its next sampled token."""
         seq = self._request(request_id)
         params.validate()
-        if params.seed != seq.params.seed:
-            seq.generator = self._generator(params.seed)
-        seq.params = params
+        if params.seed != seq.sampling.params.seed:
+            seq.sampling.generator = self._generator(params.seed)
+        seq.sampling.params = params
 
     def abort(self, request_id: int) -> None:
         """Stop a request now, keeping what it generated; its blocks are freed."""
@@ -252,13 +280,15 @@ class Engine:
 
     @property
     def precision(self) -> str:
-        """The activation dtype, and the weights' quantisation mode if any: 'float32', 'float32 · bf16-wo'."""
+        """The activation dtype, and the weights' quantisation mode if any: 'float32', 'float32 ·
+        bf16-wo'."""
         dtype = dtype_name(self.dtype)
         return f"{dtype} · {self.quant.mode}" if self.quant.mode else dtype
 
     @property
     def graphs(self) -> bool:
-        """True when decode steps run as traced graphs (core/graphs.py), False when every op runs from Python."""
+        """True when decode steps run as traced graphs (core/graphs.py), False when every op runs
+        from Python."""
         return self.runner.graphs is not None
 
     def has_unfinished(self) -> bool:
@@ -266,110 +296,124 @@ class Engine:
 
     # -- stepping -------------------------------------------------------------------------------
     def step(self) -> StepReport:
-        """Schedule, run one forward pass over the flat batch, sample (or verify drafts), and report."""
+        """One step in named phases: schedule, draft, forward, sample or verify, append, report."""
         t0 = time.perf_counter()
         self._steps += 1
+        batch = self._schedule()
+        work = _StepWork(outputs=[self._output(seq, []) for seq in batch.failed])
+        if batch.items:
+            self._draft([it for it in batch.items if it.lookahead])
+            logits = self._forward(batch.items)
+            plain = self._sample(batch.items, logits, work)
+            self._verify_drafts(batch.items, logits, work)
+            self._append(batch.items + plain, work)
+        if self.proposer is not None:
+            self.proposer.release_missing({s.seq_id for s in self.scheduler.running})
+        return self._report(batch, work, time.perf_counter() - t0)
+
+    def _schedule(self) -> Batch:
+        """The scheduler's batch, with its copy-on-write block copies done in the pool."""
         k = self.num_draft if self.proposer is not None and self.speculate else 0
         batch = self.scheduler.schedule(lookahead=k)
         copy_blocks(self.pool, batch.copies)
-        outputs = [self._output(seq, []) for seq in batch.failed]
-        samples, drafts = [], []
-        prefill = decode = 0
-        if batch.items:
-            spec = [it for it in batch.items if it.lookahead]
-            if spec:
-                self._draft(spec)
-            sizes = [1 + len(it.draft) if it.samples else 0 for it in batch.items]
-            logits = self.runner.run(batch.items, sizes).split(sizes)
-            plain = [
-                (it, lg) for it, lg in zip(batch.items, logits) if it.samples and not it.lookahead
-            ]
-            forks = [
-                (ScheduledSeq(kid, it.start, it.count), lg)
-                for it, lg in plain
-                for kid in self._fork(it)
-            ]
-            plain += forks
-            rows = [
-                SampleRow(it.seq.seq_id, it.seq.params, it.seq.token_ids, it.seq.generator)
-                for it, _ in plain
-            ]
-            tokens, samples = self.sampler.sample(
-                torch.cat([lg for _, lg in plain]) if plain else logits[0][:0], rows
-            )
-            emitted = {id(it): [t] for (it, _), t in zip(plain, tokens)}
-            for it, lg in zip(batch.items, logits):
-                if it.lookahead:
-                    record, recs = self._verify(it, lg)
-                    drafts.append(record)
-                    samples += recs
-                    emitted[id(it)] = list(record.emitted)
-            for it in batch.items + [it for it, _ in forks]:
-                seq, new = it.seq, emitted.get(id(it), [])
-                is_decode = len(seq.token_ids) - it.start == 1 and seq.num_output_tokens > 0
-                decode += len(new) if is_decode else 0
-                prefill += (
-                    0 if is_decode or seq.parent is not None and not seq.output_ids else it.count
-                )
-                seq.target_forwards += 1
-                seq.num_computed += it.count + max(len(new) - 1, 0) * bool(it.draft)
-                if it.lookahead:  # give back the slots of rejected (or never drafted) tokens
-                    self.blocks.rollback(
-                        seq.seq_id, self.blocks.length(seq.seq_id) - seq.num_computed
-                    )
-                self.blocks.commit(seq.seq_id, seq.token_ids, seq.num_computed)
-                for token in new:
-                    outputs.append(self._append_token(seq, token))
-                    if seq.finished:
-                        break
-        if self.proposer is not None:
-            self.proposer.release_missing({s.seq_id for s in self.scheduler.running})
+        return batch
+
+    def _forward(self, items: list[ScheduledSeq]) -> list[torch.Tensor]:
+        """One forward pass over the flat batch; per item the logits of its sampled positions."""
+        sizes = [1 + len(it.draft) if it.samples else 0 for it in items]
+        return list(self.runner.run(items, sizes).split(sizes))
+
+    def _sample(
+        self, items: list[ScheduledSeq], logits: list[torch.Tensor], work: _StepWork
+    ) -> list[ScheduledSeq]:
+        """Sample one token for every item that ends its sequence without a draft, and for the
+        samples forked from a finished prompt (n > 1); returns those forks' items."""
+        plain = [(it, lg) for it, lg in zip(items, logits) if it.samples and not it.lookahead]
+        forks = [
+            (ScheduledSeq(kid, it.start, it.count), lg)
+            for it, lg in plain
+            for kid in self._fork(it)
+        ]
+        rows = [_row(it.seq, it.seq.token_ids) for it, _ in plain + forks]
+        stacked = torch.cat([lg for _, lg in plain + forks]) if rows else logits[0][:0]
+        tokens, work.samples = self.sampler.sample(stacked, rows)
+        for (it, _), token in zip(plain + forks, tokens):
+            work.emitted[id(it)] = [token]
+        return [it for it, _ in forks]
+
+    def _verify_drafts(
+        self, items: list[ScheduledSeq], logits: list[torch.Tensor], work: _StepWork
+    ) -> None:
+        """Rejection-sample every drafted item against its target logits."""
+        for it, lg in zip(items, logits):
+            if it.lookahead:
+                record, samples = self._verify(it, lg)
+                work.drafts.append(record)
+                work.samples += samples
+                work.emitted[id(it)] = list(record.emitted)
+
+    def _append(self, items: list[ScheduledSeq], work: _StepWork) -> None:
+        """Count the step's work, commit computed KV to the prefix cache, append emitted tokens."""
+        for it in items:
+            seq, new = it.seq, work.emitted.get(id(it), [])
+            is_decode = len(seq.token_ids) - it.start == 1 and seq.num_output_tokens > 0
+            work.decode += len(new) if is_decode else 0
+            forked_prompt = seq.parent is not None and not seq.output_ids
+            work.prefill += 0 if is_decode or forked_prompt else it.count
+            seq.target_forwards += 1
+            seq.num_computed += it.count + max(len(new) - 1, 0) * bool(it.draft)
+            if it.lookahead:  # give back the slots of rejected (or never drafted) tokens
+                self.blocks.rollback(seq.seq_id, self.blocks.length(seq.seq_id) - seq.num_computed)
+            self.blocks.commit(seq.seq_id, seq.token_ids, seq.num_computed)
+            for token in new:
+                work.outputs.append(self._append_token(seq, token))
+                if seq.finished:
+                    break
+
+    def _report(self, batch: Batch, work: _StepWork, elapsed: float) -> StepReport:
+        """The step's immutable record, with the block events it caused and the map they built."""
         kind = (
             "idle"
             if not batch.items
             else "prefill"
-            if not decode
+            if not work.decode
             else "decode"
-            if not prefill
+            if not work.prefill
             else "mixed"
         )
+        events, self._block_events = tuple(self._block_events), []
         return StepReport(
             step=self._steps,
             kind=kind,
             num_seqs=len(batch.items),
-            prefill_tokens=prefill,
-            decode_tokens=decode,
+            prefill_tokens=work.prefill,
+            decode_tokens=work.decode,
             prefix_hit_tokens=batch.prefix_hit_tokens,
-            elapsed_s=time.perf_counter() - t0,
-            outputs=tuple(outputs),
-            samples=tuple(samples),
-            blocks=self.blocks.snapshot(),
+            elapsed_s=elapsed,
+            outputs=tuple(work.outputs),
+            samples=tuple(work.samples),
+            blocks=self.block_map.snapshot(),
+            block_events=events,
             preempted=tuple(s.seq_id for s in batch.preempted),
-            attention_backend=self.attention_backend,
-            drafts=tuple(drafts),
+            drafts=tuple(work.drafts),
             cow_copies=len(batch.copies),
         )
 
     def _fork(self, it: ScheduledSeq) -> list[Sequence]:
-        """At the end of a prompt with n > 1, fork n - 1 samples that share its blocks (copy-on-write)."""
-        parent = it.seq
-        if (
-            parent.params.n == 1
-            or parent.children
-            or parent.parent is not None
-            or parent.output_ids
-        ):
+        """At the end of a prompt with n > 1, fork n - 1 samples that share its blocks
+        (copy-on-write)."""
+        parent, params = it.seq, it.seq.sampling.params
+        if params.n == 1 or parent.children or parent.parent is not None or parent.output_ids:
             return []
         kids = []
-        for j in range(1, parent.params.n):
-            seed = None if parent.params.seed is None else parent.params.seed + j
+        for j in range(1, params.n):
+            seed = None if params.seed is None else params.seed + j
             kid = Sequence(
                 self._new_id(),
                 list(parent.token_ids),
                 parent.num_prompt_tokens,
-                parent.params,
+                SamplingState(params, self._generator(seed)),
                 parent.arrival,
-                self._generator(seed),
                 status=Status.RUNNING,
                 num_computed=it.start,
                 parent=parent.seq_id,
@@ -382,13 +426,16 @@ class Engine:
         return kids
 
     def _draft(self, items: list[ScheduledSeq]) -> None:
-        """Ask the proposer for drafts, at most as many as each item's reserved slots and limits allow."""
+        """Ask the proposer for drafts, at most as many as each item's reserved slots and limits
+        allow."""
+        if not items:
+            return
         limit = min(self.max_model_len, self.proposer.max_len)
         ks = [
             min(
                 it.lookahead,
                 limit - len(it.seq.token_ids),
-                it.seq.params.max_tokens - it.seq.num_output_tokens - 1,
+                it.seq.sampling.params.max_tokens - it.seq.num_output_tokens - 1,
             )
             for it in items
         ]
@@ -400,29 +447,26 @@ class Engine:
             it.draft, self._q[it.seq.seq_id] = d[:end], None if q is None else q[:end]
 
     def _through_eos(self, seq: Sequence, tokens: list[int]) -> int:
-        """How many of tokens the sequence can take: up to its first end-of-sequence token unless ignore_eos."""
-        if seq.params.ignore_eos:
+        """How many of tokens the sequence can take: up to its first end-of-sequence token unless
+        ignore_eos."""
+        if seq.sampling.params.ignore_eos:
             return len(tokens)
         return next((i + 1 for i, t in enumerate(tokens) if t in self.eos_ids), len(tokens))
 
     def _verify(self, it: ScheduledSeq, logits: torch.Tensor) -> tuple[DraftRecord, list]:
         """Rejection-sample it.draft against the target logits [len(draft) + 1, V]."""
-        seq, draft = it.seq, it.draft
-        rows = [
-            SampleRow(seq.seq_id, seq.params, seq.token_ids + draft[:i], seq.generator)
-            for i in range(len(draft) + 1)
-        ]
+        seq, draft, sampling = it.seq, it.draft, it.seq.sampling
+        rows = [_row(seq, seq.token_ids + draft[:i]) for i in range(len(draft) + 1)]
         p = target_probs(logits, rows)
         accepted, nxt = verify(
-            p, self._q.pop(seq.seq_id, None), draft, seq.params.greedy, seq.generator
+            p, self._q.pop(seq.seq_id, None), draft, sampling.params.greedy, sampling.generator
         )
         emitted = draft[:accepted] + [nxt]
         emitted = emitted[
             : self._through_eos(seq, emitted)
         ]  # no bonus after an accepted end of sequence
         self.proposer.accept(seq, len(seq.token_ids), len(draft), accepted)
-        seq.num_drafted += len(draft)
-        seq.num_accepted += accepted
+        seq.spec = seq.spec.add(len(draft), accepted, len(emitted))
         records = self.sampler.record(logits[: len(emitted)], rows[: len(emitted)], emitted)
         text = self.sampler.text
         return DraftRecord(
@@ -433,6 +477,7 @@ class Engine:
             tuple(emitted),
             tuple(map(text, draft)),
             tuple(map(text, emitted)),
+            seq.spec,
         ), records
 
     def set_speculation(self, enabled: bool, num_draft: int | None = None) -> None:
@@ -451,7 +496,7 @@ class Engine:
         if seq.first_token_time is None:
             seq.first_token_time = now
         update_text(self.tokenizer, seq)
-        p = seq.params
+        p = seq.sampling.params
         reason = None
         if token in self.eos_ids and not p.ignore_eos:
             reason = "stop"
@@ -466,10 +511,12 @@ class Engine:
         return self._output(seq, [token])
 
     def _output(self, seq: Sequence, tokens: list[int]) -> TokenOutput:
-        """The new text of seq since the last output; while running, hold back what may start a stop string."""
+        """The new text of seq since the last output; while running, hold back what may start a stop
+        string."""
         end = len(seq.text)
-        if not seq.finished and seq.params.stop:
-            end -= max(len(s) for s in seq.params.stop) - 1
+        stop = seq.sampling.params.stop
+        if not seq.finished and stop:
+            end -= max(len(s) for s in stop) - 1
         delta = seq.text[seq.emitted : max(end, seq.emitted)]
         seq.emitted += len(delta)
         if seq.finished and seq.finish_time is None:
@@ -494,7 +541,8 @@ class Engine:
         params: SamplingParams | list[SamplingParams] | None = None,
         on_report=None,
     ) -> list[Sequence]:
-        """Run prompts as one continuous batch to completion; returns their sequences in order (with n > 1,
+        """Run prompts as one continuous batch to completion; returns their sequences in order (with
+        n > 1,
         each prompt's samples one after another)."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pagechat.core.errors import PagechatError
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class SamplingParams:
     """Per-request sampling settings; temperature 0 means greedy."""
 
@@ -25,7 +25,8 @@ class SamplingParams:
     n: int = 1  # samples per prompt: forks sharing the prompt's KV blocks (copy-on-write)
 
     def validate(self) -> SamplingParams:
-        """Raise PagechatError naming the first out-of-range field; return self when all are valid."""
+        """Raise PagechatError naming the first out-of-range field; return self when all are
+        valid."""
         checks = [
             ("temperature", self.temperature, "must be >= 0", self.temperature >= 0),
             ("top-p", self.top_p, "must be in (0, 1]", 0 < self.top_p <= 1),

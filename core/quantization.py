@@ -1,9 +1,10 @@
-"""The interface quantisation plugs into: the engine asks a registry, and never names a quantised class.
+"""The interface quantisation plugs into: the engine asks a registry, and never names a quantised
+class.
 
 A backend (pagechat.quant is the one this package ships) is found through the `pagechat.quant`
 entry-point group, as vLLM finds its plugins, so the engine imports nothing above itself. It turns a
-checkpoint and a `--quant` request into a `QuantPlan`: how each decoder linear and the LM head are built.
-With no backend installed the engine runs float checkpoints and refuses quantised ones.
+checkpoint and a `--quant` request into a `QuantPlan`: how each decoder linear and the LM head are
+built. With no backend installed the engine runs float checkpoints and refuses quantised ones.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ Storage = tuple[str, str, list[torch.Tensor]]  # (format, kernel path, every ten
 
 
 class QuantPlan(Protocol):
-    """How one checkpoint's linears load: what the model builder and the step graphs need to know."""
+    """How one checkpoint's linears load: what the model builder and the step graphs need to
+    know."""
 
     mode: str | None  # the --quant name in force, None for plain weights
 
@@ -51,7 +53,8 @@ class QuantBackend(Protocol):
     modes: tuple[str, ...]
 
     def resolve(self, spec: ModelSpec, requested: str | None, model_dir: Path) -> QuantPlan:
-        """The plan for this checkpoint and request; PagechatError (one line) for what cannot run."""
+        """The plan for this checkpoint and request; PagechatError (one line) for what cannot
+        run."""
         ...
 
     def storage(self, module: nn.Module) -> Storage | None:
@@ -88,7 +91,8 @@ def quant_modes() -> tuple[str, ...]:
 
 
 def resolve_quant(spec: ModelSpec, requested: str | None, model_dir: Path) -> QuantPlan:
-    """Ask the backend for a plan; without one, plain weights, and a refusal for anything quantised."""
+    """Ask the backend for a plan; without one, plain weights, and a refusal for anything
+    quantised."""
     found = backend()
     if found is not None:
         return found.resolve(spec, requested, model_dir)

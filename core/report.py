@@ -1,10 +1,12 @@
-"""What one engine step tells the outside world: StepReport and the per-request TokenOutput inside it."""
+"""What one engine step tells the outside world: StepReport and the per-request TokenOutput inside
+it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagechat.core.blocks import BlockSnapshot
+from pagechat.core.blockmap import BlockSnapshot
+from pagechat.core.blocks import BlockEvent
 from pagechat.core.sampler import SampleRecord
 
 
@@ -21,6 +23,58 @@ class TokenOutput:
 
 
 @dataclass(frozen=True, slots=True)
+class SpecTotals:
+    """One sequence's speculation so far: summed once, as each draft is verified."""
+
+    steps: int = 0  # verify steps: target forwards that checked a draft (or found none to check)
+    drafting_steps: int = 0  # those with at least one drafted token
+    drafted: int = 0
+    accepted: int = 0
+    emitted: int = 0  # tokens the verify steps added: accepted ones plus a correction or bonus
+    tried: tuple[int, ...] = ()  # per draft position: steps that drafted a token there
+    hits: tuple[int, ...] = ()  # per draft position: steps whose token there was accepted
+
+    def add(self, drafted: int, accepted: int, emitted: int) -> SpecTotals:
+        """These totals after one more verify step."""
+        width = max(len(self.tried), drafted)
+        tried = [*self.tried, *[0] * (width - len(self.tried))]
+        hits = [*self.hits, *[0] * (width - len(self.hits))]
+        for pos in range(drafted):
+            tried[pos] += 1
+            hits[pos] += pos < accepted
+        return SpecTotals(
+            self.steps + 1,
+            self.drafting_steps + bool(drafted),
+            self.drafted + drafted,
+            self.accepted + accepted,
+            self.emitted + emitted,
+            tuple(tried),
+            tuple(hits),
+        )
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted over drafted tokens (None before any draft)."""
+        return self.accepted / self.drafted if self.drafted else None
+
+    @property
+    def mean_accepted(self) -> float | None:
+        """Accepted tokens per step that drafted any."""
+        return self.accepted / self.drafting_steps if self.drafting_steps else None
+
+    @property
+    def forwards_per_token(self) -> float | None:
+        """Target forwards per token the verify steps emitted (1.0 without speculation)."""
+        return self.steps / self.emitted if self.emitted else None
+
+    def position_rate(self, pos: int) -> float | None:
+        """Acceptance at draft position pos (0-based) among steps that drafted that far."""
+        return (
+            self.hits[pos] / self.tried[pos] if pos < len(self.tried) and self.tried[pos] else None
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class DraftRecord:
     """One sequence's speculation in one step: what was drafted, how much the target accepted."""
 
@@ -33,6 +87,7 @@ class DraftRecord:
     ]  # tokens added to the sequence: the accepted ones, then a correction or bonus
     drafted_text: tuple[str, ...]  # each drafted token's text as decoded alone (as Candidate.text)
     emitted_text: tuple[str, ...]
+    totals: SpecTotals  # the sequence's speculation after this step
 
     @property
     def bonus(self) -> bool:
@@ -42,7 +97,8 @@ class DraftRecord:
 
 @dataclass(frozen=True, slots=True)
 class StepReport:
-    """Immutable record of one engine step: work done, time taken, outputs, and the engine's own state."""
+    """Immutable record of one engine step: work done, time taken, outputs, and the engine's own
+    state."""
 
     step: int
     kind: str  # "prefill" | "decode" | "mixed" | "idle"
@@ -55,6 +111,6 @@ class StepReport:
     samples: tuple[SampleRecord, ...]
     blocks: BlockSnapshot
     preempted: tuple[int, ...]
-    attention_backend: str
+    block_events: tuple[BlockEvent, ...] = ()  # the allocator's changes since the last report
     drafts: tuple[DraftRecord, ...] = ()
     cow_copies: int = 0  # blocks copied because a shared partial block was written (forked samples)

@@ -1,4 +1,5 @@
-"""Continuous batching under a per-step token budget, with chunked prefill and preemption by recompute."""
+"""Continuous batching under a per-step token budget, with chunked prefill and preemption by
+recompute."""
 
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ class Batch:
 
 
 class Scheduler:
-    """Admits waiting sequences and advances running ones, oldest first, within the step's limits."""
+    """Admits waiting sequences and advances running ones, oldest first, within the step's
+    limits."""
 
     def __init__(self, blocks: BlockManager, max_batch_tokens: int, max_seqs: int) -> None:
         self.blocks = blocks
@@ -55,12 +57,18 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self, lookahead: int = 0) -> Batch:
-        """Pick this step's chunks: running sequences first (decodes, unfinished prefills), then new ones.
+        """Pick this step's chunks: running sequences first (decodes, unfinished prefills), then new
+        ones. lookahead > 0 (speculation) reserves that many extra slots for each decoding sequence,
+        where blocks allow without preempting anyone."""
+        batch = Batch()
+        budget = self._continue_running(batch, self.max_batch_tokens, lookahead)
+        # Admit new work only when nothing had to be preempted: memory is tight otherwise.
+        if not batch.preempted:
+            self._admit_waiting(batch, budget)
+        return batch
 
-        lookahead > 0 (speculation) reserves that many extra slots for each decoding sequence, where blocks
-        allow without preempting anyone.
-        """
-        batch, budget = Batch(), self.max_batch_tokens
+    def _continue_running(self, batch: Batch, budget: int, lookahead: int) -> int:
+        """Schedule every running sequence the budget allows, oldest first; the budget left."""
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -75,13 +83,12 @@ class Scheduler:
             batch.items.append(ScheduledSeq(seq, seq.num_computed, count, lookahead=extra))
             budget -= count + extra
             i += 1
-        # Admit new work only when nothing had to be preempted: memory is tight otherwise.
-        while (
-            self.waiting
-            and budget > 0
-            and len(self.running) < self.max_seqs
-            and not batch.preempted
-        ):
+        return budget
+
+    def _admit_waiting(self, batch: Batch, budget: int) -> None:
+        """Admit waiting sequences, oldest first, while the budget, max_seqs and free blocks
+        allow."""
+        while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
             seq = self.waiting[0]
             if self.blocks.blocks_needed(len(seq.token_ids) + 1) > self.blocks.num_blocks:
                 self.waiting.popleft()
@@ -104,10 +111,10 @@ class Scheduler:
             count = min(len(seq.token_ids) - hit, budget)
             batch.items.append(ScheduledSeq(seq, hit, count))
             budget -= count
-        return batch
 
     def _make_room(self, seq: Sequence, batch: Batch, extra: int = 0) -> bool:
-        """Reserve slots for seq's new tokens (+ extra), preempting the newest sequences if blocks run out."""
+        """Reserve slots for seq's new tokens (+ extra), preempting the newest sequences if blocks
+        run out."""
         missing = len(seq.token_ids) + extra - self.blocks.length(seq.seq_id)
         if missing <= 0:
             return True
@@ -129,7 +136,8 @@ class Scheduler:
         return True
 
     def preempt(self, seq: Sequence) -> None:
-        """Free seq's blocks and put it at the front of the queue; it is recomputed when readmitted."""
+        """Free seq's blocks and put it at the front of the queue; it is recomputed when
+        readmitted."""
         self.running.remove(seq)
         self.blocks.free(seq.seq_id, seq.token_ids, seq.num_computed)
         seq.status, seq.num_computed = Status.WAITING, 0

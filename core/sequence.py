@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 from pagechat.core.params import SamplingParams
+from pagechat.core.report import SpecTotals
 
 
 class Status(enum.Enum):
@@ -15,23 +16,31 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
+@dataclass(slots=True)
+class SamplingState:
+    """How a sequence picks its tokens: its settings (replaced whole by update_params) and its
+    random stream (a new one when the seed changes)."""
+
+    params: SamplingParams
+    generator: torch.Generator | None = None
+
+
 @dataclass(slots=True, eq=False)
 class Sequence:
-    """A request as the scheduler sees it: prompt + generated ids and how many have KV in the pool."""
+    """A request as the scheduler sees it: prompt + generated ids and how many have KV in the
+    pool."""
 
     seq_id: int
     token_ids: list[int]
     num_prompt_tokens: int
-    params: SamplingParams
+    sampling: SamplingState
     arrival: float
-    generator: torch.Generator | None = None
     status: Status = Status.WAITING
     num_computed: int = 0  # tokens whose K/V are in the pool
     num_cached_tokens: int = 0  # tokens served from the prefix cache (over all admissions)
     num_preemptions: int = 0
     target_forwards: int = 0  # target model passes this sequence took part in
-    num_drafted: int = 0
-    num_accepted: int = 0
+    spec: SpecTotals = SpecTotals()  # speculation so far, summed where drafts are verified
     parent: int | None = None  # the sequence this sample was forked from
     children: list[int] = field(
         default_factory=list

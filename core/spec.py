@@ -1,9 +1,10 @@
-"""Speculative decoding: proposers draft k tokens per sequence; one target forward verifies them exactly.
+"""Speculative decoding: proposers draft k tokens per sequence; one target forward verifies them
+exactly.
 
-Verification keeps the target's distribution (Leviathan et al. / Chen et al. 2023): accept drafted token d
-with probability min(1, p(d) / q(d)); on rejection sample from norm(max(0, p - q)); when every draft is
-accepted, take a bonus token from the target's next distribution. Greedy requests accept while the draft
-equals the target's argmax. An n-gram draft is deterministic: q is one-hot.
+Verification keeps the target's distribution (Leviathan et al. / Chen et al. 2023): accept drafted
+token d with probability min(1, p(d) / q(d)); on rejection sample from norm(max(0, p - q)); when
+every draft is accepted, take a bonus token from the target's next distribution. Greedy requests
+accept while the draft equals the target's argmax. An n-gram draft is deterministic: q is one-hot.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ def verify(
 ) -> tuple[int, int]:
     """Judge draft against target probs p [len(draft) + 1, V]; returns (accepted count, next token).
 
-    q [len(draft), V] is what each draft token was sampled from (None: one-hot, a deterministic draft). The
-    next token is the correction at the first rejection, or the bonus token when all were accepted.
+    q [len(draft), V] is what each draft token was sampled from (None: one-hot, a deterministic
+    draft). The next token is the correction at the first rejection, or the bonus token when all
+    were accepted.
     """
     for i, d in enumerate(draft):
         if greedy:
@@ -54,7 +56,8 @@ def verify(
 
 
 def ngram_propose(tokens: list[int], k: int, max_n: int = 3) -> list[int]:
-    """Prompt lookup: find the latest earlier occurrence of the last n tokens (n = max_n..1) and propose
+    """Prompt lookup: find the latest earlier occurrence of the last n tokens (n = max_n..1) and
+    propose
     the up-to-k tokens that followed it."""
     size = len(tokens)
     for n in range(min(max_n, size - 1), 0, -1):
@@ -66,7 +69,8 @@ def ngram_propose(tokens: list[int], k: int, max_n: int = 3) -> list[int]:
 
 
 class NgramProposer:
-    """Drafts by looking the sequence's own recent tokens up in its context (no model, q one-hot)."""
+    """Drafts by looking the sequence's own recent tokens up in its context (no model, q
+    one-hot)."""
 
     name = "ngram"
     max_len = 1 << 62  # no model, no position limit
@@ -74,9 +78,8 @@ class NgramProposer:
     def propose(
         self, seqs: list[Sequence], ks: list[int]
     ) -> tuple[list[list[int]], list[torch.Tensor | None]]:
-        return [ngram_propose(s.token_ids, k) if k else [] for s, k in zip(seqs, ks)], [None] * len(
-            seqs
-        )
+        drafts = [ngram_propose(s.token_ids, k) if k else [] for s, k in zip(seqs, ks)]
+        return drafts, [None] * len(seqs)
 
     def accept(self, seq: Sequence, len_before: int, drafted: int, accepted: int) -> None:
         pass
@@ -115,41 +118,18 @@ class DraftModelProposer:
     def propose(
         self, seqs: list[Sequence], ks: list[int]
     ) -> tuple[list[list[int]], list[torch.Tensor | None]]:
-        """k_i draft tokens for each sequence (fewer when its draft cache has no room) and their q rows (None when
-        every sequence is greedy)."""
+        """k_i draft tokens for each sequence (fewer when its draft cache has no room) and their q
+        rows (None when every sequence is greedy)."""
         drafts: list[list[int]] = [[] for _ in seqs]
         qs: list[list[torch.Tensor]] = [[] for _ in seqs]
         live = [i for i, (s, k) in enumerate(zip(seqs, ks)) if k and self._reserve(s, k)]
-        # round 0 catches the draft cache up with the sequence (its last token at least); later rounds feed
-        # one drafted token each
-        items = [
-            ScheduledSeq(
-                seqs[i],
-                self.computed[seqs[i].seq_id],
-                len(seqs[i].token_ids) - self.computed[seqs[i].seq_id],
-            )
-            for i in live
-        ]
-        greedy = all(
-            seqs[i].params.greedy for i in live
-        )  # greedy verification reads no q: argmax is all it takes
+        # greedy verification reads no q: argmax is all it takes
+        greedy = all(seqs[i].sampling.params.greedy for i in live)
+        # round 0 catches the draft cache up with the sequence (its last token at least); later
+        # rounds feed one drafted token each
+        items = [self._catch_up(seqs[i]) for i in live]
         while live:
-            logits = self._fit(self.runner.run(items, [1] * len(items)))
-            rows = [
-                SampleRow(
-                    seqs[i].seq_id, seqs[i].params, seqs[i].token_ids + drafts[i], seqs[i].generator
-                )
-                for i in live
-            ]
-            if greedy:
-                picks = penalised_logits(logits, rows).argmax(dim=-1).tolist()
-            else:
-                q = target_probs(logits, rows)
-                picks = self._pick(q, rows)
-                for j, i in enumerate(live):
-                    qs[i].append(q[j])
-            for j, i in enumerate(live):
-                drafts[i].append(picks[j])
+            self._round(items, [(seqs[i], drafts[i], qs[i]) for i in live], greedy)
             live = [i for i in live if len(drafts[i]) < ks[i]]
             items = [
                 ScheduledSeq(
@@ -161,6 +141,34 @@ class DraftModelProposer:
             if d:
                 self.computed[s.seq_id] = len(s.token_ids) + len(d) - 1
         return drafts, [torch.stack(q) if q else None for q in qs]
+
+    def _catch_up(self, seq: Sequence) -> ScheduledSeq:
+        """The draft model's first chunk for seq: every token its cache lacks."""
+        done = self.computed[seq.seq_id]
+        return ScheduledSeq(seq, done, len(seq.token_ids) - done)
+
+    def _round(
+        self,
+        items: list[ScheduledSeq],
+        live: list[tuple[Sequence, list[int], list[torch.Tensor]]],
+        greedy: bool,
+    ) -> None:
+        """One draft forward: each live (sequence, draft, q rows) gains a drafted token (and its q
+        row when sampling)."""
+        logits = self._fit(self.runner.run(items, [1] * len(items)))
+        rows = [
+            SampleRow(s.seq_id, s.sampling.params, s.token_ids + d, s.sampling.generator)
+            for s, d, _ in live
+        ]
+        if greedy:
+            picks = penalised_logits(logits, rows).argmax(dim=-1).tolist()
+        else:
+            q = target_probs(logits, rows)
+            picks = self._pick(q, rows)
+            for j, (_, _, q_rows) in enumerate(live):
+                q_rows.append(q[j])
+        for (_, draft, _), pick in zip(live, picks):
+            draft.append(pick)
 
     def accept(self, seq: Sequence, len_before: int, drafted: int, accepted: int) -> None:
         """Roll the draft cache back to the tokens that survived verification."""
@@ -180,7 +188,8 @@ class DraftModelProposer:
         return self.blocks.num_blocks - self.blocks.num_free_blocks()
 
     def _reserve(self, seq: Sequence, k: int) -> bool:
-        """Slots for the sequence's tokens plus k - 1 drafted ones; False (and no draft) when out of blocks."""
+        """Slots for the sequence's tokens plus k - 1 drafted ones; False (and no draft) when out of
+        blocks."""
         if seq.seq_id not in self.computed:
             if not self.blocks.can_allocate(seq.token_ids):
                 return False
@@ -194,7 +203,8 @@ class DraftModelProposer:
         return True
 
     def _fit(self, logits: torch.Tensor) -> torch.Tensor:
-        """Draft logits over the target's vocabulary size (checkpoints often pad the embedding differently)."""
+        """Draft logits over the target's vocabulary size (checkpoints often pad the embedding
+        differently)."""
         v = logits.shape[1]
         if v > self.vocab_size:
             return logits[:, : self.vocab_size]

@@ -93,7 +93,6 @@ class RunStats:
             "wall_s": round(self.wall_s, 4),
             "dtype": dtype_name(e.dtype),
             "device": str(e.device),
-            "attention_backend": e.attention_backend,
             "graphs": e.graphs,
             **self._spec_dict(),
         }

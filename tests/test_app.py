@@ -213,7 +213,7 @@ async def test_temperature_change_mid_reply_applies_from_the_next_token(model_di
             reply.error,
             app.session.notices,
         )
-        assert app.loop.engine.requests[reply.request_id].params.temperature == 0.3
+        assert app.loop.engine.requests[reply.request_id].sampling.params.temperature == 0.3
         app.action_stop()
         await wait_reply_done(pilot)
 
@@ -225,7 +225,7 @@ async def test_block_panel_counts_equal_the_block_manager_while_decoding(model_d
         for steps in (5, 20):
             await advance(pilot, steps)
             panel = app.query_one(BlocksPanel)
-            truth = app.loop.engine.blocks.snapshot()
+            truth = app.loop.engine.block_map.snapshot()
             shown = panel.snapshot
             for name in ("num_used", "num_cached", "num_free", "num_shared", "tokens_stored"):
                 assert getattr(shown, name) == getattr(truth, name), name
@@ -254,7 +254,7 @@ async def test_escape_stops_the_reply_and_keeps_its_text(model_dir, tmp_path):
         seq = app.loop.engine.requests[reply.request_id]
         assert reply.finish_reason == "abort" == seq.finish_reason
         assert reply.content == seq.text and 4 <= len(reply.tokens) < 400
-        assert app.loop.engine.blocks.snapshot().num_used == 0
+        assert app.loop.engine.block_map.snapshot().num_used == 0
         assert app.store.load(app.session.record.id).messages[-1]["finish_reason"] == "abort"
 
 
@@ -280,7 +280,7 @@ async def test_the_app_on_an_engine_process(model_dir, tmp_path):
         assert reply.content == engine.requests[0].text and reply.finish_reason == "length"
         await wait_until(
             pilot,
-            lambda: app.query_one(BlocksPanel).snapshot == engine.blocks.snapshot(),
+            lambda: app.query_one(BlocksPanel).snapshot == engine.block_map.snapshot(),
             10,
             "the block map of the child's pool",
         )
@@ -307,7 +307,7 @@ async def test_ctrl_n_frees_the_chats_blocks_and_keeps_the_prefix_cache(model_di
     async with app.run_test(size=SIZE) as pilot:
         await send_and_advance(pilot, "a prompt long enough to fill some blocks", 6)
         rid = app.session.messages[-1].request_id
-        assert any(rid in b.owners for b in app.loop.engine.blocks.snapshot().blocks)
+        assert any(rid in b.owners for b in app.loop.engine.block_map.snapshot().blocks)
         old_id = app.session.record.id
         await pilot.press("ctrl+n")
         await wait_until(
@@ -316,7 +316,7 @@ async def test_ctrl_n_frees_the_chats_blocks_and_keeps_the_prefix_cache(model_di
             10,
             "blocks freed on screen",
         )
-        truth = app.loop.engine.blocks.snapshot()
+        truth = app.loop.engine.block_map.snapshot()
         assert truth.num_used == 0 and not any(rid in b.owners for b in truth.blocks)
         assert truth.num_cached > 0  # the prompt's full blocks stay in the prefix cache
         assert app.session.record.id != old_id and not app.session.messages
@@ -424,8 +424,8 @@ async def test_speculation_panel_shows_the_engines_draft_records(model_dir, tmp_
         assert list(app.session.drafts) == seen_drafts and seen_drafts
         seq = engine.requests[app.session.messages[-1].request_id]
         text = str(app.query_one("#spec-summary").render())
-        if seq.num_drafted:
-            assert f"acceptance {100 * seq.num_accepted / seq.num_drafted:.0f}%" in text
+        if seq.spec.drafted:
+            assert f"acceptance {100 * seq.spec.acceptance_rate:.0f}%" in text
         assert str(app.query_one("#spec-state").render()).startswith("on")
         app.show_panel("controls")
         await pilot.pause()

@@ -1,4 +1,5 @@
-"""BlockManager: unit tests for each rule, and a stateful property test over random operation mixes."""
+"""BlockManager: unit tests for each rule, and a stateful property test over random operation
+mixes."""
 
 from collections import Counter
 
@@ -6,7 +7,8 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from pagechat.core.blocks import _ROOT, BlockManager
+from pagechat.core.blockmap import BlockMap
+from pagechat.core.blocks import _ROOT, BlockEvent, BlockManager
 
 
 def run(bm: BlockManager, seq_id: int, tokens: list[int]) -> int:
@@ -19,8 +21,15 @@ def run(bm: BlockManager, seq_id: int, tokens: list[int]) -> int:
 # ---- unit tests -----------------------------------------------------------------------------
 
 
+def watched(*args, **kwargs) -> BlockManager:
+    """A BlockManager with a BlockMap built from its events (bm.map), as the engine keeps one."""
+    bm = BlockManager(*args, **kwargs)
+    bm.map = BlockMap.watching(bm)
+    return bm
+
+
 def test_allocate_append_free_arithmetic():
-    bm = BlockManager(num_blocks=8, block_size=4)
+    bm = watched(num_blocks=8, block_size=4)
     assert bm.blocks_needed(0) == 0 and bm.blocks_needed(4) == 1 and bm.blocks_needed(5) == 2
     assert bm.allocate(1, list(range(6))) == 0
     assert len(bm.table(1)) == 2 and bm.length(1) == 6 and bm.num_free_blocks() == 6
@@ -30,11 +39,11 @@ def test_allocate_append_free_arithmetic():
     assert bm.slot(1, 0) == t[0] * 4 and bm.slot(1, 5) == t[1] * 4 + 1 and bm.slot(1, 8) == t[2] * 4
     assert bm.can_append(1, 23) and not bm.can_append(1, 24)  # 5 free blocks + 3 slots left
     bm.free(1)
-    assert bm.num_free_blocks() == 8 and bm.snapshot().num_used == 0
+    assert bm.num_free_blocks() == 8 and bm.map.snapshot().num_used == 0
 
 
 def test_allocate_errors():
-    bm = BlockManager(num_blocks=2, block_size=4)
+    bm = watched(num_blocks=2, block_size=4)
     assert not bm.can_allocate(list(range(9)))
     with pytest.raises(ValueError):
         bm.allocate(1, list(range(9)))
@@ -46,31 +55,31 @@ def test_allocate_errors():
 
 
 def test_prefix_hit_after_commit_and_free_reuses_blocks():
-    bm = BlockManager(num_blocks=8, block_size=4)
+    bm = watched(num_blocks=8, block_size=4)
     prompt = list(range(10))
     run(bm, 1, prompt)
     first = bm.table(1)
     bm.free(1)
     assert (
-        bm.snapshot().num_cached == 2
+        bm.map.snapshot().num_cached == 2
     )  # the two full blocks; the partial third went to the free list
     assert bm.allocate(2, prompt + [99]) == 8
     assert bm.table(2)[:2] == first[:2]
-    snap = bm.snapshot()
+    snap = bm.map.snapshot()
     assert (snap.prefix_queried_tokens, snap.prefix_hit_tokens) == (21, 8)
     assert snap.hit_rate == pytest.approx(8 / 21)
 
 
 def test_live_sequences_share_prefix_blocks():
-    bm = BlockManager(num_blocks=8, block_size=4)
+    bm = watched(num_blocks=8, block_size=4)
     run(bm, 1, list(range(9)))
     assert bm.allocate(2, list(range(8)) + [42]) == 8
     assert bm.table(1)[:2] == bm.table(2)[:2] and bm.table(1)[2] != bm.table(2)[2]
-    assert bm.snapshot().num_shared == 2
+    assert bm.map.snapshot().num_shared == 2
 
 
 def test_no_hit_for_uncommitted_blocks():
-    bm = BlockManager(num_blocks=8, block_size=4)
+    bm = watched(num_blocks=8, block_size=4)
     prompt = list(range(12))
     bm.allocate(1, prompt)
     bm.commit(1, prompt, 7)  # only block 0 lies entirely in the computed tokens
@@ -81,7 +90,7 @@ def test_no_hit_for_uncommitted_blocks():
 
 
 def test_hit_requires_same_chain():
-    bm = BlockManager(num_blocks=8, block_size=2)
+    bm = watched(num_blocks=8, block_size=2)
     run(bm, 1, [1, 2, 3, 4, 5])
     assert (
         bm.allocate(2, [9, 9, 3, 4, 5]) == 0
@@ -89,7 +98,7 @@ def test_hit_requires_same_chain():
 
 
 def test_hits_leave_the_last_token_to_compute():
-    bm = BlockManager(num_blocks=8, block_size=4)
+    bm = watched(num_blocks=8, block_size=4)
     prompt = list(range(8))
     run(bm, 1, prompt)
     bm.free(1)
@@ -98,7 +107,7 @@ def test_hits_leave_the_last_token_to_compute():
 
 
 def test_lru_evicts_least_recently_freed_and_tail_first():
-    bm = BlockManager(num_blocks=5, block_size=2)
+    bm = watched(num_blocks=5, block_size=2)
     run(bm, 1, [1, 1, 1, 2, 0])  # a0 a1 registered + a partial block
     run(bm, 2, [2, 2, 0])  # b0 registered + a partial block -> pool full
     a, b = bm.table(1), bm.table(2)
@@ -113,18 +122,18 @@ def test_lru_evicts_least_recently_freed_and_tail_first():
 
 
 def test_hit_moves_block_out_of_lru():
-    bm = BlockManager(num_blocks=3, block_size=2)
+    bm = watched(num_blocks=3, block_size=2)
     run(bm, 1, [1, 1, 0])
     bm.free(1)
     assert bm.num_free_blocks() == 3
     assert bm.can_allocate([1, 1, 0, 0, 0])  # hit revives block 0; two fresh blocks remain
     assert not bm.can_allocate([1, 1, 0, 0, 0, 0, 0])  # the revived block is not evictable too
     assert bm.allocate(2, [1, 1, 0]) == 2
-    assert bm.snapshot().blocks[bm.table(2)[0]].state == "used" and not bm._cached
+    assert bm.map.snapshot().blocks[bm.table(2)[0]].state == "used" and not bm._cached
 
 
 def test_cow_after_fork():
-    bm = BlockManager(num_blocks=8, block_size=4)
+    bm = watched(num_blocks=8, block_size=4)
     bm.allocate(1, list(range(6)))
     bm.fork(1, 2)
     assert bm.table(1) == bm.table(2) and bm.length(2) == 6
@@ -137,7 +146,7 @@ def test_cow_after_fork():
 
 
 def test_fork_at_block_boundary_needs_no_copy():
-    bm = BlockManager(num_blocks=8, block_size=4)
+    bm = watched(num_blocks=8, block_size=4)
     bm.allocate(1, list(range(8)))
     bm.fork(1, 2)
     assert bm.append(1, 1) == [] and bm.append(2, 1) == []
@@ -145,24 +154,24 @@ def test_fork_at_block_boundary_needs_no_copy():
 
 
 def test_rollback_across_block_boundary_frees_emptied_block():
-    bm = BlockManager(num_blocks=8, block_size=4)
+    bm = watched(num_blocks=8, block_size=4)
     bm.allocate(1, list(range(3)))
     bm.append(1, 4)  # 7 slots, 2 blocks
     second = bm.table(1)[1]
     bm.rollback(1, 4)
     assert bm.length(1) == 3 and len(bm.table(1)) == 1 and bm.num_free_blocks() == 7
-    assert bm.snapshot().blocks[second].state == "free"
+    assert bm.map.snapshot().blocks[second].state == "free"
 
 
 def test_rollback_into_registered_block_unregisters_it():
-    bm = BlockManager(num_blocks=8, block_size=4)
+    bm = watched(num_blocks=8, block_size=4)
     run(bm, 1, list(range(9)))  # blocks 0 and 1 registered
     bm.rollback(1, 2)  # length 7: block 1 is partial again and only ours
     assert bm.allocate(2, list(range(9))) == 4  # block 0 still hits, block 1 no longer
 
 
 def test_rollback_into_shared_registered_block_keeps_it_and_cows():
-    bm = BlockManager(num_blocks=8, block_size=4)
+    bm = watched(num_blocks=8, block_size=4)
     run(bm, 1, list(range(9)))
     assert bm.allocate(2, list(range(9))) == 8
     shared = bm.table(1)[1]
@@ -173,7 +182,7 @@ def test_rollback_into_shared_registered_block_keeps_it_and_cows():
 
 
 def test_sole_holder_append_into_registered_partial_block_unregisters():
-    bm = BlockManager(num_blocks=8, block_size=4)
+    bm = watched(num_blocks=8, block_size=4)
     run(bm, 1, list(range(9)))
     bm.allocate(2, list(range(9)))
     bm.rollback(1, 2)  # shared: stays registered
@@ -183,7 +192,7 @@ def test_sole_holder_append_into_registered_partial_block_unregisters():
 
 
 def test_rollback_then_regrowth_registers_the_new_content():
-    bm = BlockManager(num_blocks=8, block_size=2)
+    bm = watched(num_blocks=8, block_size=2)
     run(bm, 1, [1, 2, 3, 4, 5])
     bm.rollback(1, 3)  # back to [1, 2]; block [3, 4] is emptied
     bm.append(1, 3)
@@ -193,20 +202,20 @@ def test_rollback_then_regrowth_registers_the_new_content():
 
 
 def test_finished_tail_is_a_partial_hit_for_the_next_turn():
-    bm = BlockManager(num_blocks=8, block_size=4)
+    bm = watched(num_blocks=8, block_size=4)
     turn1 = list(range(10))  # two full blocks and a tail of 2
     run(bm, 1, turn1)
     first = bm.table(1)
     bm.free(1, turn1, 10)
-    snap = bm.snapshot()
+    snap = bm.map.snapshot()
     assert sorted(b.filled for b in snap.blocks if b.state == "cached") == [2, 4, 4]
     assert bm.allocate(2, turn1 + [50, 51]) == 10  # only the new tokens are left to compute
     assert bm.table(2) == first
-    assert bm.snapshot().prefix_hit_tokens == 10
+    assert bm.map.snapshot().prefix_hit_tokens == 10
 
 
 def test_partial_tail_held_by_a_live_sequence_is_no_hit():
-    bm = BlockManager(num_blocks=8, block_size=4)
+    bm = watched(num_blocks=8, block_size=4)
     turn1 = list(range(10))
     run(bm, 1, turn1)
     bm.free(1, turn1, 10)
@@ -216,7 +225,7 @@ def test_partial_tail_held_by_a_live_sequence_is_no_hit():
 
 
 def test_tail_of_a_shared_block_is_not_registered_until_its_last_holder_frees():
-    bm = BlockManager(num_blocks=8, block_size=4)
+    bm = watched(num_blocks=8, block_size=4)
     turn1 = list(range(10))
     run(bm, 1, turn1)
     bm.fork(1, 2)
@@ -228,7 +237,7 @@ def test_tail_of_a_shared_block_is_not_registered_until_its_last_holder_frees():
 
 
 def test_revived_tail_once_full_answers_under_its_full_key():
-    bm = BlockManager(num_blocks=8, block_size=4)
+    bm = watched(num_blocks=8, block_size=4)
     turn1, turn2 = list(range(10)), list(range(10)) + [50, 51, 52]
     run(bm, 1, turn1)
     bm.free(1, turn1, 10)
@@ -240,24 +249,24 @@ def test_revived_tail_once_full_answers_under_its_full_key():
 
 
 def test_disabled_prefix_cache_never_hits():
-    bm = BlockManager(num_blocks=8, block_size=2, enable_prefix_cache=False)
+    bm = watched(num_blocks=8, block_size=2, enable_prefix_cache=False)
     run(bm, 1, [1, 2, 3, 4, 5])
     bm.free(1)
     assert bm.allocate(2, [1, 2, 3, 4, 5]) == 0
-    snap = bm.snapshot()
+    snap = bm.map.snapshot()
     assert snap.num_cached == 0 and snap.prefix_queried_tokens == 0 and snap.hit_rate == 0.0
 
 
 def test_snapshot_totals():
-    bm = BlockManager(num_blocks=8, block_size=4)
-    empty = bm.snapshot()
+    bm = watched(num_blocks=8, block_size=4)
+    empty = bm.map.snapshot()
     assert empty.fragmentation == 0.0 and empty.num_free == 8 and empty.hit_rate == 0.0
     run(bm, 1, list(range(5)))  # one full block, one holding 1 slot
     bm.fork(1, 2)
     bm.append(2, 2)  # COW: seq 2's copy holds 3 slots
     run(bm, 3, [7, 7, 7, 7, 7])
     bm.free(3)  # one cached block, one freed
-    snap = bm.snapshot()
+    snap = bm.map.snapshot()
     assert (snap.num_used, snap.num_cached, snap.num_free, snap.num_shared) == (3, 1, 4, 1)
     assert snap.tokens_stored == 4 + 1 + 3 and snap.slots_reserved == 12
     assert snap.fragmentation == pytest.approx(1 - 8 / 12)
@@ -266,9 +275,9 @@ def test_snapshot_totals():
     assert snap.blocks[t2[1]].filled == 3 and snap.blocks[t2[1]].owners == (2,)
     assert [b.block_id for b in snap.blocks] == list(range(8))
     assert sum(b.state == "cached" and b.filled == 4 for b in snap.blocks) == 1
-    assert bm.snapshot() is snap  # unchanged pool: the UI's polling gets the same object
+    assert bm.map.snapshot() is snap  # unchanged pool: the UI's polling gets the same object
     bm.append(1, 1)
-    new = bm.snapshot()
+    new = bm.map.snapshot()
     assert new is not snap and new.tokens_stored == 9
     assert new.blocks[t1[1]].filled == 2 and new.blocks[t1[0]] is snap.blocks[t1[0]]
 
@@ -277,6 +286,34 @@ def test_snapshot_totals():
 
 TOKENS = st.integers(0, 1)  # a tiny vocabulary, so prompts share and collide on prefixes
 PICK = st.integers(0, 10**6)
+
+
+def test_events_name_each_change():
+    bm = BlockManager(num_blocks=3, block_size=2)
+    events: list[BlockEvent] = []
+    bm.observers.append(events.append)
+    run(bm, 1, [5, 6, 7])  # blocks 0 (full, committed) and 1 (one token)
+    bm.fork(1, 2)
+    assert bm.append(2, 1) == [(1, 2)]  # the child writes into the shared partial block: a copy
+    bm.free(1)
+    bm.commit(2, [5, 6, 7, 9], 4)
+    bm.free(2)
+    kinds = [(e.kind, e.seq_id, e.block) for e in events if e.kind not in ("resized", "lookup")]
+    assert kinds == [
+        ("allocated", 1, 0),
+        ("allocated", 1, 1),
+        ("shared", 2, 0),
+        ("shared", 2, 1),
+        ("copied", 2, 2),
+        ("freed", 1, 1),
+        ("released", 1, 0),
+        ("cached", 2, 2),
+        ("cached", 2, 0),
+    ]
+    assert [e.tokens for e in events if e.kind == "cached"] == [2, 2]
+    assert next(e for e in events if e.kind == "copied").source == 1
+    assert bm.allocate(3, [8, 8, 8, 8, 8]) == 0  # needs 3 blocks: both cached ones are evicted
+    assert [e.block for e in events if e.kind == "evicted"] == [2, 0]
 
 
 class BlockMachine(RuleBasedStateMachine):
@@ -292,7 +329,7 @@ class BlockMachine(RuleBasedStateMachine):
         cache=st.sampled_from([True, True, True, False]),
     )
     def setup(self, num_blocks, block_size, cache):
-        self.bm = BlockManager(num_blocks, block_size, enable_prefix_cache=cache)
+        self.bm = watched(num_blocks, block_size, enable_prefix_cache=cache)
         self.tokens: dict[int, list[int]] = {}
         self.computed: dict[int, int] = {}
         self.pool: dict[int, tuple[int, ...]] = {}
@@ -303,7 +340,8 @@ class BlockMachine(RuleBasedStateMachine):
         return sorted(self.tokens)[i % len(self.tokens)]
 
     def start(self, tokens: list[int], prefill: bool) -> None:
-        """Allocate a new sequence if the pool allows, checking the hit arithmetic; maybe prefill it."""
+        """Allocate a new sequence if the pool allows, checking the hit arithmetic; maybe prefill
+        it."""
         bm, sid = self.bm, self.next_id
         self.next_id += 1
         if not bm.can_allocate(tokens):
@@ -343,7 +381,8 @@ class BlockMachine(RuleBasedStateMachine):
         self.start(self.tokens[self.pick(i)][:cut] + extra, prefill)
 
     def extend(self, sid: int, new: list[int], step: bool) -> None:
-        """Reserve slots for new tokens, doing the engine's KV copies; with step, also compute them."""
+        """Reserve slots for new tokens, doing the engine's KV copies; with step, also compute
+        them."""
         bm = self.bm
         if not bm.can_append(sid, len(new)):
             with pytest.raises(ValueError):
@@ -386,7 +425,8 @@ class BlockMachine(RuleBasedStateMachine):
             self.extend(child, [1], step=True)
 
     def drop(self, sid: int, tail: bool) -> list[int]:
-        """Free a sequence, with tail keeping its partly filled last block as a partial prefix; its tokens."""
+        """Free a sequence, with tail keeping its partly filled last block as a partial prefix; its
+        tokens."""
         toks, computed = self.tokens.pop(sid), self.computed.pop(sid)
         if tail:
             self.bm.free(sid, toks, computed)
@@ -402,7 +442,8 @@ class BlockMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.tokens)
     @rule(i=PICK, extra=st.lists(TOKENS, min_size=1, max_size=4))
     def next_turn(self, i, extra):
-        """A chat's next turn: a sequence computed to its last token finishes, and its tokens plus more
+        """A chat's next turn: a sequence computed to its last token finishes, and its tokens plus
+        more
         come back under a new id (the partial tail, if the sequence held it alone, is a hit)."""
         sid = self.pick(i)
         self.compute(sid, max(0, len(self.tokens[sid]) - 1 - self.computed[sid]))
@@ -446,7 +487,7 @@ class BlockMachine(RuleBasedStateMachine):
 
     @invariant()
     def snapshot_adds_up(self):
-        snap, n = self.bm.snapshot(), self.bm.num_blocks
+        snap, n = self.bm.map.snapshot(), self.bm.num_blocks
         assert snap.num_used + snap.num_cached + snap.num_free == n
         assert snap.tokens_stored <= snap.slots_reserved == snap.num_used * snap.block_size
         assert snap.num_cached + snap.num_free == self.bm.num_free_blocks()
@@ -480,7 +521,8 @@ class BlockMachine(RuleBasedStateMachine):
 
     @invariant()
     def registered_blocks_hold_their_prefix(self):
-        """Each registered block's KV is exactly the chain its key claims, so a hit reads true KV."""
+        """Each registered block's KV is exactly the chain its key claims, so a hit reads true
+        KV."""
         bs = self.bm.block_size
         for key, b in self.bm._registry.items():
             n = len(key[1])  # bs, or fewer for a partial tail
@@ -497,7 +539,7 @@ class BlockMachine(RuleBasedStateMachine):
             return
         for sid in list(self.tokens):
             self.bm.free(sid)
-        snap = self.bm.snapshot()
+        snap = self.bm.map.snapshot()
         assert snap.num_used == 0 and self.bm.num_free_blocks() == self.bm.num_blocks
 
 

@@ -79,17 +79,17 @@ def test_block_deltas_rebuild_every_snapshot_of_a_busy_pool():
             prompt + [50 + i] * (i + 1),
             SamplingParams(temperature=0.8, max_tokens=12 + 6 * i, seed=i),
         )
-    sent = held = engine.blocks.snapshot()
+    sent = held = engine.block_map.snapshot()
     steps = 0
     while engine.has_unfinished():
         events = [engine.step()]
         steps += 1
         if steps == 4:
             engine.abort(2)
-            events.append(BlocksChanged(engine.blocks.snapshot()))
+            events.append(BlocksChanged(engine.block_map.snapshot()))
         batch, sent = pack(events, sent)
         got, held = unpack(pickle.loads(pickle.dumps(batch)), held)
-        truth = engine.blocks.snapshot()
+        truth = engine.block_map.snapshot()
         assert held == truth and all(e.blocks == truth for e in got if isinstance(e, StepReport))
         assert [type(e) for e in got] == [type(e) for e in events]
         r = events[0]

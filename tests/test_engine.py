@@ -61,7 +61,7 @@ def test_abort_keeps_output_and_frees_blocks(engine):
         engine.step()
     engine.abort(rid)
     assert seq.finish_reason == "abort" and seq.num_output_tokens == 5
-    assert engine.blocks.snapshot().num_used == 0 and not engine.has_unfinished()
+    assert engine.block_map.snapshot().num_used == 0 and not engine.has_unfinished()
 
 
 def test_stop_string_cuts_text(engine):
@@ -109,7 +109,7 @@ def test_growth_past_pool_fails_with_output_kept(tiny_llama):
         [[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     )
     assert seq.finish_reason == "error" and seq.num_output_tokens >= 12
-    assert engine.blocks.snapshot().num_used == 0
+    assert engine.block_map.snapshot().num_used == 0
 
 
 def test_context_limit_finishes_with_length(tiny_llama):
@@ -167,4 +167,4 @@ def test_n_samples_fork_and_copy_on_write(tiny_llama):
             [prompt], SamplingParams(temperature=1.0, max_tokens=12, seed=5 + j, ignore_eos=True)
         )
         assert seq.output_ids == ref.output_ids
-    assert engine.blocks.snapshot().num_used == 0
+    assert engine.block_map.snapshot().num_used == 0

@@ -99,7 +99,7 @@ def test_preemption_matches(arch, tiny_models, reference):
     seqs = engine.generate(prompts, GREEDY, on_report=lambda r: preempted.extend(r.preempted))
     assert preempted, "the pool was meant to be too small for all three at once"
     assert [s.output_ids for s in seqs] == conts
-    assert engine.blocks.snapshot().num_used == 0
+    assert engine.block_map.snapshot().num_used == 0
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -71,7 +71,7 @@ def test_greedy_equals_plain(proposer, k, tiny_llama, draft_dir, plain_outputs):
     assert records and all(len(r.drafted) <= k for r in records)
     if proposer == "self":  # the target drafting for itself: every greedy draft is accepted
         assert all(r.accepted == len(r.drafted) for r in records)
-    assert eng.blocks.snapshot().num_used == 0
+    assert eng.block_map.snapshot().num_used == 0
 
 
 @pytest.mark.parametrize("proposer", ["ngram", "draft"])
@@ -93,8 +93,9 @@ def test_bookkeeping_matches_recount(tiny_llama, draft_dir):
     )
     for seq in seqs:
         mine = [r for r in records if r.seq_id == seq.seq_id]
-        assert seq.num_drafted == sum(len(r.drafted) for r in mine)
-        assert seq.num_accepted == sum(r.accepted for r in mine)
+        assert seq.spec.drafted == sum(len(r.drafted) for r in mine)
+        assert seq.spec.accepted == sum(r.accepted for r in mine)
+        assert mine[-1].totals == seq.spec
         for (
             r
         ) in mine:  # the emitted tokens are the accepted prefix of the draft, then one target token
@@ -103,7 +104,7 @@ def test_bookkeeping_matches_recount(tiny_llama, draft_dir):
         emitted = [t for r in mine for t in r.emitted]
         assert emitted == seq.output_ids[len(seq.output_ids) - len(emitted) :]
     # the target's KV never keeps a rejected token: pool free after the run, draft cache too
-    assert eng.blocks.snapshot().num_used == 0 and eng.proposer.num_used_blocks() == 0
+    assert eng.block_map.snapshot().num_used == 0 and eng.proposer.num_used_blocks() == 0
 
 
 def test_rollback_leaves_no_stale_slots(tiny_llama, draft_dir):

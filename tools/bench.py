@@ -133,7 +133,7 @@ def spec_round(engine: Engine, prompt: list[int]) -> dict:
         res["spec" if on else "plain"] = {
             "decode_tok_s": (seq.num_output_tokens - 1) / sum(decode_s),
             "target_forwards_per_token": seq.target_forwards / seq.num_output_tokens,
-            "acceptance_rate": seq.num_accepted / seq.num_drafted if seq.num_drafted else 0.0,
+            "acceptance_rate": seq.spec.acceptance_rate or 0.0,
         }
     return res
 

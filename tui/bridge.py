@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from pagechat.core.blocks import BlockSnapshot
+from pagechat.core.blockmap import BlockSnapshot
 from pagechat.core.engine import Engine
 from pagechat.core.errors import PagechatError
 from pagechat.core.memory import EngineMemory, Readings, read_memory
@@ -162,7 +162,7 @@ class EngineInfo:
             engine.graphs,
             torch.get_num_threads(),
             EngineMemory.of(engine),
-            engine.blocks.snapshot(),
+            engine.block_map.snapshot(),
             proposer,
             engine.speculate,
             engine.num_draft,
@@ -185,7 +185,7 @@ class EngineLoop:
         self.active: int | None = None  # the request of the reply in flight
         self._paused = False
         self._first_seen: set[int] = set()
-        self._snapshot = engine.blocks.snapshot()  # the last block snapshot the app was sent
+        self._snapshot = engine.block_map.snapshot()  # the last block snapshot the app was sent
         self._read_at = 0.0
 
     def run(self) -> None:
@@ -206,7 +206,7 @@ class EngineLoop:
                     return
                 self._run_command(cmd)
                 cmd = self.port.take(False)
-            snap = self.engine.blocks.snapshot()
+            snap = self.engine.block_map.snapshot()
             if snap is not self._snapshot:  # commands freed or took blocks: let the app see it now
                 self._snapshot = snap
                 emit(BlocksChanged(snap))
@@ -243,7 +243,8 @@ class EngineLoop:
         if rid is not None and not self.engine.requests[rid].finished:
             seq = self.engine.requests[rid]
             # keep the request's own limits that the controls do not own
-            params.stop, params.ignore_eos = seq.params.stop, seq.params.ignore_eos
+            own = seq.sampling.params
+            params = replace(params, stop=own.stop, ignore_eos=own.ignore_eos)
             self.engine.update_params(rid, params)
             at = seq.num_output_tokens
         else:

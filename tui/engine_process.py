@@ -27,7 +27,7 @@ from dataclasses import replace
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from pagechat.core.blocks import BlockSnapshot
+from pagechat.core.blockmap import BlockSnapshot
 from pagechat.core.config import EngineConfig
 from pagechat.core.errors import PagechatError
 from pagechat.core.report import StepReport

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from pagechat.core.blocks import BlockSnapshot
+from pagechat.core.blockmap import BlockSnapshot
 from pagechat.core.params import SamplingParams
 from pagechat.core.report import StepReport
 from pagechat.core.sampler import SampleRecord

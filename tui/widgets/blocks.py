@@ -6,7 +6,7 @@ import math
 import time
 from collections import Counter
 
-from pagechat.core.blocks import BlockInfo, BlockSnapshot
+from pagechat.core.blockmap import BlockInfo, BlockSnapshot
 from pagechat.tui.widgets.panel import Panel, short_bytes
 from rich.segment import Segment
 from rich.style import Style

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pagechat.core.blocks import BlockSnapshot
+from pagechat.core.blockmap import BlockSnapshot
 from pagechat.core.memory import EngineMemory, Readings
 from pagechat.tui.widgets.panel import Panel, short_bytes
 from rich.text import Text
