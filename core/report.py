@@ -22,6 +22,12 @@ class TokenOutput:
     error: str | None = None
 
 
+def _add_by_position(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
+    """Two per-position counts summed, the shorter one padded with zeros."""
+    width = max(len(a), len(b))
+    return tuple(x + y for x, y in zip(a + (0,) * (width - len(a)), b + (0,) * (width - len(b))))
+
+
 @dataclass(frozen=True, slots=True)
 class SpecTotals:
     """One sequence's speculation so far: summed once, as each draft is verified."""
@@ -36,20 +42,20 @@ class SpecTotals:
 
     def add(self, drafted: int, accepted: int, emitted: int) -> SpecTotals:
         """These totals after one more verify step."""
-        width = max(len(self.tried), drafted)
-        tried = [*self.tried, *[0] * (width - len(self.tried))]
-        hits = [*self.hits, *[0] * (width - len(self.hits))]
-        for pos in range(drafted):
-            tried[pos] += 1
-            hits[pos] += pos < accepted
+        tried = (1,) * drafted
+        hits = (1,) * accepted + (0,) * (drafted - accepted)
+        return self + SpecTotals(1, int(drafted > 0), drafted, accepted, emitted, tried, hits)
+
+    def __add__(self, other: SpecTotals) -> SpecTotals:
+        """The totals of both (two steps, or two sequences of a run)."""
         return SpecTotals(
-            self.steps + 1,
-            self.drafting_steps + bool(drafted),
-            self.drafted + drafted,
-            self.accepted + accepted,
-            self.emitted + emitted,
-            tuple(tried),
-            tuple(hits),
+            self.steps + other.steps,
+            self.drafting_steps + other.drafting_steps,
+            self.drafted + other.drafted,
+            self.accepted + other.accepted,
+            self.emitted + other.emitted,
+            _add_by_position(self.tried, other.tried),
+            _add_by_position(self.hits, other.hits),
         )
 
     @property
@@ -61,6 +67,12 @@ class SpecTotals:
     def mean_accepted(self) -> float | None:
         """Accepted tokens per step that drafted any."""
         return self.accepted / self.drafting_steps if self.drafting_steps else None
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        """Tokens a drafting verify step yields: its accepted drafts plus the target's own token."""
+        mean = self.mean_accepted
+        return None if mean is None else mean + 1
 
     @property
     def forwards_per_token(self) -> float | None:

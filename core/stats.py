@@ -3,40 +3,7 @@
 from __future__ import annotations
 
 from pagechat.core.loader import dtype_name
-from pagechat.core.report import DraftRecord, StepReport
-
-
-class SpecStats:
-    """Speculation totals recounted from DraftRecords: acceptance rate, mean acceptance length, per position."""
-
-    def __init__(self) -> None:
-        self.steps = self.drafted = self.accepted = self.bonus = 0
-        self.by_position: list[list[int]] = []  # [accepted, drafted] for draft position i
-
-    def add(self, r: DraftRecord) -> None:
-        if not r.drafted:
-            return
-        self.steps += 1
-        self.drafted += len(r.drafted)
-        self.accepted += r.accepted
-        self.bonus += r.bonus
-        while len(self.by_position) < len(r.drafted):
-            self.by_position.append([0, 0])
-        for i in range(len(r.drafted)):
-            self.by_position[i][0] += i < r.accepted
-            self.by_position[i][1] += 1
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        """Tokens a verify step yields on average: accepted drafts + the target's own token."""
-        return self.accepted / self.steps + 1 if self.steps else 0.0
-
-    def per_position(self) -> list[float]:
-        return [a / d if d else 0.0 for a, d in self.by_position]
+from pagechat.core.report import SpecTotals, StepReport
 
 
 class RunStats:
@@ -49,7 +16,7 @@ class RunStats:
         ) = 0
         self.prefill_s = self.decode_s = self.wall_s = 0.0
         self.peak_blocks = 0
-        self.spec = SpecStats()
+        self._spec: dict[int, SpecTotals] = {}  # each sequence's, from its newest DraftRecord
 
     def add(self, r: StepReport) -> None:
         self.steps += 1
@@ -59,7 +26,7 @@ class RunStats:
         self.preemptions += len(r.preempted)
         self.peak_blocks = max(self.peak_blocks, r.blocks.num_used)
         for d in r.drafts:
-            self.spec.add(d)
+            self._spec[d.seq_id] = d.totals
         if r.kind == "decode":
             self.decode_tokens += r.decode_tokens
             self.decode_s += r.elapsed_s
@@ -97,6 +64,11 @@ class RunStats:
             **self._spec_dict(),
         }
 
+    @property
+    def spec(self) -> SpecTotals:
+        """Speculation over the run: the engine's per-sequence totals added up."""
+        return sum(self._spec.values(), SpecTotals())
+
     def _spec_dict(self) -> dict:
         e, sp = self.engine, self.spec
         if e.proposer is None:
@@ -108,9 +80,11 @@ class RunStats:
             "num_draft": e.num_draft,
             "drafted_tokens": sp.drafted,
             "accepted_tokens": sp.accepted,
-            "acceptance_rate": round(sp.acceptance_rate, 4),
-            "mean_acceptance_length": round(sp.mean_acceptance_length, 4),
-            "per_position_acceptance": [round(x, 4) for x in sp.per_position()],
+            "acceptance_rate": round(sp.acceptance_rate or 0.0, 4),
+            "mean_acceptance_length": round(sp.mean_acceptance_length or 0.0, 4),
+            "per_position_acceptance": [
+                round(sp.position_rate(i) or 0.0, 4) for i in range(len(sp.tried))
+            ],
             "target_forwards_per_token": round(sum(s.target_forwards for s in seqs) / outputs, 4)
             if outputs
             else 0.0,

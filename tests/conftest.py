@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random checkpoints of every supported architecture, made once per test session."""
+"""Shared fixtures: tiny random checkpoints of every supported architecture, made once per test
+session."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Engine behaviour beyond matching transformers: seeds, live parameter updates, abort, stops, failures."""
+"""Engine behaviour beyond matching transformers: seeds, live parameter updates, abort, stops,
+failures."""
 
 from __future__ import annotations
 
@@ -146,7 +147,8 @@ def test_step_report_counts(engine):
 
 
 def test_n_samples_fork_and_copy_on_write(tiny_llama):
-    """n = 3 samples share the prompt's blocks; each equals an independent run with its seed (seed + j)."""
+    """n = 3 samples share the prompt's blocks; each equals an independent run with its seed
+    (seed + j)."""
     engine = Engine(tiny_llama, EngineConfig(device="cpu", dtype="float32", block_size=4))
     prompt = list(
         range(5, 15)

@@ -1,4 +1,5 @@
-"""Speculative decoding: exact greedy output, the target's distribution when sampling, honest bookkeeping."""
+"""Speculative decoding: exact greedy output, the target's distribution when sampling, honest
+bookkeeping."""
 
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ def plain_outputs(tiny_llama):
 
 @pytest.mark.parametrize("proposer", [None, "ngram", "draft"])
 def test_verification_and_catch_up_graphs_are_traced_at_load(proposer, tiny_llama, draft_dir):
-    """With a proposer, the causal-mask trace (verification; a draft's catch-up) is made while loading, not in the
+    """With a proposer, the causal-mask trace (verification; a draft's catch-up) is made while
+    loading, not in the
     first reply."""
     kw = (
         {}
@@ -96,6 +98,12 @@ def test_bookkeeping_matches_recount(tiny_llama, draft_dir):
         assert seq.spec.drafted == sum(len(r.drafted) for r in mine)
         assert seq.spec.accepted == sum(r.accepted for r in mine)
         assert mine[-1].totals == seq.spec
+        drafted = [r for r in mine if r.drafted]
+        width = max((len(r.drafted) for r in mine), default=0)
+        assert seq.spec.tried == tuple(sum(len(r.drafted) > i for r in mine) for i in range(width))
+        assert seq.spec.hits == tuple(sum(r.accepted > i for r in mine) for i in range(width))
+        assert seq.spec.drafting_steps == len(drafted) and seq.spec.steps == len(mine)
+        assert seq.spec.emitted == sum(len(r.emitted) for r in mine)
         for (
             r
         ) in mine:  # the emitted tokens are the accepted prefix of the draft, then one target token
@@ -149,7 +157,8 @@ def test_verify_one_hot_draft():
 
 
 def test_sampled_distribution_with_speculation_equals_plain(tiny_llama, draft_dir):
-    """Many seeds at temperature 1 / top-p 0.9: token histograms at draft positions agree (chi-square)."""
+    """Many seeds at temperature 1 / top-p 0.9: token histograms at draft positions agree
+    (chi-square)."""
     prompts = ["one two three"] * 300
 
     def tokens(**kw):
@@ -170,8 +179,7 @@ def test_sampled_distribution_with_speculation_equals_plain(tiny_llama, draft_di
                 ((t, a.count(t) + b.count(t)) for t in set(a + b)), key=lambda x: -x[1]
             )[:5]
         ]
-        bucket = lambda xs: [sum(x == t for x in xs) for t in top] + [sum(x not in top for x in xs)]  # noqa: E731
-        ca, cb = bucket(a), bucket(b)
+        ca, cb = _bucket(a, top), _bucket(b, top)
         chi2 = sum((x - y) ** 2 / (x + y) for x, y in zip(ca, cb) if x + y)
         assert chi2 < 22.5, (ca, cb)  # two-sample chi-square, df <= 5, p = 0.0004
 
@@ -199,18 +207,15 @@ def test_ngram_needs_fewer_target_forwards_on_repetition(tiny_llama):
 
 
 def test_nothing_is_drafted_past_an_end_of_sequence(tiny_llama):
-    """A drafted EOS ends the draft (whatever followed could never be kept); with ignore_eos it does not."""
+    """A drafted EOS ends the draft (whatever followed could never be kept); with ignore_eos it
+    does not."""
     eng = engine(tiny_llama, ngram=True, num_draft=4)
     eos = min(eng.eos_ids)
     eng.proposer.propose = lambda seqs, ks: ([[eos, 8, 9, 10][:k] for k in ks], [None] * len(seqs))
     for ignore, expected in ((False, (eos,)), (True, (eos, 8, 9, 10))):
         records = []
         params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=ignore)
-        eng.generate(
-            [[5, 6, 7]],
-            params,
-            on_report=lambda r: records.extend(d for d in r.drafts if d.drafted),
-        )
+        eng.generate([[5, 6, 7]], params, on_report=_collect_drafts(records))
         assert records and records[0].drafted == expected
         assert all(
             d.drafted == expected[: len(d.drafted)] for d in records
@@ -269,3 +274,13 @@ def test_generate_json_reports_speculation(tiny_llama, capsys):
         and len(st["per_position_acceptance"]) <= 3
     )
     assert st["mean_acceptance_length"] >= 1 or st["drafted_tokens"] == 0
+
+
+def _bucket(xs: list[int], top: list[int]) -> list[int]:
+    """Counts of each of the top tokens in xs, then of every other token."""
+    return [sum(x == t for x in xs) for t in top] + [sum(x not in top for x in xs)]
+
+
+def _collect_drafts(records: list):
+    """An on_report hook that keeps the non-empty DraftRecords of each step."""
+    return lambda r: records.extend(d for d in r.drafts if d.drafted)

@@ -53,11 +53,7 @@ def params_to_dict(p: SamplingParams) -> dict:
 
 def params_from_dict(d: dict, base: SamplingParams | None = None) -> SamplingParams:
     """SamplingParams from a saved dict, unknown keys ignored, missing keys from base."""
-    p = SamplingParams() if base is None else replace(base)
-    for k in PARAM_FIELDS:
-        if k in d:
-            setattr(p, k, d[k])
-    return p
+    return replace(base or SamplingParams(), **{k: d[k] for k in PARAM_FIELDS if k in d})
 
 
 @dataclass

@@ -262,23 +262,20 @@ def evaluate(model_dir: str | Path, n: int = 10, quant: str | None = None) -> di
 
 
 def acceptance(chat_dir: Path, draft_dir: Path, k: int = 4, n: int = 50) -> dict:
-    """Greedy speculative decoding through the Engine with the draft, on n held-out questions: the engine's own
-    draft records, recounted, and whether every reply equals plain greedy decoding's."""
-    from pagechat.core.stats import SpecStats
+    """Greedy speculative decoding through the Engine with the draft, on n held-out questions: the
+    engine's own speculation totals, and whether every reply equals plain greedy decoding's."""
+    from pagechat.core.report import SpecTotals
 
-    spec, questions = SpecStats(), [it.question for it in corpus.heldout(n)]
-    fast = _greedy(
-        _engine(chat_dir, draft=str(draft_dir), num_draft=k),
-        questions,
-        on_report=lambda r: [spec.add(d) for d in r.drafts],
-    )
+    questions = [it.question for it in corpus.heldout(n)]
+    fast = _greedy(_engine(chat_dir, draft=str(draft_dir), num_draft=k), questions)
+    spec = sum((s.spec for s in fast), SpecTotals())
     plain = _greedy(_engine(chat_dir), questions)
     return {
         "k": k,
         "questions": n,
-        "acceptance_rate": round(spec.acceptance_rate, 4),
-        "mean_acceptance_length": round(spec.mean_acceptance_length, 4),
-        "per_position": [round(x, 4) for x in spec.per_position()],
+        "acceptance_rate": round(spec.acceptance_rate or 0.0, 4),
+        "mean_acceptance_length": round(spec.mean_acceptance_length or 0.0, 4),
+        "per_position": [round(spec.position_rate(i) or 0.0, 4) for i in range(len(spec.tried))],
         "same_as_plain": all(a.output_ids == b.output_ids for a, b in zip(fast, plain)),
     }
 
