@@ -97,55 +97,78 @@ def _windows(cfg: dict, arch: str, n: int) -> tuple[int | None, ...]:
     return (None,) * n
 
 
-def read_spec(model_dir: Path) -> ModelSpec:
-    """Parse config.json into a ModelSpec; refuse architectures and settings the engine does not run."""
+def _read_config(model_dir: Path) -> tuple[Path, dict]:
+    """config.json's path and contents; PagechatError if the directory has none."""
     path = check_model_dir(model_dir) / "config.json"
     if not path.is_file():
         raise PagechatError(
             f"{model_dir} has no config.json: is it a Hugging Face model directory?"
         )
-    cfg = _read_json(path)
+    return path, _read_json(path)
+
+
+def _check_arch(path: Path, cfg: dict) -> str:
+    """The config's architecture; refuse one the engine does not run, or a non-silu activation."""
     arch = (cfg.get("architectures") or ["?"])[0]
     if arch not in SUPPORTED_ARCHS:
         raise PagechatError(
-            f"{path}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHS)})"
+            f"{path}: architecture {arch!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_ARCHS)})"
         )
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise PagechatError(f"{path}: hidden_act {act!r} is not supported (only silu)")
+    return arch
+
+
+def _eos_ids(model_dir: Path, cfg: dict) -> tuple[int, ...]:
+    """The end-of-sequence ids: generation_config.json's when it has them, else config.json's."""
+    eos = cfg.get("eos_token_id")
+    gen = model_dir / "generation_config.json"
+    if gen.is_file():
+        eos = _read_json(gen).get("eos_token_id", eos)
+    return tuple([eos] if isinstance(eos, int) else (eos or []))
+
+
+def _spec_from(model_dir: Path, cfg: dict, arch: str) -> ModelSpec:
+    """Build the ModelSpec from config.json's fields (KeyError/TypeError/ValueError when bad)."""
+    heads = int(cfg["num_attention_heads"])
+    hidden = int(cfg["hidden_size"])
+    n = int(cfg["num_hidden_layers"])
+    theta, scaling = _rope(cfg)
+    eos = _eos_ids(model_dir, cfg)
+    is_qwen2 = arch == "Qwen2ForCausalLM"
+    return ModelSpec(
+        arch=arch,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_layers=n,
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=is_qwen2 or bool(cfg.get("attention_bias", False)),
+        o_bias=(not is_qwen2) and bool(cfg.get("attention_bias", False)),
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        qk_norm=arch == "Qwen3ForCausalLM",
+        sliding_windows=_windows(cfg, arch, n),
+        eos_token_ids=eos,
+        torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+        quantization=cfg.get("quantization_config"),
+    )
+
+
+def read_spec(model_dir: Path) -> ModelSpec:
+    """Parse config.json into a ModelSpec; refuse architectures and settings the engine does not run."""
+    path, cfg = _read_config(model_dir)
+    arch = _check_arch(path, cfg)
     try:
-        heads = int(cfg["num_attention_heads"])
-        hidden = int(cfg["hidden_size"])
-        n = int(cfg["num_hidden_layers"])
-        theta, scaling = _rope(cfg)
-        eos = cfg.get("eos_token_id")
-        gen = model_dir / "generation_config.json"
-        if gen.is_file():
-            eos = _read_json(gen).get("eos_token_id", eos)
-        is_qwen2 = arch == "Qwen2ForCausalLM"
-        return ModelSpec(
-            arch=arch,
-            vocab_size=int(cfg["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=n,
-            num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=is_qwen2 or bool(cfg.get("attention_bias", False)),
-            o_bias=(not is_qwen2) and bool(cfg.get("attention_bias", False)),
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
-            sliding_windows=_windows(cfg, arch, n),
-            eos_token_ids=tuple([eos] if isinstance(eos, int) else (eos or [])),
-            torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
-            quantization=cfg.get("quantization_config"),
-        )
+        return _spec_from(model_dir, cfg, arch)
     except (KeyError, TypeError, ValueError) as e:
         raise PagechatError(f"{path}: missing or bad field {e}") from None
 

@@ -287,51 +287,68 @@ class Sampler:
         chosen: list[int],
         rows: Sequence[SampleRow],
     ) -> list[SampleRecord]:
+        """One SampleRecord per row: its top candidates (and the chosen token) with their figures."""
         wants = [r.params.num_candidates for r in rows]
         top_n = min(max(wants), pen.shape[1])
-        copies: dict[int, SamplingParams] = {}  # one copy per params object in this batch
-
-        def frozen(params: SamplingParams) -> SamplingParams:
-            if id(params) not in copies:
-                copies[id(params)] = copy.copy(params)
-            return copies[id(params)]
-
+        params = _frozen_params(rows)
         if top_n == 0:
-            return [SampleRecord(r.seq_id, t, (), frozen(r.params)) for r, t in zip(rows, chosen)]
-        # Everything per candidate is computed on an [n, N + 1] block (top N, then the chosen token),
-        # then read back with a few .tolist() calls: no tensor op per candidate.
-        temps = _column([1.0 if r.params.greedy else r.params.temperature for r in rows], pen)
-        ids = torch.cat([pen.topk(top_n, dim=-1).indices, tokens.unsqueeze(1)], dim=1)
-        logit = pen.gather(1, ids)
-        prob = (pen / temps).softmax(dim=-1).gather(1, ids)
-        greedy = _column([r.params.greedy for r in rows], pen, torch.bool)
-        kept = torch.where(greedy, ids == tokens.unsqueeze(1), x.gather(1, ids) > _NEG_INF)
-        # Cut code per candidate (index into _CUT_BY): the first filter, in order, whose mask removed it.
-        code = torch.zeros(ids.shape, dtype=torch.long, device=ids.device)
-        for c, removed in reversed(list(enumerate(cuts, 1))):
-            if removed is not None:
-                code.masked_fill_(removed.gather(1, ids), c)
-        code.masked_fill_(greedy, 0)
-        cols = zip(ids.tolist(), logit.tolist(), prob.tolist(), kept.tolist(), code.tolist())
-        records = []
-        for r, want, token, (i_, l_, p_, k_, c_) in zip(rows, wants, chosen, cols):
-            picks = list(range(min(want, top_n)))
-            if want and token not in i_[:want]:
-                picks.append(top_n)  # the chosen token's column
-            cum, cands = 0.0, []
-            for j in picks:
-                cum += p_[j]
-                cands.append(
-                    Candidate(
-                        i_[j],
-                        self.text(i_[j]),
-                        l_[j],
-                        p_[j],
-                        cum,
-                        k_[j],
-                        _CUT_BY[c_[j]],
-                        i_[j] == token,
-                    )
-                )
-            records.append(SampleRecord(r.seq_id, token, tuple(cands), frozen(r.params)))
-        return records
+            return [SampleRecord(r.seq_id, t, (), p) for r, t, p in zip(rows, chosen, params)]
+        cols = _candidate_columns(pen, x, cuts, tokens, rows, top_n)
+        return [
+            SampleRecord(r.seq_id, token, self._candidates(want, token, top_n, col), p)
+            for r, want, token, col, p in zip(rows, wants, chosen, cols, params)
+        ]
+
+    def _candidates(self, want: int, token: int, top_n: int, col: tuple) -> tuple[Candidate, ...]:
+        """One row's candidates: its first `want` of the top N, then the chosen token if outside."""
+        i_, l_, p_, k_, c_ = col
+        picks = list(range(min(want, top_n)))
+        if want and token not in i_[:want]:
+            picks.append(top_n)  # the chosen token's column
+        cum, cands = 0.0, []
+        for j in picks:
+            cum += p_[j]
+            cut_by = _CUT_BY[c_[j]]
+            cands.append(
+                Candidate(i_[j], self.text(i_[j]), l_[j], p_[j], cum, k_[j], cut_by, i_[j] == token)
+            )
+        return tuple(cands)
+
+
+def _frozen_params(rows: Sequence[SampleRow]) -> list[SamplingParams]:
+    """A copy of each row's params, one copy per params object in the batch."""
+    copies: dict[int, SamplingParams] = {}
+    for r in rows:
+        if id(r.params) not in copies:
+            copies[id(r.params)] = copy.copy(r.params)
+    return [copies[id(r.params)] for r in rows]
+
+
+def _candidate_columns(
+    pen: Tensor,
+    x: Tensor,
+    cuts: list[Tensor | None],
+    tokens: Tensor,
+    rows: Sequence[SampleRow],
+    top_n: int,
+) -> list[tuple]:
+    """Per row, (ids, logits, probs, kept, cut codes) of its top N tokens and then the chosen one."""
+    # Everything per candidate is computed on an [n, N + 1] block (top N, then the chosen token),
+    # then read back with a few .tolist() calls: no tensor op per candidate.
+    temps = _column([1.0 if r.params.greedy else r.params.temperature for r in rows], pen)
+    ids = torch.cat([pen.topk(top_n, dim=-1).indices, tokens.unsqueeze(1)], dim=1)
+    logit = pen.gather(1, ids)
+    prob = (pen / temps).softmax(dim=-1).gather(1, ids)
+    greedy = _column([r.params.greedy for r in rows], pen, torch.bool)
+    kept = torch.where(greedy, ids == tokens.unsqueeze(1), x.gather(1, ids) > _NEG_INF)
+    code = _cut_codes(ids, cuts).masked_fill_(greedy, 0)
+    return list(zip(ids.tolist(), logit.tolist(), prob.tolist(), kept.tolist(), code.tolist()))
+
+
+def _cut_codes(ids: Tensor, cuts: list[Tensor | None]) -> Tensor:
+    """Per candidate, its index into _CUT_BY: the first filter, in order, whose mask removed it."""
+    code = torch.zeros(ids.shape, dtype=torch.long, device=ids.device)
+    for c, removed in reversed(list(enumerate(cuts, 1))):
+        if removed is not None:
+            code.masked_fill_(removed.gather(1, ids), c)
+    return code
