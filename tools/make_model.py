@@ -267,6 +267,22 @@ def save_tokenizer(tokenizer: transformers.PreTrainedTokenizerFast, out_dir: Pat
     path.write_text(json.dumps(cfg, indent=2) + "\n")
 
 
+def save_checkpoint(model, tokenizer, out_dir: Path, dtype: torch.dtype) -> Path:
+    """Write a Hub-style checkpoint: safetensors weights in `dtype`, the tokenizer, ChatML eos ids
+    in generation_config.json, and both config key spellings. make-model and the demo use it."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model = model.to(dtype)
+    model.generation_config = transformers.GenerationConfig(
+        bos_token_id=None, pad_token_id=ENDOFTEXT_ID, eos_token_id=EOS_IDS
+    )
+    with _quiet_transformers():
+        model.save_pretrained(out_dir, safe_serialization=True)
+        save_tokenizer(tokenizer, out_dir)
+    _add_legacy_keys(out_dir / "config.json", dtype_name(dtype))
+    return out_dir
+
+
 @contextlib.contextmanager
 def _quiet_transformers():
     """No progress bars or info logs from transformers (make_model prints nothing)."""
@@ -302,12 +318,4 @@ def make_model(out_dir: Path, arch: str, size: str, seed: int = 0) -> Path:
     model = model.to_empty(device="cpu").to(dtype)
     model.tie_weights()  # to_empty gives each meta tensor its own storage, undoing the tie
     _init_weights(model, config.initializer_range, seed)
-    model.generation_config = transformers.GenerationConfig(
-        bos_token_id=None, pad_token_id=ENDOFTEXT_ID, eos_token_id=EOS_IDS
-    )
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with _quiet_transformers():
-        model.save_pretrained(out_dir, safe_serialization=True)
-        save_tokenizer(tokenizer, out_dir)
-    _add_legacy_keys(out_dir / "config.json", dtype_name(dtype))
-    return out_dir
+    return save_checkpoint(model, tokenizer, out_dir, dtype)

@@ -14,16 +14,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import transformers
-from pagechat.core.loader import dtype_name
 from pagechat.tools.demo import corpus
 from pagechat.tools.make_model import (
     ENDOFTEXT_ID,
     EOS_IDS,
     IM_END,
-    _add_legacy_keys,
-    _quiet_transformers,
     builtin_corpus,
-    save_tokenizer,
+    save_checkpoint,
     train_tokenizer,
 )
 
@@ -212,20 +209,6 @@ def train_model(
     return model.eval(), sum(losses[-50:]) / len(losses[-50:])
 
 
-def save_model(model, tokenizer, out_dir: Path, dtype: torch.dtype = torch.bfloat16) -> Path:
-    """save_pretrained (safetensors) in dtype, the tokenizer, and generation eos ids as make_model writes them."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model = model.to(dtype)
-    model.generation_config = transformers.GenerationConfig(
-        bos_token_id=None, pad_token_id=ENDOFTEXT_ID, eos_token_id=EOS_IDS
-    )
-    with _quiet_transformers():
-        model.save_pretrained(out_dir, safe_serialization=True)
-        save_tokenizer(tokenizer, out_dir)
-    _add_legacy_keys(out_dir / "config.json", dtype_name(dtype))
-    return out_dir
-
-
 def _engine(model_dir: Path, **config):
     from pagechat.core.config import EngineConfig
     from pagechat.core.engine import Engine
@@ -310,7 +293,7 @@ def train_demo(
         log(f"training {name} {recipe.shape}")
         t = time.perf_counter()
         model, loss = train_model(recipe, drills, examples, len(tok), seed, log)
-        path = save_model(model, tok, out_dir / name)
+        path = save_checkpoint(model, tok, out_dir / name, torch.bfloat16)
         result = evaluate(path)
         metrics[name] = {
             "shape": asdict(recipe.shape),
