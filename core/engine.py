@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
+from pagechat.core.beam import BeamChoice, BeamGroup
 from pagechat.core.blockmap import BlockMap
 from pagechat.core.blocks import BlockEvent, BlockManager
 from pagechat.core.config import EngineConfig
@@ -167,6 +168,8 @@ class Engine:
             int, torch.Tensor | None
         ] = {}  # draft distributions between _draft and _verify
         self.requests: dict[int, Sequence] = {}
+        self._beams: dict[int, BeamGroup] = {}  # request id -> its beam search
+        self._beam_of: dict[int, BeamGroup] = {}  # running beam's seq id -> its beam search
         self._next_id = 0
         self._steps = 0
 
@@ -245,6 +248,10 @@ class Engine:
         seq_id = self._new_id()
         sampling = SamplingState(params, self._generator(params.seed))
         seq = Sequence(seq_id, ids, len(ids), sampling, time.perf_counter())
+        if params.beam_width > 1:
+            self._beams[seq_id] = self._beam_of[seq_id] = BeamGroup(
+                seq, self.eos_ids, self.max_model_len
+            )
         self.requests[seq_id] = seq
         self.scheduler.add(seq)
         return seq_id
@@ -269,6 +276,8 @@ class Engine:
     def abort(self, request_id: int) -> None:
         """Stop a request now, keeping what it generated; its blocks are freed."""
         seq = self._request(request_id)
+        if request_id in self._beams:
+            self._drop_beams(self._beams.pop(request_id))
         if not seq.finished:
             self.scheduler.finish(seq)
             seq.finish_reason, seq.finish_time = "abort", time.perf_counter()
@@ -300,13 +309,14 @@ class Engine:
         t0 = time.perf_counter()
         self._steps += 1
         batch = self._schedule()
-        work = _StepWork(outputs=[self._output(seq, []) for seq in batch.failed])
+        work = _StepWork(outputs=[self._failed(seq) for seq in batch.failed])
         if batch.items:
             self._draft([it for it in batch.items if it.lookahead])
             logits = self._forward(batch.items)
             plain = self._sample(batch.items, logits, work)
             self._verify_drafts(batch.items, logits, work)
             self._append(batch.items + plain, work)
+            self._advance_beams(work)
         if self.proposer is not None:
             self.proposer.release_missing({s.seq_id for s in self.scheduler.running})
         return self._report(batch, work, time.perf_counter() - t0)
@@ -329,6 +339,10 @@ class Engine:
         """Sample one token for every item that ends its sequence without a draft, and for the
         samples forked from a finished prompt (n > 1); returns those forks' items."""
         plain = [(it, lg) for it, lg in zip(items, logits) if it.samples and not it.lookahead]
+        for it, lg in plain:
+            if it.seq.seq_id in self._beam_of:
+                self._beam_of[it.seq.seq_id].pending[it.seq.seq_id] = lg[-1]
+        plain = [(it, lg) for it, lg in plain if it.seq.seq_id not in self._beam_of]
         forks = [
             (ScheduledSeq(kid, it.start, it.count), lg)
             for it, lg in plain
@@ -357,7 +371,7 @@ class Engine:
         for it in items:
             seq, new = it.seq, work.emitted.get(id(it), [])
             is_decode = len(seq.token_ids) - it.start == 1 and seq.num_output_tokens > 0
-            work.decode += len(new) if is_decode else 0
+            work.decode += (len(new) or it.count) if is_decode else 0
             forked_prompt = seq.parent is not None and not seq.output_ids
             work.prefill += 0 if is_decode or forked_prompt else it.count
             seq.target_forwards += 1
@@ -424,6 +438,97 @@ class Engine:
             parent.children.append(kid.seq_id)
             kids.append(kid)
         return kids
+
+    # -- beam search -----------------------------------------------------------------------------
+    def _advance_beams(self, work: _StepWork) -> None:
+        """Let every beam search whose beams all have this step's logits pick its next beams."""
+        for group in list(self._beams.values()):
+            if group.ready():
+                self._apply_choices(group, group.select())
+                if group.done:
+                    work.outputs.append(self._finish_beams(group))
+
+    def _apply_choices(self, group: BeamGroup, choices: list[BeamChoice]) -> None:
+        """Make the picked beams: the first pick of a beam goes on as itself, a second one is forked
+        from it (sharing its blocks), a beam not picked is freed."""
+        reused: set[int] = set()
+        plan = []
+        for c in choices:
+            reuse = c.parent.seq_id not in reused and c.parent is not group.root
+            reused.add(c.parent.seq_id)
+            plan.append((c, reuse))
+        beams = [c.parent if reuse else self._fork_beam(c) for c, reuse in plan]
+        for c, reuse in plan:  # after the forks, which copy the parent's tokens as they were
+            if reuse:
+                c.parent.token_ids.append(c.token)
+        kept = {b.seq_id for b in beams}
+        for old in group.running:
+            if old is group.root:
+                self.scheduler.detach(old)
+            elif old.seq_id not in kept:
+                self.scheduler.finish(old)
+            if old.seq_id not in kept:
+                del self._beam_of[old.seq_id]
+        group.running = beams
+        self._beam_of.update((b.seq_id, group) for b in beams)
+
+    def _fork_beam(self, choice: BeamChoice) -> Sequence:
+        """A new beam: its parent's tokens plus the picked one, sharing the parent's blocks; a
+        parent preempted meanwhile has none, so the beam waits to be computed afresh."""
+        parent = choice.parent
+        beam = Sequence(
+            self._new_id(),
+            [*parent.token_ids, choice.token],
+            parent.num_prompt_tokens,
+            SamplingState(parent.sampling.params),
+            parent.arrival,
+            status=parent.status,
+            num_computed=parent.num_computed,
+        )
+        if parent.status is Status.RUNNING:
+            self.blocks.fork(parent.seq_id, beam.seq_id)
+            self.scheduler.running.append(beam)
+        else:
+            beam.num_computed = 0
+            self.scheduler.waiting.appendleft(beam)
+        return beam
+
+    def _drop_beams(self, group: BeamGroup) -> None:
+        """Free every running beam of a search (the request itself is finished by the caller)."""
+        for beam in group.running:
+            self._beam_of.pop(beam.seq_id, None)
+            if beam is not group.root:
+                self.scheduler.finish(beam)
+        group.running = []
+
+    def _finish_beams(self, group: BeamGroup) -> TokenOutput:
+        """End a search: the request's tokens and text become the best hypothesis'."""
+        self._drop_beams(group)
+        root = self._beams.pop(group.root.seq_id).root
+        root.beams = group.results(self._decode)
+        best = root.beams[0]
+        root.token_ids[root.num_prompt_tokens :] = best.token_ids
+        root.text = best.text
+        ended = bool(best.token_ids) and best.token_ids[-1] in group.eos_ids
+        now = time.perf_counter()
+        self.scheduler.finish(root)
+        root.finish_reason, root.finish_time = "stop" if ended else "length", now
+        root.first_token_time = root.first_token_time or now
+        return self._output(root, list(best.token_ids))
+
+    def _failed(self, seq: Sequence) -> TokenOutput:
+        """The output of a sequence the pool cannot hold; a failed beam fails its whole search."""
+        group = self._beam_of.get(seq.seq_id)
+        if group is None:
+            return self._output(seq, [])
+        self._drop_beams(self._beams.pop(group.root.seq_id))
+        root = group.root
+        self.scheduler.finish(root)
+        root.finish_reason, root.error = "error", seq.error
+        return self._output(root, [])
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _draft(self, items: list[ScheduledSeq]) -> None:
         """Ask the proposer for drafts, at most as many as each item's reserved slots and limits

@@ -23,6 +23,9 @@ class SamplingParams:
     ignore_eos: bool = False
     num_candidates: int = 8  # top-N candidates recorded per sampled token
     n: int = 1  # samples per prompt: forks sharing the prompt's KV blocks (copy-on-write)
+    beam_width: int = 1  # > 1: beam search (deterministic; the sampling settings above are unused)
+    length_penalty: float = 1.0  # a finished beam's score is its log-probability / length**this
+    early_stopping: bool | str = False  # True, False or "never", as transformers reads them
 
     def validate(self) -> SamplingParams:
         """Raise PagechatError naming the first out-of-range field; return self when all are
@@ -41,6 +44,20 @@ class SamplingParams:
             ("max-tokens", self.max_tokens, "must be >= 1", self.max_tokens >= 1),
             ("num-candidates", self.num_candidates, "must be >= 0", self.num_candidates >= 0),
             ("n", self.n, "must be >= 1", self.n >= 1),
+            ("beams", self.beam_width, "must be >= 1", self.beam_width >= 1),
+            ("length-penalty", self.length_penalty, "must be finite", True),  # the loop checks
+            (
+                "early-stopping",
+                self.early_stopping,
+                "must be true, false or never",
+                self.early_stopping in (True, False, "never"),
+            ),
+            (
+                "beams",
+                self.beam_width,
+                "cannot be combined with n > 1",
+                self.beam_width == 1 or self.n == 1,
+            ),
         ]
         for name, value, rule, ok in checks:
             if not ok or (isinstance(value, float) and not math.isfinite(value)):

@@ -87,6 +87,15 @@ class SpecTotals:
 
 
 @dataclass(frozen=True, slots=True)
+class BeamResult:
+    """One finished hypothesis of a beam search: its generated tokens, text and score."""
+
+    token_ids: tuple[int, ...]
+    text: str
+    score: float  # summed log-probability / generated length ** length_penalty
+
+
+@dataclass(frozen=True, slots=True)
 class DraftRecord:
     """One sequence's speculation in one step: what was drafted, how much the target accepted."""
 

@@ -72,8 +72,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.num_computed == len(seq.token_ids):  # a beam waiting for its group's pick
+                i += 1
+                continue
             decoding = len(seq.token_ids) - seq.num_computed == 1
-            extra = min(lookahead, budget - 1) if decoding else 0
+            beam = seq.sampling.params.beam_width > 1  # a beam's next token is the group's pick
+            extra = min(lookahead, budget - 1) if decoding and not beam else 0
             need = len(seq.token_ids) + extra - self.blocks.length(seq.seq_id)
             if extra and need > 0 and not self.blocks.can_append(seq.seq_id, need):
                 extra = 0  # speculation never preempts anyone: decode this one plainly
@@ -143,6 +147,12 @@ class Scheduler:
         seq.status, seq.num_computed = Status.WAITING, 0
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
+
+    def detach(self, seq: Sequence) -> None:
+        """Take a running sequence out of the batch and free its blocks without finishing it (a
+        beam search's prompt, once its beams have forked from it)."""
+        self.running.remove(seq)
+        self.blocks.free(seq.seq_id, seq.token_ids, seq.num_computed)
 
     def finish(self, seq: Sequence) -> None:
         """Release a finished or aborted sequence wherever it is."""

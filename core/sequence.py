@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 from pagechat.core.params import SamplingParams
-from pagechat.core.report import SpecTotals
+from pagechat.core.report import BeamResult, SpecTotals
 
 
 class Status(enum.Enum):
@@ -40,6 +40,7 @@ class Sequence:
     num_cached_tokens: int = 0  # tokens served from the prefix cache (over all admissions)
     num_preemptions: int = 0
     target_forwards: int = 0  # target model passes this sequence took part in
+    beams: tuple[BeamResult, ...] = ()  # a finished beam search's hypotheses, best first
     spec: SpecTotals = SpecTotals()  # speculation so far, summed where drafts are verified
     parent: int | None = None  # the sequence this sample was forked from
     children: list[int] = field(
