@@ -1,4 +1,5 @@
-"""The `pagechat` command: make-model, generate (and the app's commands as they arrive)."""
+"""The `pagechat` command line: one typer command per subcommand (the options several share
+are declared in options.py); the work itself is imported when a command runs."""
 
 from __future__ import annotations
 
@@ -8,6 +9,21 @@ from typing import Annotated
 
 import typer
 from pagechat.core.errors import PagechatError
+from pagechat.tui.options import (
+    BlockSize,
+    Device,
+    Draft,
+    Dtype,
+    Eager,
+    KvBlocks,
+    KvMemory,
+    ModelDir,
+    Ngram,
+    NumDraft,
+    OptionalModelDir,
+    Quant,
+    engine_config,
+)
 
 app = typer.Typer(
     add_completion=False,
@@ -16,49 +32,33 @@ app = typer.Typer(
     help="Chat with a local LLM through a paged-KV engine you can watch.",
 )
 
-Dtype = Annotated[
-    str,
-    typer.Option(
-        help="auto | float32 | bfloat16 | float16 (auto: bf16 on a CPU with native bf16, "
-        "the checkpoint's dtype on CUDA, else float32, with a bf16 checkpoint's "
-        "weights kept in bf16 as --quant bf16-wo)"
-    ),
-]
-Device = Annotated[str, typer.Option(help="auto | cpu | cuda")]
-Draft = Annotated[
-    Path | None,
-    typer.Option(
-        help="draft model directory (same tokenizer) for speculative decoding; "
-        "`demo`: the shipped demo draft"
-    ),
-]
-OptionalModelDir = Annotated[
-    Path | None,
-    typer.Argument(
-        help="local Hugging Face model directory (safetensors); "
-        "default: the shipped demo chat model"
-    ),
-]
-Eager = Annotated[
-    bool,
-    typer.Option(
-        "--eager",
-        help="run every op from Python; default: decode steps replay a "
-        "traced graph (TorchScript), traced while the model loads",
-    ),
-]
-Ngram = Annotated[
-    bool, typer.Option("--ngram", help="speculate by prompt lookup (n-gram match in the context)")
-]
-NumDraft = Annotated[int, typer.Option(help="tokens drafted per speculative step")]
-Quant = Annotated[
-    str | None,
-    typer.Option(
-        help="int8 (bitsandbytes LLM.int8) | int8-wo (torch int8 weight-only) | "
-        "bf16-wo (bf16 weights, float32 prefill) | "
-        "awq (AWQ checkpoints are detected without it)"
-    ),
-]
+
+def early_stopping_value(text: str) -> bool | str:
+    """--early-stopping as transformers reads it: True, False or "never"."""
+    values = {"true": True, "false": False, "never": "never"}
+    if text.lower() not in values:
+        raise PagechatError(f"--early-stopping must be true, false or never, got {text!r}")
+    return values[text.lower()]
+
+
+def _version(show: bool) -> None:
+    if show:
+        from importlib.metadata import version
+
+        typer.echo(f"pagechat {version('pagechat')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_version, is_eager=True, help="print the version and exit"
+        ),
+    ] = False,
+) -> None:
+    """Chat with a local LLM through a paged-KV engine you can watch."""
 
 
 @app.command("make-model")
@@ -70,7 +70,8 @@ def make_model_cmd(
     ] = "tiny",
     seed: Annotated[int, typer.Option(help="weights are identical for the same seed")] = 0,
 ) -> None:
-    """Write a random-initialised checkpoint (transformers' own classes) with a locally trained tokenizer."""
+    """Write a random-initialised checkpoint (transformers' own classes) with a locally trained
+    tokenizer."""
     from pagechat.tools.make_model import make_model
 
     path = make_model(out_dir, arch, size, seed)
@@ -107,15 +108,34 @@ def generate(
     seed: Annotated[int | None, typer.Option(help="sampling seed (same seed, same tokens)")] = None,
     stop: Annotated[list[str] | None, typer.Option(help="stop string; repeatable")] = None,
     ignore_eos: Annotated[bool, typer.Option(help="keep generating past end-of-sequence")] = False,
+    n: Annotated[
+        int,
+        typer.Option(
+            "--n", help="samples per prompt, decoded together from the prompt's shared blocks"
+        ),
+    ] = 1,
+    beams: Annotated[
+        int, typer.Option(help="beam search with this many beams (1 = off; the sampling is unused)")
+    ] = 1,
+    length_penalty: Annotated[
+        float, typer.Option(help="beam score = log-probability / length ** this")
+    ] = 1.0,
+    early_stopping: Annotated[
+        str,
+        typer.Option(
+            help="beam search ends: true (once B beams finished) | false (when no better beam "
+            "can come, judged at the current length) | never (judged at max-tokens)"
+        ),
+    ] = "false",
     dtype: Dtype = "auto",
     device: Device = "auto",
     quant: Quant = None,
     draft: Draft = None,
     ngram: Ngram = False,
     num_draft: NumDraft = 4,
-    block_size: Annotated[int, typer.Option(help="tokens per KV block")] = 16,
-    kv_blocks: Annotated[int | None, typer.Option(help="KV pool size in blocks")] = None,
-    kv_memory: Annotated[str | None, typer.Option(help="KV pool budget, e.g. 2GiB")] = None,
+    block_size: BlockSize = 16,
+    kv_blocks: KvBlocks = None,
+    kv_memory: KvMemory = None,
     max_batch_tokens: Annotated[
         int, typer.Option(help="tokens computed per step (longer prompts are chunked)")
     ] = 2048,
@@ -127,9 +147,8 @@ def generate(
     ] = False,
 ) -> None:
     """Generate from one or more prompts; text streams to stdout, a stats line goes to stderr."""
-    from pagechat.core.config import EngineConfig, parse_bytes
     from pagechat.core.params import SamplingParams
-    from pagechat.tools.demo import draft_or_demo, model_or_demo
+    from pagechat.tools.demo import model_or_demo
     from pagechat.tui.generate import run_generate
 
     params = SamplingParams(
@@ -142,22 +161,26 @@ def generate(
         seed=seed,
         stop=tuple(stop or ()),
         ignore_eos=ignore_eos,
+        n=n,
+        beam_width=beams,
+        length_penalty=length_penalty,
+        early_stopping=early_stopping_value(early_stopping),
     ).validate()
-    config = EngineConfig(
+    config = engine_config(
         device=device,
         dtype=dtype,
+        quant=quant,
+        draft=draft,
+        ngram=ngram,
+        num_draft=num_draft,
+        eager=eager,
+        kv_memory=kv_memory,
         block_size=block_size,
         kv_blocks=kv_blocks,
-        kv_memory=parse_bytes(kv_memory) if kv_memory else None,
         max_batch_tokens=max_batch_tokens,
         max_seqs=max_seqs,
         prefix_cache=prefix_cache,
-        draft=draft_or_demo(draft),
-        ngram=ngram,
-        num_draft=num_draft,
-        quant=quant,
-        graphs=not eager,
-    ).validate()
+    )
     code = run_generate(
         model_or_demo(model_dir, quant),
         prompt,
@@ -168,9 +191,6 @@ def generate(
         as_json=as_json,
     )
     raise typer.Exit(code)
-
-
-ModelDir = Annotated[Path, typer.Argument(help="local Hugging Face model directory (safetensors)")]
 
 
 @app.command()
@@ -189,7 +209,8 @@ def quantize(
     samples: Annotated[int, typer.Option(help="calibration windows")] = 128,
     seqlen: Annotated[int, typer.Option(help="tokens per calibration window")] = 512,
 ) -> None:
-    """Write a 4-bit AutoAWQ GEMM checkpoint (safetensors + config + tokenizer) that vLLM / transformers read."""
+    """Write a 4-bit AutoAWQ GEMM checkpoint (safetensors + config + tokenizer) that vLLM /
+    transformers read."""
     from pagechat.tui.quant_cmds import quantize_command
 
     quantize_command(model_dir, out_dir, method, group_size, calib, samples, seqlen)
@@ -231,7 +252,8 @@ def plan(
         int, typer.Option(help="AWQ group size when planning a quantisation")
     ] = 128,
 ) -> None:
-    """Weights, KV bytes per token and block, and how many blocks and sequences fit a budget (config.json only)."""
+    """Weights, KV bytes per token and block, and how many blocks and sequences fit a budget
+    (config.json only)."""
     from pagechat.tui.quant_cmds import plan_command
 
     plan_command(model_dir, quant, gpu_memory, context, dtype, block_size, group_size)
@@ -294,28 +316,27 @@ def run(
     quant: Quant = None,
     dtype: Dtype = "auto",
     device: Device = "auto",
-    block_size: Annotated[int, typer.Option(help="tokens per KV block")] = 16,
-    kv_blocks: Annotated[int | None, typer.Option(help="KV pool size in blocks")] = None,
-    kv_memory: Annotated[str | None, typer.Option(help="KV pool budget, e.g. 2GiB")] = None,
+    block_size: BlockSize = 16,
+    kv_blocks: KvBlocks = None,
+    kv_memory: KvMemory = None,
     eager: Eager = False,
 ) -> None:
-    """Chat with a local model in the terminal app, with live KV-block, timing, sampling and memory panels."""
-    from pagechat.core.config import EngineConfig, parse_bytes
-    from pagechat.tools.demo import draft_or_demo
+    """Chat with a local model in the terminal app, with live KV-block, timing, sampling and
+    memory panels."""
     from pagechat.tui.launch import run_app
 
-    config = EngineConfig(
+    config = engine_config(
         device=device,
         dtype=dtype,
-        block_size=block_size,
-        kv_blocks=kv_blocks,
-        kv_memory=parse_bytes(kv_memory) if kv_memory else None,
         quant=quant,
-        draft=draft_or_demo(draft),
+        draft=draft,
         ngram=ngram,
         num_draft=num_draft,
-        graphs=not eager,
-    ).validate()
+        eager=eager,
+        kv_memory=kv_memory,
+        block_size=block_size,
+        kv_blocks=kv_blocks,
+    )
     overrides = dict(
         temperature=temperature,
         top_p=top_p,
@@ -369,22 +390,22 @@ def bench(
         ),
     ] = None,
 ) -> None:
-    """Measure TTFT, prefill, decode, 8 concurrent requests, multi-turn TTFT and MBU (optionally vs transformers)."""
-    from pagechat.core.config import EngineConfig
-    from pagechat.tools.demo import draft_or_demo, model_or_demo
+    """Measure TTFT, prefill, decode, 8 concurrent requests, multi-turn TTFT and MBU (optionally
+    vs transformers)."""
+    from pagechat.tools.demo import model_or_demo
     from pagechat.tui.bench_cmd import bench_command
 
     if rounds < 1:
         raise PagechatError(f"--rounds must be >= 1, got {rounds}")
-    config = EngineConfig(
+    config = engine_config(
         device=device,
         dtype=dtype,
         quant=quant,
-        draft=draft_or_demo(draft),
+        draft=draft,
         ngram=ngram,
         num_draft=num_draft,
-        graphs=not eager,
-    ).validate()
+        eager=eager,
+    )
     if spec_prompt is not None and not (draft or ngram):
         raise PagechatError(
             "--spec-prompt needs --draft DIR or --ngram (it is the speculation round's prompt)"
@@ -407,8 +428,9 @@ def train_demo_cmd(
     ] = 0,
     threads: Annotated[int, typer.Option(help="torch threads (the result depends on it)")] = 2,
 ) -> None:
-    """Train the demo chat model and its draft from an offline generated corpus (about 25 minutes on 2 CPU
-    cores), quantise the chat model to AWQ, and check all of them through the engine."""
+    """Train the demo chat model and its draft from an offline generated corpus (about 25
+    minutes on 2 CPU cores), quantise the chat model to AWQ, and check all of them through the
+    engine."""
     from pagechat.tools.demo.train import train_demo
 
     if threads < 1:
@@ -418,9 +440,10 @@ def train_demo_cmd(
             f"{out_dir} is not empty; train-demo writes into a new or empty directory"
         )
     metrics = train_demo(out_dir, seed=seed, threads=threads, log=lambda s: typer.echo(s, err=True))
+    chat, spec = metrics["chat"], metrics["speculation"]
     typer.echo(
-        f"wrote the demo models to {out_dir}: chat held-out {metrics['chat']['heldout_correct']}/"
-        f"{metrics['chat']['heldout_total']}, draft acceptance {metrics['speculation']['acceptance_rate']}",
+        f"wrote the demo models to {out_dir}: chat held-out {chat['heldout_correct']}/"
+        f"{chat['heldout_total']}, draft acceptance {spec['acceptance_rate']}",
         err=True,
     )
 

@@ -1,0 +1,68 @@
+"""The command line as a user meets it: --version, and generate's samples (--n) and beams
+(--beams) in text and in --json."""
+
+from __future__ import annotations
+
+import json
+from importlib.metadata import version
+
+from conftest import cli
+from pagechat.core.config import EngineConfig
+from pagechat.core.engine import Engine
+from pagechat.core.params import SamplingParams
+
+
+def generate_json(model, capsys, *args: str) -> list[dict]:
+    code, out, err = cli(["generate", str(model), "-p", "Hello", *args, "--json"], capsys)
+    assert code == 0, err
+    return json.loads(out)["results"]
+
+
+def test_version(capsys):
+    code, out, _ = cli(["--version"], capsys)
+    assert code == 0 and out == f"pagechat {version('pagechat')}\n"
+
+
+def test_samples_do_not_depend_on_the_pool(tiny_llama, capsys):
+    """Seeded samples are the same in a roomy pool and in one so small that they are
+    preempted; the result's own tokens are its first sample's."""
+    args = ("--n", "3", "--seed", "7", "--temperature", "1", "--max-tokens", "12", "--ignore-eos")
+    [roomy] = generate_json(tiny_llama, capsys, *args)
+    [tight] = generate_json(tiny_llama, capsys, *args, "--block-size", "4", "--kv-blocks", "6")
+    assert roomy["samples"] == tight["samples"] and len(roomy["samples"]) == 3
+    assert len({tuple(s["token_ids"]) for s in roomy["samples"]}) == 3
+    assert roomy["token_ids"] == roomy["samples"][0]["token_ids"]
+    assert all(s["finish_reason"] == "length" for s in roomy["samples"])
+
+
+def test_beams_in_json_are_the_engines_best_first(tiny_llama, capsys):
+    [result] = generate_json(
+        tiny_llama, capsys, "--beams", "3", "--max-tokens", "6", "--length-penalty", "0.5"
+    )
+    engine = Engine(tiny_llama, EngineConfig(device="cpu", dtype="float32"))
+    params = SamplingParams(max_tokens=6, beam_width=3, length_penalty=0.5)
+    [seq] = engine.generate([engine.encode("Hello", chat=False)], params)
+    beams = result["beams"]
+    assert [b["token_ids"] for b in beams] == [list(b.token_ids) for b in seq.beams]
+    assert [b["score"] for b in beams] == sorted((b["score"] for b in beams), reverse=True)
+    assert result["token_ids"] == beams[0]["token_ids"] and result["text"] == beams[0]["text"]
+
+
+def test_samples_print_under_headers(tiny_llama, capsys):
+    code, out, err = cli(
+        ["generate", str(tiny_llama), "-p", "Hi", "--n", "2", "--max-tokens", "3", "--ignore-eos"],
+        capsys,
+    )
+    assert code == 0, err
+    heads = [line for line in out.splitlines() if line.startswith("[sample ")]
+    assert heads == ["[sample 1/2, length]", "[sample 2/2, length]"]
+
+
+def test_bad_early_stopping(tiny_llama, capsys):
+    code, _, err = cli(
+        ["generate", str(tiny_llama), "-p", "hi", "--beams", "2", "--early-stopping", "maybe"],
+        capsys,
+    )
+    assert code == 2 and err.strip().splitlines() == [
+        "error: --early-stopping must be true, false or never, got 'maybe'"
+    ]

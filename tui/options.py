@@ -1,0 +1,88 @@
+"""The command-line options several commands share, declared once, and the one place an
+EngineConfig is built from them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from pagechat.core.config import EngineConfig, parse_bytes
+
+Dtype = Annotated[
+    str,
+    typer.Option(
+        help="auto | float32 | bfloat16 | float16 (auto: bf16 on a CPU with native bf16, "
+        "the checkpoint's dtype on CUDA, else float32, with a bf16 checkpoint's "
+        "weights kept in bf16 as --quant bf16-wo)"
+    ),
+]
+Device = Annotated[str, typer.Option(help="auto | cpu | cuda")]
+Draft = Annotated[
+    Path | None,
+    typer.Option(
+        help="draft model directory (same tokenizer) for speculative decoding; "
+        "`demo`: the shipped demo draft"
+    ),
+]
+ModelDir = Annotated[Path, typer.Argument(help="local Hugging Face model directory (safetensors)")]
+OptionalModelDir = Annotated[
+    Path | None,
+    typer.Argument(
+        help="local Hugging Face model directory (safetensors); "
+        "default: the shipped demo chat model"
+    ),
+]
+Eager = Annotated[
+    bool,
+    typer.Option(
+        "--eager",
+        help="run every op from Python; default: decode steps replay a "
+        "traced graph (TorchScript), traced while the model loads",
+    ),
+]
+Ngram = Annotated[
+    bool, typer.Option("--ngram", help="speculate by prompt lookup (n-gram match in the context)")
+]
+NumDraft = Annotated[int, typer.Option(help="tokens drafted per speculative step")]
+Quant = Annotated[
+    str | None,
+    typer.Option(
+        help="int8 (bitsandbytes LLM.int8) | int8-wo (torch int8 weight-only) | "
+        "bf16-wo (bf16 weights, float32 prefill) | "
+        "awq (AWQ checkpoints are detected without it)"
+    ),
+]
+BlockSize = Annotated[int, typer.Option(help="tokens per KV block")]
+KvBlocks = Annotated[int | None, typer.Option(help="KV pool size in blocks")]
+KvMemory = Annotated[str | None, typer.Option(help="KV pool budget, e.g. 2GiB")]
+
+
+def engine_config(
+    *,
+    device: str,
+    dtype: str,
+    quant: str | None,
+    draft: Path | None,
+    ngram: bool,
+    num_draft: int,
+    eager: bool,
+    kv_memory: str | None = None,
+    **rest: int | bool | None,
+) -> EngineConfig:
+    """The validated EngineConfig of a command's options: `demo` names the shipped draft,
+    --kv-memory is parsed, --eager turns traced graphs off; options a command does not have
+    keep EngineConfig's defaults."""
+    from pagechat.tools.demo import draft_or_demo
+
+    return EngineConfig(
+        device=device,
+        dtype=dtype,
+        quant=quant,
+        draft=draft_or_demo(draft),
+        ngram=ngram,
+        num_draft=num_draft,
+        graphs=not eager,
+        kv_memory=parse_bytes(kv_memory) if kv_memory else None,
+        **rest,
+    ).validate()
