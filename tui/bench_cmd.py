@@ -55,7 +55,8 @@ def bench_command(
         return
     p, t, r = result.pagechat, result.transformers, result.ratios
     table = Table(
-        title=f"pagechat bench: {model_dir.name} ({p['dtype']}, {p['quant']}, {rounds} rounds, medians)"
+        title=f"pagechat bench: {model_dir.name} ({p['dtype']}, {p['quant']}, {rounds} rounds, "
+        "medians)"
     )
     table.add_column("figure")
     table.add_column("pagechat", justify="right")
@@ -89,10 +90,12 @@ def bench_command(
     Console().print(table)
     if "speculation" in p:
         s = p["speculation"]
+        plain, spec = s["plain"], s["spec"]
         Console().print(
-            f"speculation ({s['proposer']}, k={s['num_draft']}): plain {s['plain']['decode_tok_s']:.1f} "
-            f"tok/s, speculative {s['spec']['decode_tok_s']:.1f} tok/s = {s['speedup']:.2f}x; acceptance "
-            f"{s['spec']['acceptance_rate']:.0%}; target forwards per token "
-            f"{s['plain']['target_forwards_per_token']:.2f} -> {s['spec']['target_forwards_per_token']:.2f}"
+            f"speculation ({s['proposer']}, k={s['num_draft']}): plain "
+            f"{plain['decode_tok_s']:.1f} tok/s, speculative {spec['decode_tok_s']:.1f} tok/s = "
+            f"{s['speedup']:.2f}x; acceptance {spec['acceptance_rate']:.0%}; target forwards per "
+            f"token {plain['target_forwards_per_token']:.2f} -> "
+            f"{spec['target_forwards_per_token']:.2f}"
         )
     sys.stdout.flush()

@@ -1,4 +1,5 @@
-"""Bodies of the quantisation commands: quantize, eval, plan, bench-quant (cli.py holds their typer wrappers)."""
+"""Bodies of the quantisation commands: quantize, eval, plan, bench-quant (cli.py holds their
+typer wrappers)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ def quantize_command(
     samples: int,
     seqlen: int,
 ) -> None:
-    """Quantise a float checkpoint to an AutoAWQ GEMM checkpoint, with a progress bar per decoder block."""
+    """Quantise a float checkpoint to an AutoAWQ GEMM checkpoint, with a progress bar per
+    decoder block."""
     from pagechat.quant.checkpoint import check_request, quantize_checkpoint
     from pagechat.tools.demo.corpus import calibration_texts
 
@@ -100,8 +102,9 @@ def eval_command(
     kernels = ",".join(sorted({r.path for r in rep.rows if r.kind in ("attention", "mlp")}))
     dt = dtype_name(engine.dtype)
     out.print(
-        f"perplexity {res.ppl:.4f} (mean NLL {res.nll:.4f}) over {res.tokens} tokens in {res.windows} "
-        f"window(s) | quant {engine.quant.mode or 'none'} ({kernels}) | {dt} on {engine.device} | "
+        f"perplexity {res.ppl:.4f} (mean NLL {res.nll:.4f}) over {res.tokens} tokens in "
+        f"{res.windows} window(s) | quant {engine.quant.mode or 'none'} ({kernels}) | "
+        f"{dt} on {engine.device} | "
         f"weights {fmt_bytes(rep.total)} | {res.seconds:.1f}s"
     )
 
@@ -153,8 +156,8 @@ def plan_command(
     weights = estimate_weights(spec, mode, DTYPES[dtype], group, "cuda")
     cap = plan_capacity(spec, weights, DTYPES[dtype], parse_bytes(gpu_memory), ctx, block_size)
     table = Table(
-        title=f"{spec.arch}: {spec.num_layers} layers, hidden {spec.hidden_size}, {spec.num_heads} heads "
-        f"({spec.num_kv_heads} KV), vocab {spec.vocab_size}"
+        title=f"{spec.arch}: {spec.num_layers} layers, hidden {spec.hidden_size}, "
+        f"{spec.num_heads} heads ({spec.num_kv_heads} KV), vocab {spec.vocab_size}"
     )
     for c in ("kind", "format", "kernel", "params", "bytes"):
         table.add_column(c, justify="right" if c in ("params", "bytes") else "left")
@@ -169,12 +172,13 @@ def plan_command(
         f"activations and KV in {dtype}"
     )
     out.print(
-        f"KV cache: {fmt_bytes(cap.kv_per_token)} per token, {fmt_bytes(cap.kv_per_block)} per block of "
-        f"{block_size} tokens"
+        f"KV cache: {fmt_bytes(cap.kv_per_token)} per token, {fmt_bytes(cap.kv_per_block)} per "
+        f"block of {block_size} tokens"
     )
     out.print(
-        f"budget {fmt_bytes(cap.budget)}: weights {fmt_bytes(weights.total)}, KV pool {fmt_bytes(cap.kv_budget)} "
-        "(80% of what is left after the weights, as the engine sizes it on CUDA)"
+        f"budget {fmt_bytes(cap.budget)}: weights {fmt_bytes(weights.total)}, KV pool "
+        f"{fmt_bytes(cap.kv_budget)} (80% of what is left after the weights, as the engine "
+        "sizes it on CUDA)"
     )
     if weights.total > cap.budget:
         out.print(f"does not fit: the weights alone need {fmt_bytes(weights.total)}")
