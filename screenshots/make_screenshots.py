@@ -18,7 +18,7 @@ from pagechat.core.engine import Engine
 from pagechat.core.params import SamplingParams
 from pagechat.tools.demo import chat_model_dir, draft_model_dir
 from pagechat.tui.app import PagechatApp
-from pagechat.tui.bridge import ThreadedEngine
+from pagechat.tui.client import ThreadedEngine
 from pagechat.tui.drive import send_and_advance, type_prompt, wait_reply_done
 from pagechat.tui.history import ChatRecord, ChatStore
 from pagechat.tui.widgets.chat import PromptInput

@@ -9,7 +9,7 @@ from pagechat.core.config import EngineConfig
 from pagechat.core.engine import Engine
 from pagechat.core.params import SamplingParams
 from pagechat.tui.app import PagechatApp
-from pagechat.tui.bridge import ThreadedEngine
+from pagechat.tui.client import ThreadedEngine
 from pagechat.tui.drive import (
     advance,
     send_and_advance,

@@ -11,7 +11,7 @@ from pagechat.core.config import EngineConfig
 from pagechat.core.engine import Engine
 from pagechat.core.params import SamplingParams
 from pagechat.tui.app import PagechatApp
-from pagechat.tui.bridge import ThreadedEngine
+from pagechat.tui.client import ThreadedEngine
 from pagechat.tui.drive import send_and_advance, tiny_model_dir, type_prompt, wait_reply_done
 from pagechat.tui.history import ChatRecord, ChatStore
 from pagechat.tui.widgets.chat import PromptInput

@@ -1,5 +1,5 @@
-"""The app's handles on the engine: commands reach it in the order the UI gave them, and the engine's own
-process delivers the same events and block maps as a thread of the app's process."""
+"""The app's handles on the engine: commands reach it in the order the UI gave them, and the
+engine's own process delivers the same events and block maps as a thread of the app's process."""
 
 from __future__ import annotations
 
@@ -15,17 +15,10 @@ from pagechat.core.engine import Engine
 from pagechat.core.errors import PagechatError
 from pagechat.core.params import SamplingParams
 from pagechat.core.report import StepReport
-from pagechat.tui.bridge import (
-    BlocksChanged,
-    Finished,
-    FirstToken,
-    MemoryRead,
-    Refused,
-    Started,
-    ThreadedEngine,
-)
+from pagechat.tui.client import ThreadedEngine
 from pagechat.tui.drive import tiny_model_dir
 from pagechat.tui.engine_process import EngineProcess, pack, unpack
+from pagechat.tui.protocol import BlocksChanged, Finished, FirstToken, MemoryRead, Refused, Started
 
 PARAMS = SamplingParams(temperature=0.8, max_tokens=50, seed=1, ignore_eos=True)
 CHAT = [{"role": "user", "content": "hello"}]
@@ -71,7 +64,8 @@ def test_a_command_after_a_held_send_sends_it_first(loop):
 
 
 def test_block_deltas_rebuild_every_snapshot_of_a_busy_pool():
-    """Shared prefixes, cached-free blocks, aborts and finishes: what crosses the pipe rebuilds each snapshot."""
+    """Shared prefixes, cached-free blocks, aborts and finishes: what crosses the pipe rebuilds each
+    snapshot."""
     engine = Engine(tiny_model_dir(), CONFIG)
     prompt = list(range(5, 45))
     for i in range(3):
@@ -118,7 +112,8 @@ def reply(loop, params: SamplingParams) -> list:
 
 
 def test_the_engine_process_matches_the_engine_thread():
-    """Same model, same requests: the child process's events carry the tokens, texts and block maps of a thread."""
+    """Same model, same requests: the child process's events carry the tokens, texts and block maps
+    of a thread."""
     params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=40, seed=3, ignore_eos=True)
     runs = {}
     for name, make in (
@@ -177,3 +172,17 @@ def test_the_app_is_told_when_the_engine_process_dies():
         )
     finally:
         loop.close()
+
+
+def test_commands_and_events_are_frozen_dataclasses():
+    """What crosses between the app and the engine is typed, immutable and picklable."""
+    from dataclasses import fields, is_dataclass
+    from typing import get_args
+
+    from pagechat.tui.protocol import Command, Event, Send, Stop
+
+    for cls in (*get_args(Command), *get_args(Event)):
+        assert is_dataclass(cls) and cls.__dataclass_params__.frozen, cls
+    assert [f.name for f in fields(Send)] == ["ticket", "messages", "params"]
+    for cmd in (Send(1, CHAT, PARAMS), Stop()):
+        assert pickle.loads(pickle.dumps(cmd)) == cmd

@@ -9,16 +9,10 @@ from pathlib import Path
 
 from pagechat.core.errors import PagechatError
 from pagechat.core.params import SamplingParams
-from pagechat.tui.bridge import (
-    EngineClient,
-    Finished,
-    FirstToken,
-    MemoryRead,
-    Refused,
-    SpeculationSet,
-    settle_heap,
-)
+from pagechat.tui.client import EngineClient
+from pagechat.tui.heap import settle_heap
 from pagechat.tui.history import ChatRecord, ChatStore, export_markdown
+from pagechat.tui.protocol import Finished, FirstToken, MemoryRead, Refused, SpeculationSet
 from pagechat.tui.screens import HelpScreen
 from pagechat.tui.session import ChatSession, Message
 from pagechat.tui.widgets.blocks import BlocksPanel

@@ -1,16 +1,15 @@
 """EngineProcess: the engine loop in a child process of its own, which `pagechat run` uses.
 
-On a thread of the app's process the engine shares one GIL with the UI, and torch's thread pool shares
-the cores with it: each parallel op waits for the worker the UI thread preempted. Measured on the 2-core
-machine (README): in its own process the engine keeps every core and the UI costs it only the CPU the UI
-really uses.
+On a thread of the app's process the engine shares one GIL with the UI, and torch's thread pool
+shares the cores with it: each parallel op waits for the worker the UI thread preempted. In its own
+process the engine keeps every core and the UI costs it only the CPU the UI really uses.
 
-Commands go down the pipe as they are posted. Events come up in batches: the child sends what it has
-when an event the UI must show at once is pending (a reply started, its first token, its end, a refusal,
-an answer to a command), when the engine goes idle, and otherwise at most FLUSH_HZ times a second, so
-pickling costs the engine a few batches a second rather than a message per token. The block map crosses
-as a delta: the BlockInfos that are not the ones last sent (the BlockManager keeps unchanged ones as the
-same objects), applied to the UI's copy of the last snapshot.
+Commands go down the pipe as they are posted. Events come up in batches: the child sends what it
+has when an event the UI must show at once is pending (a reply started, its first token, its end, a
+refusal, an answer to a command), when the engine goes idle, and otherwise at most FLUSH_HZ times a
+second, so pickling costs the engine a few batches a second rather than a message per token. The
+block map crosses as a delta: the BlockInfos that are not the ones last sent (the block map keeps
+unchanged ones as the same objects), applied to the UI's copy of the last snapshot.
 """
 
 from __future__ import annotations
@@ -31,13 +30,13 @@ from pagechat.core.blockmap import BlockSnapshot
 from pagechat.core.config import EngineConfig
 from pagechat.core.errors import PagechatError
 from pagechat.core.report import StepReport
-from pagechat.tui.bridge import (
-    NOTHING,
+from pagechat.tui.client import EngineClient
+from pagechat.tui.engine_loop import NOTHING, EngineLoop
+from pagechat.tui.heap import settle_heap
+from pagechat.tui.protocol import (
     BlocksChanged,
     Command,
-    EngineClient,
     EngineInfo,
-    EngineLoop,
     Finished,
     FirstToken,
     ParamsApplied,
@@ -45,19 +44,18 @@ from pagechat.tui.bridge import (
     SpeculationSet,
     Started,
     Synced,
-    settle_heap,
 )
 
 FLUSH_HZ = 20  # batches a second at most while decoding; the UI draws at most this often
 URGENT = (Started, FirstToken, Finished, Refused, ParamsApplied, SpeculationSet, Synced)
 
-Delta = tuple[
-    BlockSnapshot, tuple
-]  # (the new snapshot with no blocks, the BlockInfos that changed)
+# (the new snapshot with no blocks, the BlockInfos that changed)
+Delta = tuple[BlockSnapshot, tuple]
 
 
 def blocks_delta(old: BlockSnapshot, new: BlockSnapshot) -> Delta:
-    """What turns `old` into `new`: the totals and every block record that is not old's own object."""
+    """What turns `old` into `new`: the totals and every block record that is not old's own
+    object."""
     changed = tuple(itertools.compress(new.blocks, map(operator.is_not, new.blocks, old.blocks)))
     return replace(new, blocks=()), changed
 
@@ -71,7 +69,8 @@ def apply_delta(old: BlockSnapshot, delta: Delta) -> BlockSnapshot:
 
 
 def pack(events: list, sent: BlockSnapshot) -> tuple[tuple[list, Delta | None], BlockSnapshot]:
-    """A batch to send: the events with their snapshots taken out, and the newest snapshot as a delta from `sent`."""
+    """A batch to send: the events with their snapshots taken out, and the newest snapshot as a
+    delta from `sent`."""
     snap, out = sent, []
     for ev in events:
         if isinstance(ev, StepReport):
@@ -83,7 +82,8 @@ def pack(events: list, sent: BlockSnapshot) -> tuple[tuple[list, Delta | None], 
 
 
 def unpack(batch: tuple[list, Delta | None], held: BlockSnapshot) -> tuple[list, BlockSnapshot]:
-    """The events of a batch, each snapshot field set to the batch's newest snapshot (the UI draws only that)."""
+    """The events of a batch, each snapshot field set to the batch's newest snapshot (the UI draws
+    only that)."""
     events, delta = batch
     snap = held if delta is None else apply_delta(held, delta)
     out = []
@@ -133,7 +133,8 @@ class _PipePort:
 
 
 def serve(conn: Connection, model_dir: str, config: EngineConfig) -> None:
-    """The child's body: load the engine, send its EngineInfo (or a one-line error), then run the loop."""
+    """The child's body: load the engine, send its EngineInfo (or a one-line error), then run the
+    loop."""
     signal.signal(
         signal.SIGINT, signal.SIG_IGN
     )  # Ctrl+C belongs to the app; it closes this process
@@ -150,7 +151,7 @@ def serve(conn: Connection, model_dir: str, config: EngineConfig) -> None:
     info = EngineInfo.of(engine)
     settle_heap(True)
     conn.send(info)
-    # Nothing may write to the terminal the app draws on: warnings of torch or the tokenizer included.
+    # Nothing may write to the terminal the app draws on: torch's or the tokenizer's warnings too.
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)
     os.dup2(devnull, 2)
@@ -162,7 +163,8 @@ class EngineProcess(EngineClient):
     """The engine in a child process (spawned: no state of the app's process is inherited)."""
 
     def __init__(self, model_dir: Path, config: EngineConfig) -> None:
-        """Start the child and wait until the engine is loaded; a failure to load raises PagechatError."""
+        """Start the child and wait until the engine is loaded; a failure to load raises
+        PagechatError."""
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(
@@ -215,7 +217,7 @@ class EngineProcess(EngineClient):
             for ev in events:
                 self._deliver(ev)
 
-    def _post(self, cmd: Command | None) -> None:
+    def _post(self, cmd: Command) -> None:
         try:
             self._conn.send(cmd)
         except OSError:

@@ -9,8 +9,8 @@ from pagechat.core.blockmap import BlockSnapshot
 from pagechat.core.params import SamplingParams
 from pagechat.core.report import StepReport
 from pagechat.core.sampler import SampleRecord
-from pagechat.tui.bridge import BlocksChanged, Event, Finished, FirstToken, Refused, Started
 from pagechat.tui.history import ChatRecord, params_from_dict, params_to_dict
+from pagechat.tui.protocol import BlocksChanged, Event, Finished, FirstToken, Refused, Started
 
 STEP_HISTORY = 512  # steps kept for the latency sparkline
 

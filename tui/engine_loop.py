@@ -1,0 +1,203 @@
+"""EngineLoop: the one place that calls the engine once the app is up.
+
+Between steps it applies the app's commands, steps while there is work and emits events; when
+there is no work it waits for a command. The engine is not thread-safe, so every engine call
+happens here, on the loop's thread or in the engine's process.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Protocol
+
+from pagechat.core.engine import Engine
+from pagechat.core.errors import PagechatError
+from pagechat.core.memory import read_memory
+from pagechat.tui.protocol import (
+    Advance,
+    BlocksChanged,
+    Close,
+    Command,
+    Finished,
+    FirstToken,
+    MemoryRead,
+    ParamsApplied,
+    Pause,
+    Refused,
+    Resume,
+    Send,
+    SetSpeculation,
+    SpeculationSet,
+    Started,
+    Stop,
+    Sync,
+    Synced,
+    UpdateParams,
+)
+
+NOTHING = ...  # a port's take(): no command waiting
+MEMORY_EVERY_S = 1.0  # memory readings while the engine works
+
+
+class Port(Protocol):
+    """How the loop reaches the app: a queue on a thread, or a pipe to the app's process."""
+
+    def take(self, block: bool) -> Command | None:
+        """The next command; NOTHING when none waits and block is False, None when the app is
+        gone."""
+
+    def emit(self, event) -> None:
+        """Hand an event over (the port may batch it)."""
+
+    def flush(self, idle: bool) -> None:
+        """Called once a turn; idle: the engine has no work."""
+
+
+class EngineLoop:
+    """Applies commands between steps, steps while there is work, waits for commands otherwise."""
+
+    def __init__(self, engine: Engine, port: Port) -> None:
+        self.engine, self.port = engine, port
+        self.active: int | None = None  # the request of the reply in flight
+        self._paused = False
+        self._first_seen: set[int] = set()
+        self._snapshot = engine.block_map.snapshot()  # the last block snapshot the app was sent
+        self._read_at = 0.0
+        self._handlers = {
+            Send: self._send,
+            UpdateParams: self._update,
+            Stop: lambda _: self._abort_active(),
+            Pause: lambda _: self._set_paused(True),
+            Resume: lambda _: self._set_paused(False),
+            Advance: self._advance,
+            SetSpeculation: self._set_speculation,
+            Sync: lambda cmd: self.port.emit(Synced(cmd.n)),
+        }
+
+    def run(self) -> None:
+        """Until a Close command (or the app going away)."""
+        was_working = True
+        while True:
+            working = self.engine.has_unfinished() and not self._paused
+            self._read_memory(was_working and not working, working)
+            was_working = working
+            self.port.flush(not working)
+            if not self._apply_commands(block=not working):
+                return
+            snap = self.engine.block_map.snapshot()
+            if snap is not self._snapshot:  # commands freed or took blocks: let the app see it now
+                self._snapshot = snap
+                self.port.emit(BlocksChanged(snap))
+            if self.engine.has_unfinished() and not self._paused:
+                self._step()
+
+    def _read_memory(self, went_idle: bool, working: bool) -> None:
+        now = time.perf_counter()
+        if went_idle or working and now - self._read_at >= MEMORY_EVERY_S:
+            self._read_at = now
+            self.port.emit(MemoryRead(read_memory(self.engine.device)))
+
+    def _apply_commands(self, block: bool) -> bool:
+        """Apply every waiting command (wait for one if `block`); False once the loop must end."""
+        cmd = self.port.take(block)
+        while cmd is not NOTHING:
+            if cmd is None or isinstance(cmd, Close):
+                self._abort_active()
+                self.port.flush(True)
+                return False
+            self._run_command(cmd)
+            cmd = self.port.take(False)
+        return True
+
+    def _run_command(self, cmd: Command) -> None:
+        try:
+            self._handlers[type(cmd)](cmd)
+        except PagechatError as e:
+            self.port.emit(Refused(None, str(e)))
+        except Exception as e:  # noqa: BLE001 - the app must stay up; show the failure as a message
+            self.port.emit(Refused(None, f"engine error: {type(e).__name__}: {e}"))
+
+    # -- commands ----------------------------------------------------------------------------------
+    def _send(self, cmd: Send) -> None:
+        try:
+            ids = self.engine.encode_chat(cmd.messages)
+        except PagechatError as e:
+            self.port.emit(Refused(cmd.ticket, str(e)))
+            return
+        self._abort_active()  # one reply at a time: a new prompt replaces the one in flight
+        try:
+            rid = self.engine.add_request(ids, cmd.params)
+        except PagechatError as e:
+            self.port.emit(Refused(cmd.ticket, str(e)))
+            return
+        self.active = rid
+        self.port.emit(Started(cmd.ticket, rid, len(ids)))
+
+    def _update(self, cmd: UpdateParams) -> None:
+        rid, at, params = self.active, 0, cmd.params
+        if rid is not None and not self.engine.requests[rid].finished:
+            seq = self.engine.requests[rid]
+            # keep the request's own limits that the controls do not own
+            own = seq.sampling.params
+            params = replace(params, stop=own.stop, ignore_eos=own.ignore_eos)
+            self.engine.update_params(rid, params)
+            at = seq.num_output_tokens
+        else:
+            params.validate()
+        self.port.emit(ParamsApplied(rid, params, at))
+
+    def _set_paused(self, paused: bool) -> None:
+        self._paused = paused
+
+    def _advance(self, cmd: Advance) -> None:
+        for _ in range(cmd.steps):
+            if self.engine.has_unfinished():
+                self._step()
+
+    def _set_speculation(self, cmd: SetSpeculation) -> None:
+        self.engine.set_speculation(cmd.enabled, cmd.num_draft)
+        self.port.emit(SpeculationSet(self.engine.speculate, self.engine.num_draft))
+
+    # -- stepping ----------------------------------------------------------------------------------
+    def _abort_active(self) -> None:
+        rid = self.active
+        if rid is not None and not self.engine.requests[rid].finished:
+            self.engine.abort(rid)
+            self._finish(rid)
+
+    def _finish(self, rid: int) -> None:
+        seq = self.engine.requests[rid]
+        ttft = seq.first_token_time - seq.arrival if seq.first_token_time else None
+        total = (seq.finish_time or time.perf_counter()) - seq.arrival
+        self.port.emit(
+            Finished(
+                rid,
+                seq.finish_reason,
+                seq.error,
+                seq.num_output_tokens,
+                seq.num_cached_tokens,
+                ttft,
+                total,
+            )
+        )
+        if rid == self.active:
+            self.active = None
+
+    def _step(self) -> None:
+        try:
+            report = self.engine.step()
+        except Exception as e:  # noqa: BLE001 - shown as a message; the app stays up
+            self.port.emit(Refused(None, f"engine step failed: {type(e).__name__}: {e}"))
+            self._abort_active()
+            return
+        self.port.emit(report)
+        self._snapshot = report.blocks
+        for out in report.outputs:
+            rid = out.request_id
+            if out.token_ids and rid not in self._first_seen:
+                self._first_seen.add(rid)
+                seq = self.engine.requests[rid]
+                self.port.emit(FirstToken(rid, seq.first_token_time - seq.arrival))
+            if out.finished:
+                self._finish(rid)
