@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from pagechat.core.errors import PagechatError
@@ -67,8 +68,8 @@ class EngineConfig:
             ("--block-size", self.block_size),
             ("--max-batch-tokens", self.max_batch_tokens),
             ("--max-seqs", self.max_seqs),
-            ("--kv-blocks", self.kv_blocks or 1),
-            ("--kv-memory", self.kv_memory or 1),
+            ("--kv-blocks", 1 if self.kv_blocks is None else self.kv_blocks),
+            ("--kv-memory", 1 if self.kv_memory is None else self.kv_memory),
         ):
             if value < 1:
                 raise PagechatError(f"{name} must be >= 1, got {value}")
@@ -91,6 +92,6 @@ def parse_bytes(text: str) -> int:
         value = float(num)
     except ValueError:
         value = -1.0
-    if unit not in _UNITS or value <= 0:
+    if unit not in _UNITS or not 0 < value < math.inf:  # also refuses nan
         raise PagechatError(f"cannot read {text!r} as a size; write e.g. 2GiB, 512MiB or 1000000")
     return int(value * _UNITS[unit])

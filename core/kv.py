@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 from pagechat.core.config import EngineConfig
 from pagechat.core.errors import PagechatError
@@ -48,8 +50,16 @@ def pool_blocks(
 def allocate_pool(
     spec: ModelSpec, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
-    """The zeroed KV pool tensor."""
+    """The zeroed KV pool tensor; PagechatError when it cannot fit in the device's memory."""
     shape = (spec.num_layers, 2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+    need = num_blocks * block_bytes(spec, block_size, dtype)
+    have = _device_memory(device)
+    if need > have:  # refused up front: a pool this large would overflow or be killed later
+        raise PagechatError(
+            f"a KV pool of {num_blocks} blocks ({need / 2**30:.3g} GiB) is more memory than "
+            f"this machine has ({have / 2**30:.3g} GiB on {device.type}); "
+            "lower --kv-blocks or --kv-memory"
+        )
     try:
         return torch.zeros(shape, dtype=dtype, device=device)
     except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
@@ -57,6 +67,13 @@ def allocate_pool(
             f"cannot allocate a KV pool of {num_blocks} blocks on {device}: {str(e).splitlines()[0]}; "
             "lower --kv-blocks or --kv-memory"
         ) from None
+
+
+def _device_memory(device: torch.device) -> int:
+    """Total bytes of the device's memory (RAM for the CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[1]
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def copy_blocks(pool: torch.Tensor, pairs: list[tuple[int, int]]) -> None:

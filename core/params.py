@@ -44,6 +44,12 @@ class SamplingParams:
             ("max-tokens", self.max_tokens, "must be >= 1", self.max_tokens >= 1),
             ("num-candidates", self.num_candidates, "must be >= 0", self.num_candidates >= 0),
             ("n", self.n, "must be >= 1", self.n >= 1),
+            (
+                "seed",
+                self.seed,
+                "must be between 0 and 2^63 - 1",  # what torch's generators take, with seed + j
+                self.seed is None or 0 <= self.seed < 2**63,
+            ),
             ("beams", self.beam_width, "must be >= 1", self.beam_width >= 1),
             ("length-penalty", self.length_penalty, "must be finite", True),  # the loop checks
             (

@@ -62,10 +62,12 @@ class ModelRunner:
         )
         if self.graphs is not None and self.graphs.fits(len(ids), meta):
             logits = self.graphs.run(ids_t, positions_t, self.pool, meta)
-            return (
-                logits if len(rows) == len(ids) else logits[torch.tensor(rows, device=self.device)]
-            )
+            return logits if len(rows) == len(ids) else logits[self._index(rows)]
         hidden = self.model(ids_t, positions_t, self.pool, meta)
         if not rows:
             return hidden.new_empty((0, self.model.spec.vocab_size), dtype=torch.float32)
-        return self.model.logits(hidden[torch.tensor(rows, device=self.device)])
+        return self.model.logits(hidden[self._index(rows)])
+
+    def _index(self, rows: list[int]) -> torch.Tensor:
+        """Row indices as a tensor; long even when empty (a prefill chunk that ends no prompt)."""
+        return torch.tensor(rows, dtype=torch.long, device=self.device)
