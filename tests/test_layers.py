@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-LAYERS = {"core": 0, "quant": 1, "tools": 2, "tui": 3}
+LAYERS = {"core": 0, "quant": 1, "tools": 2, "server": 3, "tui": 4}
 MAX_CORE_FUNCTION_LINES = 40
 
 
