@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 from pagechat.core.config import EngineConfig
@@ -19,11 +20,12 @@ from pagechat.core.params import SamplingParams
 from pagechat.tools.demo import chat_model_dir, draft_model_dir
 from pagechat.tui.app import PagechatApp
 from pagechat.tui.client import ThreadedEngine
-from pagechat.tui.drive import send_and_advance, type_prompt, wait_reply_done
 from pagechat.tui.history import ChatRecord, ChatStore
 from pagechat.tui.widgets.chat import PromptInput
 
 OUT = Path(__file__).resolve().parent
+sys.path.insert(0, str(OUT.parent / "tests"))  # the Pilot helpers the tests drive the app with
+from drive import send_and_advance, type_prompt, wait_reply_done  # noqa: E402
 
 
 def save(app: PagechatApp, name: str) -> None:

@@ -5,12 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from pagechat.core.config import EngineConfig
-from pagechat.core.engine import Engine
-from pagechat.core.params import SamplingParams
-from pagechat.tui.app import PagechatApp
-from pagechat.tui.client import ThreadedEngine
-from pagechat.tui.drive import (
+from drive import (
     advance,
     send_and_advance,
     tiny_model_dir,
@@ -19,6 +14,11 @@ from pagechat.tui.drive import (
     wait_tokens,
     wait_until,
 )
+from pagechat.core.config import EngineConfig
+from pagechat.core.engine import Engine
+from pagechat.core.params import SamplingParams
+from pagechat.tui.app import PagechatApp
+from pagechat.tui.client import ThreadedEngine
 from pagechat.tui.engine_process import EngineProcess
 from pagechat.tui.history import ChatStore
 from pagechat.tui.screens import HelpScreen
@@ -211,7 +211,7 @@ async def test_temperature_change_mid_reply_applies_from_the_next_token(model_di
             reply.streaming,
             reply.finish_reason,
             reply.error,
-            app.session.notices,
+            [note.message for note in app._notifications],  # the engine's refusals, if any
         )
         assert app.loop.engine.requests[reply.request_id].sampling.params.temperature == 0.3
         app.action_stop()

@@ -7,12 +7,12 @@ Update the stored SVGs with `pytest tests/test_app_snapshot.py --snapshot-update
 from __future__ import annotations
 
 import pytest
+from drive import send_and_advance, tiny_model_dir, type_prompt, wait_reply_done
 from pagechat.core.config import EngineConfig
 from pagechat.core.engine import Engine
 from pagechat.core.params import SamplingParams
 from pagechat.tui.app import PagechatApp
 from pagechat.tui.client import ThreadedEngine
-from pagechat.tui.drive import send_and_advance, tiny_model_dir, type_prompt, wait_reply_done
 from pagechat.tui.history import ChatRecord, ChatStore
 from pagechat.tui.widgets.chat import PromptInput
 

@@ -10,13 +10,13 @@ import time
 from pathlib import Path
 
 import pytest
+from drive import tiny_model_dir
 from pagechat.core.config import EngineConfig
 from pagechat.core.engine import Engine
 from pagechat.core.errors import PagechatError
 from pagechat.core.params import SamplingParams
 from pagechat.core.report import StepReport
 from pagechat.tui.client import ThreadedEngine
-from pagechat.tui.drive import tiny_model_dir
 from pagechat.tui.engine_process import EngineProcess, pack, unpack
 from pagechat.tui.protocol import BlocksChanged, Finished, FirstToken, MemoryRead, Refused, Started
 

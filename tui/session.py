@@ -144,7 +144,6 @@ class ChatSession:
         self.latest: StepReport | None = None
         self.blocks: BlockSnapshot | None = None  # the newest BlockManager snapshot the engine sent
         self.latest_sample: SampleRecord | None = None
-        self.notices: list[str] = []
         self._next_ticket = 0
 
     # -- what the UI asks ------------------------------------------------------------------------
@@ -233,7 +232,6 @@ class ChatSession:
             msg = self._by_ticket(ev.ticket)
             if msg is not None:
                 msg.streaming, msg.finish_reason, msg.error = False, "error", ev.message
-            self.notices.append(ev.message)
             return msg
         if isinstance(ev, BlocksChanged):
             self.blocks = ev.snapshot

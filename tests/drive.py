@@ -1,4 +1,5 @@
-"""Driving the app headless (Pilot): waits on engine work, sending prompts; used by the tests and the screenshot script."""
+"""Driving the app headless (Pilot): waits on engine work, sending prompts; used by the tests and
+the screenshot script."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from textual.pilot import Pilot
 
 @functools.cache
 def tiny_model_dir() -> Path:
-    """A tiny random llama checkpoint (seed 1: identical bytes every time), made once per process."""
+    """A tiny random llama checkpoint (seed 1: identical bytes every time), made once per
+    process."""
     from pagechat.tools.make_model import make_model
 
     return make_model(
@@ -25,7 +27,8 @@ def tiny_model_dir() -> Path:
 async def wait_until(
     pilot: Pilot, predicate: Callable[[], bool], timeout: float = 30.0, what: str = ""
 ) -> None:
-    """Poll predicate between short pauses (one pause is flaky for background work); TimeoutError after timeout."""
+    """Poll predicate between short pauses (one pause is flaky for background work); TimeoutError
+    after timeout."""
     end = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > end:
@@ -66,19 +69,9 @@ async def wait_tokens(pilot: Pilot, n: int, timeout: float = 60.0) -> None:
     await wait_until(pilot, enough, timeout, f"{n} reply tokens")
 
 
-async def hold_engine(pilot: Pilot) -> None:
-    """Pause the engine after its current step and let the UI render everything it produced."""
-    app: PagechatApp = pilot.app  # type: ignore[assignment]
-    app.loop.pause()
-    app.loop.sync()
-    await wait_until(
-        pilot, lambda: not app.render_pending, 10, "the UI to draw the engine's events"
-    )
-    await pilot.pause(0.1)
-
-
 async def send_and_advance(pilot: Pilot, text: str, steps: int) -> None:
-    """Pause the engine, send text, run exactly `steps` engine steps, and let the UI render them: a fixed mid-reply state."""
+    """Pause the engine, send text, run exactly `steps` engine steps, and let the UI render them: a
+    fixed mid-reply state."""
     app: PagechatApp = pilot.app  # type: ignore[assignment]
     app.loop.pause()
     await type_prompt(pilot, text)
@@ -86,7 +79,8 @@ async def send_and_advance(pilot: Pilot, text: str, steps: int) -> None:
 
 
 async def advance(pilot: Pilot, steps: int) -> None:
-    """With the engine paused: run exactly `steps` engine steps and wait until the UI has drawn them."""
+    """With the engine paused: run exactly `steps` engine steps and wait until the UI has drawn
+    them."""
     app: PagechatApp = pilot.app  # type: ignore[assignment]
     app.loop.advance(steps)
     app.loop.sync(timeout=60)
