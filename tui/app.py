@@ -12,14 +12,21 @@ from pagechat.core.params import SamplingParams
 from pagechat.tui.client import EngineClient
 from pagechat.tui.heap import settle_heap
 from pagechat.tui.history import ChatRecord, ChatStore, export_markdown
-from pagechat.tui.protocol import Finished, FirstToken, MemoryRead, Refused, SpeculationSet
+from pagechat.tui.protocol import (
+    EngineInfo,
+    Finished,
+    FirstToken,
+    MemoryRead,
+    Refused,
+    SpeculationSet,
+)
 from pagechat.tui.screens import HelpScreen
 from pagechat.tui.session import ChatSession, Message
 from pagechat.tui.widgets.blocks import BlocksPanel
 from pagechat.tui.widgets.chat import ChatColumn, ChatLog, PromptInput, ReplyView
 from pagechat.tui.widgets.controls import ControlsPanel
 from pagechat.tui.widgets.memory import MemoryPanel
-from pagechat.tui.widgets.panel import Panel
+from pagechat.tui.widgets.panel import Panel, Readout
 from pagechat.tui.widgets.sampling import SamplingPanel, token_label
 from pagechat.tui.widgets.speculation import SpeculationPanel
 from pagechat.tui.widgets.timing import TimingPanel
@@ -31,7 +38,7 @@ from textual.containers import Container, Horizontal, Vertical
 from textual.geometry import Size
 from textual.screen import Screen
 from textual.widget import AwaitMount
-from textual.widgets import Footer, Input, Static, Tab, Tabs
+from textual.widgets import Footer, Input, Tab, Tabs
 
 PANELS = (
     ("blocks", "Blocks"),
@@ -47,27 +54,24 @@ UI_CPU_BUDGET = 0.03  # while decoding, the UI thread's share of one core (see w
 MAX_FRAME_GAP = 0.5  # ...but draw at least twice a second
 
 
-class StatusBar(Static):
+class StatusBar(Readout):
     """One line: model, dtype and device, chat id, and what the engine is doing."""
 
-    def show(self, app: PagechatApp) -> None:
-        e, s = app.loop.info, app.session
-        t = Text().append(" pagechat ", "bold #1c1c1c on #5fafff")
-        t.append(f" {e.model_name} ", "bold").append(f"{e.precision} on {e.device}", "dim")
-        turns = sum(1 for m in s.messages if m.role == "user")
-        t.append(f" │ chat {s.record.id} · {turns} turn{'s' * (turns != 1)}", "dim")
-        msg = s.streaming
-        if msg is not None:
-            t.append(" │ ", "dim").append("● generating", "bold #87d787").append(
-                f" {len(msg.tokens)} tok", "dim"
-            )
-            if msg.timing and msg.timing.decode_tok_s and not app.frozen:
-                t.append(f" · {msg.timing.decode_tok_s:.1f} tok/s", "dim")
-        else:
-            t.append(" │ ", "dim").append("idle", "dim")
-        if getattr(self, "_shown", None) != t:
-            self._shown = t
-            self.update(t, layout=False)  # always one line
+
+def status_line(info: EngineInfo, session: ChatSession, frozen: bool) -> Text:
+    """The status bar's text; `frozen` hides the varying tok/s."""
+    t = Text().append(" pagechat ", "bold #1c1c1c on #5fafff")
+    t.append(f" {info.model_name} ", "bold").append(f"{info.precision} on {info.device}", "dim")
+    turns = sum(1 for m in session.messages if m.role == "user")
+    t.append(f" │ chat {session.record.id} · {turns} turn{'s' * (turns != 1)}", "dim")
+    msg = session.streaming
+    if msg is None:
+        return t.append(" │ ", "dim").append("idle", "dim")
+    t.append(" │ ", "dim").append("● generating", "bold #87d787")
+    t.append(f" {len(msg.tokens)} tok", "dim")
+    if msg.timing and msg.timing.decode_tok_s and not frozen:
+        t.append(f" · {msg.timing.decode_tok_s:.1f} tok/s", "dim")
+    return t
 
 
 class PagechatApp(App[None]):
@@ -112,7 +116,8 @@ class PagechatApp(App[None]):
         self.store = store or ChatStore()
         self.save_path = save_path
         self.autosave = autosave
-        self.frozen = frozen  # hide numbers that vary between runs (snapshot tests)
+        # hide numbers that vary between runs (snapshot tests); every widget reads it from here
+        self.frozen = frozen
         self.layout_mode = layout  # auto | tabs | grid
         self.session.blocks = info.blocks
         self.memory = info.memory
@@ -134,7 +139,7 @@ class PagechatApp(App[None]):
     def compose(self) -> ComposeResult:
         yield StatusBar(id="status")
         with Horizontal(id="main"):
-            yield ChatColumn(self.session.system, self.frozen, id="chat")
+            yield ChatColumn(self.session.system, id="chat")
             with Vertical(id="side"):
                 yield Tabs(*(Tab(label, id=key) for key, label in PANELS), id="panel-tabs")
                 with Container(id="panels"):
@@ -152,8 +157,6 @@ class PagechatApp(App[None]):
         return self.screen_stack[0]
 
     def on_mount(self) -> None:
-        self.main.query_one(TimingPanel).frozen = self.frozen
-        self.main.query_one(MemoryPanel).frozen = self.frozen
         log = self.main.query_one(ChatLog)
         for m in self.session.messages:
             log.add(m)
@@ -297,7 +300,8 @@ class PagechatApp(App[None]):
     def refresh_panels(self, everything: bool = False) -> None:
         """Render the visible panels from the session's latest report."""
         s = self.session
-        self.main.query_one(StatusBar).show(self)
+        status = status_line(self.loop.info, s, self.frozen)
+        self.main.query_one(StatusBar).show(status, layout=False)  # always one line
         snap = s.blocks
         if snap is not None and self.visible("blocks"):
             self.main.query_one(BlocksPanel).show(snap)

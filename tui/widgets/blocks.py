@@ -7,7 +7,7 @@ import time
 from collections import Counter
 
 from pagechat.core.blockmap import BlockInfo, BlockSnapshot
-from pagechat.tui.widgets.panel import Panel, short_bytes
+from pagechat.tui.widgets.panel import Panel, Readout, short_bytes
 from rich.segment import Segment
 from rich.style import Style
 from rich.text import Text
@@ -15,7 +15,6 @@ from textual.app import ComposeResult
 from textual.geometry import Region, Size
 from textual.strip import Strip
 from textual.widget import Widget
-from textual.widgets import Static
 
 OWNER_COLOURS = (
     "#5fafff",
@@ -217,9 +216,9 @@ class BlocksPanel(Panel):
         self.snapshot: BlockSnapshot | None = None
 
     def compose(self) -> ComposeResult:
-        yield Static(id="blocks-header")
+        yield Readout(id="blocks-header")
         yield BlockGrid(id="block-grid")
-        yield Static(id="blocks-legend")
+        yield Readout(id="blocks-legend")
 
     def show(self, snap: BlockSnapshot) -> None:
         """Render a BlockManager snapshot (the engine's, never a recomputation)."""

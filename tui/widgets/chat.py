@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pagechat.tui.session import Message
-from pagechat.tui.widgets.panel import update_static
+from pagechat.tui.widgets.panel import Readout
 from pagechat.tui.widgets.sampling import token_label
 from rich.style import Style
 from rich.text import Text
@@ -116,10 +116,9 @@ class ReplyView(Vertical, can_focus=True):
             super().__init__()
             self.view, self.message, self.index = view, message, index
 
-    def __init__(self, message: Message, frozen: bool = False) -> None:
+    def __init__(self, message: Message) -> None:
         super().__init__(classes="reply")
         self.message = message
-        self.frozen = frozen
         self._markdown_for: str | None = None
         self._reserved = 0  # rows the streaming body takes (0: not set yet)
         self._room_for = 0  # the chat's height when they were set
@@ -128,7 +127,7 @@ class ReplyView(Vertical, can_focus=True):
         yield Static(classes="reply-body", markup=False)
         yield Markdown(classes="reply-markdown")
         yield TokenView(classes="reply-tokens")
-        yield Static(classes="reply-meta")
+        yield Readout(classes="reply-meta")
 
     def on_mount(self) -> None:
         self.update_view()
@@ -156,7 +155,7 @@ class ReplyView(Vertical, can_focus=True):
         if self.has_class("-inspect"):
             self.query_one(TokenView).show(m, self.selected)
         if not m.streaming or self.has_class("-inspect"):
-            update_static(self.query_one(".reply-meta", Static), self.meta_text())
+            self.query_one(".reply-meta", Readout).show(self.meta_text())
         return mounted
 
     def fit(self, body: Static, text: Text) -> Text:
@@ -218,7 +217,7 @@ class ReplyView(Vertical, can_focus=True):
             parts.append(" · stopped", "#ffaf5f")
         elif m.finish_reason:
             parts.append(f" · {m.finish_reason}")
-        if t is not None and t.decode_tok_s and not self.frozen:
+        if t is not None and t.decode_tok_s and not self.app.frozen:
             parts.append(f" · {t.decode_tok_s:.1f} tok/s")
         if m.error:
             parts.append(f"\n{m.error}", "bold #ff8787")
@@ -265,9 +264,8 @@ class ReplyView(Vertical, can_focus=True):
 class ChatLog(VerticalScroll):
     """The messages; follows new text only while the user is at (or within 2 rows of) the bottom."""
 
-    def __init__(self, frozen: bool = False, **kwargs) -> None:
+    def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.frozen = frozen
         self.views: dict[int, UserMessage | ReplyView] = {}  # id(message) -> widget
 
     def near_bottom(self) -> bool:
@@ -281,9 +279,7 @@ class ChatLog(VerticalScroll):
     def add(self, message: Message) -> AwaitMount:
         """Mount a widget for a new message."""
         follow = self.near_bottom()
-        view = (
-            ReplyView(message, self.frozen) if message.role == "assistant" else UserMessage(message)
-        )
+        view = ReplyView(message) if message.role == "assistant" else UserMessage(message)
         self.views[id(message)] = view
         mounted = self.mount(view)
         if follow:
@@ -318,9 +314,9 @@ class ChatLog(VerticalScroll):
 class ChatColumn(Vertical):
     """System prompt line, the log and the prompt box."""
 
-    def __init__(self, system: str, frozen: bool = False, **kwargs) -> None:
+    def __init__(self, system: str, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.system, self.frozen = system, frozen
+        self.system = system
 
     def compose(self) -> ComposeResult:
         from textual.widgets import Input
@@ -330,7 +326,7 @@ class ChatColumn(Vertical):
             placeholder="system prompt (optional; applies from the next message)",
             id="system-prompt",
         )
-        yield ChatLog(self.frozen, id="chat-log")
+        yield ChatLog(id="chat-log")
         yield PromptInput(
             id="prompt",
             soft_wrap=True,

@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 
 from pagechat.core.errors import PagechatError
 from pagechat.core.params import SamplingParams
-from pagechat.tui.widgets.panel import Panel
+from pagechat.tui.widgets.panel import Panel, Readout
 from rich.text import Text
 from textual import on
 from textual.app import ComposeResult
@@ -112,7 +112,7 @@ class ControlsPanel(Panel):
                 disabled=not self.spec_available,
                 select_on_focus=True,
             )
-        yield Static(id="control-error")
+        yield Readout(id="control-error")
         yield Static(
             Text().append("F5/F6 temperature −/+ · F7/F8 top-p −/+ · Enter applies", "dim"),
             id="control-help",
@@ -129,7 +129,7 @@ class ControlsPanel(Panel):
     @property
     def error(self) -> str:
         """The refusal shown, or ''."""
-        return str(getattr(self.query_one("#control-error", Static), "_shown", "") or "")
+        return str(self.query_one("#control-error", Readout).shown or "")
 
     def _apply(self, inp: Input) -> None:
         field = next(f for f in FIELDS if inp.id == f"ctl-{f.name}")

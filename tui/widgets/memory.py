@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from pagechat.core.blockmap import BlockSnapshot
 from pagechat.core.memory import EngineMemory, Readings
-from pagechat.tui.widgets.panel import Panel, short_bytes
+from pagechat.tui.widgets.panel import Panel, Readout, short_bytes
 from rich.text import Text
 from textual.app import ComposeResult
-from textual.widgets import Static
 
 BAR_COLOURS = {
     "weights": "#5fafff",
@@ -39,17 +38,16 @@ class MemoryPanel(Panel):
     """Where the bytes are, from the weights report, the pool tensor and the device's own readings."""
 
     TITLE = "Memory"
-    frozen = False  # hide live readings (snapshot tests)
 
     def __init__(self, info: EngineMemory, **kwargs) -> None:
         super().__init__(**kwargs)
         self.info = info
 
     def compose(self) -> ComposeResult:
-        yield Static(id="memory-weights")
-        yield Static(id="memory-kv")
-        yield Static(id="memory-device")
-        yield Static(id="memory-capacity")
+        yield Readout(id="memory-weights")
+        yield Readout(id="memory-kv")
+        yield Readout(id="memory-device")
+        yield Readout(id="memory-capacity")
 
     def on_mount(self) -> None:
         super().on_mount()
@@ -94,7 +92,7 @@ class MemoryPanel(Panel):
 
     def readings_text(self, r: Readings, width: int, kv_used: int) -> Text:
         i, w = self.info, self.info.weights.total
-        if self.frozen:
+        if self.app.frozen:
             return Text().append(f"{i.device.type} readings hidden (frozen numbers)", "dim")
         t = Text()
         if r.device_total is not None:

@@ -17,28 +17,41 @@ def short_bytes(n: float) -> str:
     return f"{text} {unit}"
 
 
-def update_static(static: Static, text: Text | str) -> None:
-    """Static.update, asking for a (whole-screen) layout pass only when the Static's height must change.
+class Readout(Static):
+    """A Static that remembers the text it shows and repaints only when given different text."""
 
-    A layout reflows every widget on the screen; skipping it when the height stays is what keeps a 20 Hz
-    repaint cheap (and out of the engine's way). The height a text needs is its wrapped line count, or the
-    Static's min-height in cells when that is more (no vertical padding here).
-    """
-    width, height = static.content_size
-    if isinstance(text, Text) and width > 0:
-        floor = static.styles.min_height
+    shown: Text | str | None = None  # the last text given to show()
+
+    def show(self, text: Text | str, *, layout: bool | None = None) -> None:
+        """Show `text` unless it is already shown. layout: whether the height may change (None:
+        work it out from the wrapped text)."""
+        if text == self.shown:
+            return
+        self.shown = text
+        text = text if isinstance(text, Text) else Text(text)
+        self.update(text, layout=self.needs_layout(text) if layout is None else layout)
+
+    def needs_layout(self, text: Text) -> bool:
+        """Whether showing `text` changes this widget's height.
+
+        A layout reflows every widget on the screen; skipping it when the height stays is what
+        keeps a frequent repaint cheap (and out of the engine's way). The height a text needs is its
+        wrapped line count, or the min-height in cells when that is more (no vertical padding
+        here).
+        """
+        width, height = self.content_size
+        if width <= 0:
+            return True  # not laid out yet: the height is unknown
+        floor = self.styles.min_height
         lines = max(
-            len(text.wrap(static.app.console, width)),
+            len(text.wrap(self.app.console, width)),
             int(floor.value) if floor and floor.is_cells else 0,
         )
-        layout = lines != height
-    else:
-        layout = True  # not laid out yet, or markup: the height is unknown
-    static.update(text, layout=layout)
+        return lines != height
 
 
 class Panel(Vertical):
-    """A titled inspector panel; set_text repaints a child only when its text changed."""
+    """A titled inspector panel of Readouts."""
 
     TITLE = ""
     KEY = ""  # the panel's tab id
@@ -48,8 +61,5 @@ class Panel(Vertical):
         self.add_class("panel")
 
     def set_text(self, selector: str, text: Text | str) -> None:
-        """Update the Static at selector unless it already shows this text."""
-        static = self.query_one(selector, Static)
-        if getattr(static, "_shown", None) != text:
-            static._shown = text
-            update_static(static, text if isinstance(text, Text) else Text(text))
+        """Show text in the Readout at selector (a repaint only if it changed)."""
+        self.query_one(selector, Readout).show(text)

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from pagechat.core.params import SamplingParams
 from pagechat.core.sampler import Candidate, SampleRecord
-from pagechat.tui.widgets.panel import Panel
+from pagechat.tui.widgets.panel import Panel, Readout
 from rich.text import Text
 from textual.app import ComposeResult
-from textual.widgets import Static
 
 
 def token_label(text: str, width: int = 12) -> str:
@@ -63,10 +62,10 @@ class SamplingPanel(Panel):
         self.where = ""
 
     def compose(self) -> ComposeResult:
-        yield Static(id="sampling-title")
-        yield Static(id="sampling-params")
-        yield Static(id="sampling-table")
-        yield Static(id="sampling-current")
+        yield Readout(id="sampling-title")
+        yield Readout(id="sampling-params")
+        yield Readout(id="sampling-table")
+        yield Readout(id="sampling-current")
 
     def show(self, record: SampleRecord | None, where: str, current: SamplingParams) -> None:
         """Render `record` (newest or selected token, described by `where`) beside the current params."""

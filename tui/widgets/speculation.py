@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pagechat.tui.widgets.panel import Panel
+from pagechat.tui.widgets.panel import Panel, Readout
 from pagechat.tui.widgets.sampling import token_label
 from rich.text import Text
 from textual.app import ComposeResult
-from textual.widgets import Static
 
 MARKS = {
     "accepted": ("✓", "#87d787"),
@@ -72,9 +71,9 @@ class SpeculationPanel(Panel):
     TITLE = "Speculation"
 
     def compose(self) -> ComposeResult:
-        yield Static(id="spec-state")
-        yield Static(id="spec-summary")
-        yield Static(id="spec-steps")
+        yield Readout(id="spec-state")
+        yield Readout(id="spec-summary")
+        yield Readout(id="spec-steps")
 
     def show(self, on: bool, why: str, records: Sequence, k: int) -> None:
         """State line, figures over `records` (the engine's DraftRecords, newest last) and the recent steps."""

@@ -5,11 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pagechat.tui.session import ChatSession, TurnTiming
-from pagechat.tui.widgets.panel import Panel
+from pagechat.tui.widgets.panel import Panel, Readout
 from rich.style import Style
 from rich.text import Text
 from textual.app import ComposeResult
-from textual.widgets import Static
 
 KIND_COLOURS = {"prefill": "#ffaf5f", "decode": "#5fafff", "mixed": "#d787ff"}
 BARS = " ▁▂▃▄▅▆▇█"
@@ -97,22 +96,21 @@ class TimingPanel(Panel):
     """Current and past turns from the engine's StepReports and request timestamps."""
 
     TITLE = "Timing"
-    frozen = False  # hide times that vary between runs (snapshot tests)
 
     def compose(self) -> ComposeResult:
-        yield Static(id="timing-table")
-        yield Static(id="timing-spark-title")
-        yield Static(id="timing-spark")
-        yield Static(id="timing-split")
+        yield Readout(id="timing-table")
+        yield Readout(id="timing-spark-title")
+        yield Readout(id="timing-spark")
+        yield Readout(id="timing-split")
 
     def show(self, session: ChatSession) -> None:
         """Render the session's turns and step log."""
-        width = max(10, self.content_size.width)
+        width, frozen = max(10, self.content_size.width), self.app.frozen
         turns = session.turns()
         table = Text().append(" ".join(h.rjust(w) for h, w in COLUMNS), "bold #8a8a8a")
         rows = max(1, self.content_size.height - 7)
         for i, m in list(enumerate(turns, 1))[-rows:]:
-            table.append("\n").append_text(turn_row(i, m.timing, self.frozen, m.streaming))
+            table.append("\n").append_text(turn_row(i, m.timing, frozen, m.streaming))
         if not turns:
             table.append("\n  no replies yet", "dim")
         self.set_text("#timing-table", table)
@@ -120,19 +118,17 @@ class TimingPanel(Panel):
         top = scale_top([s for _, s in list(steps)[-width:]])
         title = Text().append("step time", "dim")
         if steps:
-            title.append(f" full bar {HIDDEN if self.frozen else f'{1000 * top:.0f}'} ms", "dim")
+            title.append(f" full bar {HIDDEN if frozen else f'{1000 * top:.0f}'} ms", "dim")
         for kind, colour in KIND_COLOURS.items():
             title.append(" ■", Style(color=colour)).append(kind, "dim")
         self.set_text("#timing-spark-title", title)
         self.set_text(
             "#timing-spark",
-            sparkline(steps, width)
-            if not self.frozen
-            else Text(HIDDEN * min(width, len(steps)), "dim"),
+            sparkline(steps, width) if not frozen else Text(HIDDEN * min(width, len(steps)), "dim"),
         )
         self.set_text(
             "#timing-split",
             split_bar(session.wall, width)
-            if not self.frozen
+            if not frozen
             else Text().append("wall-time split hidden (frozen numbers)", "dim"),
         )
