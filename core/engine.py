@@ -15,7 +15,7 @@ from pagechat.core.blockmap import BlockMap
 from pagechat.core.blocks import BlockEvent, BlockManager
 from pagechat.core.config import EngineConfig
 from pagechat.core.detok import update_text
-from pagechat.core.errors import PagechatError
+from pagechat.core.errors import PagechatError, check_text
 from pagechat.core.graphs import TRACE_SUPPORTED
 from pagechat.core.kv import allocate_pool, copy_blocks, pool_blocks
 from pagechat.core.loader import (
@@ -103,9 +103,11 @@ def load_checkpoint(model_dir: Path, cfg: EngineConfig, device: torch.device) ->
     dtype = resolve_dtype(cfg.dtype, device, spec.torch_dtype)
     tokenizer = load_tokenizer(model_dir)
     max_len = min(cfg.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
+    weights = WeightReader(model_dir)
+    weights.check_layers(spec.num_layers)
     model = DecoderModel(
         spec,
-        WeightReader(model_dir),
+        weights,
         dtype,
         max_len,
         load=quant.loader(device),
@@ -209,7 +211,7 @@ class Engine:
     def encode(self, prompt: str, chat: bool = False, system: str | None = None) -> list[int]:
         """Token ids of a plain prompt, or of one user turn wrapped in the model's chat template."""
         if not chat:
-            return self.tokenizer(prompt).input_ids
+            return self.tokenizer(check_text(prompt, "the prompt")).input_ids
         messages = ([{"role": "system", "content": system}] if system else []) + [
             {"role": "user", "content": prompt}
         ]
@@ -222,16 +224,21 @@ class Engine:
             raise PagechatError(
                 f"the tokenizer in {self.model_dir} has no chat template; run without --chat"
             )
-        text = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False
-        )
+        for i, m in enumerate(messages, 1):
+            check_text(m["content"], f"message {i} ({m['role']})")
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False
+            )
+        except Exception as e:  # jinja raises its own types; raise_exception() in a template too
+            raise PagechatError(f"the chat template failed: {str(e).splitlines()[0]}") from None
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> int:
         """Queue a prompt (text or token ids); returns its request id. The next step() may admit
         it."""
         params = (params or SamplingParams()).validate()
-        ids = self.tokenizer(prompt).input_ids if isinstance(prompt, str) else list(prompt)
+        ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise PagechatError("the prompt is empty")
         if len(ids) >= self.max_model_len:

@@ -3,3 +3,13 @@
 
 class PagechatError(Exception):
     """Bad input or an impossible request; the CLI prints it as one line and exits with code 2."""
+
+
+def check_text(text: str, what: str) -> str:
+    """Return text when it can be written as UTF-8; undecodable input bytes reach Python as lone
+    surrogates, which tokenizers and JSON files refuse later with a traceback."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise PagechatError(f"{what} is not valid UTF-8 text") from None
+    return text

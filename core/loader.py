@@ -19,7 +19,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    """A torch dtype as config.json's torch_dtype and pagechat's --dtype spell it: torch.bfloat16 -> 'bfloat16'."""
+    """Name of a torch dtype as torch_dtype and --dtype spell it: torch.bfloat16 -> bfloat16."""
     return str(dtype).removeprefix("torch.")
 
 
@@ -71,7 +71,8 @@ def _read_json(path: Path) -> dict:
 
 
 def _rope(cfg: dict) -> tuple[float, dict | None]:
-    # transformers 5 keeps rope settings in rope_parameters (with rope_theta inside); 4.x in rope_theta + rope_scaling
+    # transformers 5 keeps rope settings in rope_parameters (with rope_theta inside); 4.x in
+    # rope_theta + rope_scaling
     params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
     theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
@@ -82,8 +83,34 @@ def _rope(cfg: dict) -> tuple[float, dict | None]:
     return theta, (None if rope_type == "default" else {**params, "rope_type": rope_type})
 
 
+MAX_POSITIONS = 2**24  # far beyond any released model; a larger value is a broken config
+
+
+def _int(cfg: dict, key: str, default: int | None = None, most: int | None = None) -> int:
+    """config.json's integer field `key` (>= 1, and <= most when given); ValueError naming it."""
+    value = cfg.get(key) if cfg.get(key) is not None else default
+    if value is None:
+        raise ValueError(f"{key} is missing")
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    if most is not None and not (ok and value <= most):
+        raise ValueError(f"{key} must be an integer between 1 and 2^24, got {value!r}")
+    if not ok:
+        raise ValueError(f"{key} must be an integer >= 1, got {value!r}")
+    return value
+
+
+def _number(cfg: dict, key: str, default: float) -> float:
+    """config.json's numeric field `key`; ValueError naming it."""
+    value = cfg.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{key} must be a number, got {value!r}")
+    return float(value)
+
+
 def _windows(cfg: dict, arch: str, n: int) -> tuple[int | None, ...]:
     window = cfg.get("sliding_window")
+    if window is not None:
+        _int(cfg, "sliding_window")
     layer_types = cfg.get("layer_types")
     if window is None:
         return (None,) * n
@@ -132,25 +159,25 @@ def _eos_ids(model_dir: Path, cfg: dict) -> tuple[int, ...]:
 
 def _spec_from(model_dir: Path, cfg: dict, arch: str) -> ModelSpec:
     """Build the ModelSpec from config.json's fields (KeyError/TypeError/ValueError when bad)."""
-    heads = int(cfg["num_attention_heads"])
-    hidden = int(cfg["hidden_size"])
-    n = int(cfg["num_hidden_layers"])
+    heads = _int(cfg, "num_attention_heads")
+    hidden = _int(cfg, "hidden_size")
+    n = _int(cfg, "num_hidden_layers")
     theta, scaling = _rope(cfg)
     eos = _eos_ids(model_dir, cfg)
     is_qwen2 = arch == "Qwen2ForCausalLM"
     return ModelSpec(
         arch=arch,
-        vocab_size=int(cfg["vocab_size"]),
+        vocab_size=_int(cfg, "vocab_size"),
         hidden_size=hidden,
-        intermediate_size=int(cfg["intermediate_size"]),
+        intermediate_size=_int(cfg, "intermediate_size"),
         num_layers=n,
         num_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(cfg.get("head_dim") or hidden // heads),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        num_kv_heads=_int(cfg, "num_key_value_heads", heads),
+        head_dim=_int(cfg, "head_dim", hidden // heads),
+        rms_norm_eps=_number(cfg, "rms_norm_eps", 1e-6),
         rope_theta=theta,
         rope_scaling=scaling,
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        max_position_embeddings=_int(cfg, "max_position_embeddings", 2048, MAX_POSITIONS),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=is_qwen2 or bool(cfg.get("attention_bias", False)),
         o_bias=(not is_qwen2) and bool(cfg.get("attention_bias", False)),
@@ -164,12 +191,14 @@ def _spec_from(model_dir: Path, cfg: dict, arch: str) -> ModelSpec:
 
 
 def read_spec(model_dir: Path) -> ModelSpec:
-    """Parse config.json into a ModelSpec; refuse architectures and settings the engine does not run."""
+    """Parse config.json into a ModelSpec; refuse architectures and settings it does not run."""
     path, cfg = _read_config(model_dir)
     arch = _check_arch(path, cfg)
     try:
         return _spec_from(model_dir, cfg, arch)
-    except (KeyError, TypeError, ValueError) as e:
+    except ValueError as e:
+        raise PagechatError(f"{path}: {e}") from None
+    except (KeyError, TypeError) as e:
         raise PagechatError(f"{path}: missing or bad field {e}") from None
 
 
@@ -236,6 +265,27 @@ class WeightReader:
                 f"{f.name}: tensor {name} has shape {tuple(t.shape)}, config.json implies {tuple(shape)}"
             )
         return t
+
+    def floats(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A float tensor of `shape`, in `dtype`; PagechatError if the checkpoint stores it as
+        integers (a quantised tensor where config.json declares none)."""
+        t = self.get(name, shape)
+        if not t.is_floating_point():
+            raise PagechatError(
+                f"{self.where[name].name}: tensor {name} is {dtype_name(t.dtype)}, "
+                "not floating point"
+            )
+        return t.to(dtype)
+
+    def check_layers(self, num_layers: int) -> None:
+        """Refuse a checkpoint with decoder layers its config.json does not declare."""
+        for name, f in self.where.items():
+            parts = name.split(".")
+            layer = parts[2] if parts[:2] == ["model", "layers"] and len(parts) > 2 else ""
+            if layer.isdigit() and int(layer) >= num_layers:
+                raise PagechatError(
+                    f"{f.name}: tensor {name} is not used: config.json declares {num_layers} layers"
+                )
 
 
 def load_tokenizer(model_dir: Path):

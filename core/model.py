@@ -1,4 +1,5 @@
-"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) in plain torch, over the paged KV pool.
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) in plain torch, over the paged KV
+pool.
 
 q/k/v and gate/up are fused into one matmul each at load time; weights come from safetensors.
 """
@@ -35,7 +36,7 @@ class RMSNorm(nn.Module):
 
 
 def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Linear:
-    """An nn.Linear holding the given (already loaded) weight; quant/ swaps these for its own layers."""
+    """An nn.Linear holding the given (already loaded) weight; quant/ swaps in its own layers."""
     layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
     layer.weight = nn.Parameter(weight, requires_grad=False)
     if bias is not None:
@@ -51,12 +52,12 @@ def dense_linear(
     bias: bool,
     dtype: torch.dtype,
 ) -> nn.Linear:
-    """One nn.Linear whose output rows are the named checkpoint linears stacked in order (fused qkv, gate/up)."""
+    """One nn.Linear whose output rows are named checkpoint linears stacked (fused qkv, gate/up)."""
     weight = torch.cat(
-        [w.get(f"{n}.weight", (o, in_size)).to(dtype) for n, o in zip(names, out_sizes)]
+        [w.floats(f"{n}.weight", (o, in_size), dtype) for n, o in zip(names, out_sizes)]
     )
     b = (
-        torch.cat([w.get(f"{n}.bias", (o,)).to(dtype) for n, o in zip(names, out_sizes)])
+        torch.cat([w.floats(f"{n}.bias", (o,), dtype) for n, o in zip(names, out_sizes)])
         if bias
         else None
     )
@@ -90,15 +91,16 @@ def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
 
 
 def rope_tables(spec: ModelSpec, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and signed sin [length, D] of positions 0..length-1 for `rotate`: the sin's first half is negated."""
+    """cos and signed sin [length, D] of positions 0..length-1 for `rotate` (sin's 1st half < 0)."""
     freqs = torch.outer(torch.arange(length, dtype=torch.float32), rope_inv_freq(spec))
     sin = freqs.sin()
     return torch.cat((freqs, freqs), dim=-1).cos(), torch.cat((-sin, sin), dim=-1)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Apply rotary position embedding (half-split layout) to x [..., D], with rope_tables' cos and signed sin:
-    x * cos + (-x2, x1) * sin, where (x2, x1) is x rolled by D/2 and the sign sits in the table (4 ops, not 6)."""
+    """Apply rotary position embedding (half-split layout) to x [..., D], with rope_tables' cos and
+    signed sin: x * cos + (-x2, x1) * sin, where (x2, x1) is x rolled by D/2 and the sign sits in
+    the table (4 ops, not 6)."""
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
@@ -124,8 +126,8 @@ class Attention(nn.Module):
         self.o_proj = load(w, [f"{p}.o_proj"], (hid,), h * d, spec.o_bias, dtype)
         self.q_norm = self.k_norm = None
         if spec.qk_norm:
-            self.q_norm = RMSNorm(w.get(f"{p}.q_norm.weight", (d,)).to(dtype), spec.rms_norm_eps)
-            self.k_norm = RMSNorm(w.get(f"{p}.k_norm.weight", (d,)).to(dtype), spec.rms_norm_eps)
+            self.q_norm = RMSNorm(w.floats(f"{p}.q_norm.weight", (d,), dtype), spec.rms_norm_eps)
+            self.k_norm = RMSNorm(w.floats(f"{p}.k_norm.weight", (d,), dtype), spec.rms_norm_eps)
 
     def forward(
         self,
@@ -178,7 +180,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         p = f"model.layers.{i}"
         norm = lambda name: RMSNorm(
-            w.get(f"{p}.{name}.weight", (spec.hidden_size,)).to(dtype), spec.rms_norm_eps
+            w.floats(f"{p}.{name}.weight", (spec.hidden_size,), dtype), spec.rms_norm_eps
         )  # noqa: E731
         self.input_layernorm = norm("input_layernorm")
         self.post_attention_layernorm = norm("post_attention_layernorm")
@@ -191,7 +193,7 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    """Embeddings, decoder layers, final norm and LM head; forward works on one flat ragged batch."""
+    """Embeddings, decoder layers, final norm and LM head; forward takes one flat ragged batch."""
 
     def __init__(
         self,
@@ -202,28 +204,29 @@ class DecoderModel(nn.Module):
         load: LinearLoader = dense_linear,
         head: Callable[[torch.Tensor], nn.Module] = linear,
     ) -> None:
-        """`head` builds lm_head from its weight (quant/ gives weight-only modes a bf16 one); when it keeps the
-        tied embedding's weight in another dtype, the embedding reads that same table and casts its rows."""
+        """`head` builds lm_head from its weight (quant/ gives weight-only modes a bf16 one); when
+        it keeps the tied embedding's weight in another dtype, the embedding reads that same table
+        and casts its rows."""
         super().__init__()
         self.dtype = dtype
         self.spec = spec
         vh = (spec.vocab_size, spec.hidden_size)
         self.embed_tokens = nn.Embedding(*vh, device="meta")
         self.embed_tokens.weight = nn.Parameter(
-            w.get("model.embed_tokens.weight", vh).to(dtype), requires_grad=False
+            w.floats("model.embed_tokens.weight", vh, dtype), requires_grad=False
         )
         self.layers = nn.ModuleList(
             DecoderLayer(spec, w, i, dtype, load) for i in range(spec.num_layers)
         )
         self.norm = RMSNorm(
-            w.get("model.norm.weight", (spec.hidden_size,)).to(dtype), spec.rms_norm_eps
+            w.floats("model.norm.weight", (spec.hidden_size,), dtype), spec.rms_norm_eps
         )
         if spec.tie_word_embeddings or not w.has("lm_head.weight"):
             self.lm_head = head(self.embed_tokens.weight)
             if self.lm_head.weight.dtype != dtype:  # one table in the head's dtype, not two copies
                 self.embed_tokens.weight = nn.Parameter(self.lm_head.weight, requires_grad=False)
         else:
-            self.lm_head = head(w.get("lm_head.weight", vh).to(dtype))
+            self.lm_head = head(w.floats("lm_head.weight", vh, dtype))
         cos, sin = rope_tables(spec, max_len)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
@@ -235,7 +238,7 @@ class DecoderModel(nn.Module):
         kv_pool: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm, for tokens input_ids [T] at positions [T]."""
+        """Hidden states [T, hidden] after the final norm, for input_ids [T] at positions [T]."""
         x = self.embed_tokens(input_ids).to(self.dtype)
         cos = self.cos[positions].to(x.dtype).unsqueeze(1)
         sin = self.sin[positions].to(x.dtype).unsqueeze(1)

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from pagechat.core.errors import PagechatError
+from pagechat.core.errors import PagechatError, check_text
 from pagechat.tui.options import (
     BlockSize,
     Device,
@@ -150,6 +150,12 @@ def generate(
     from pagechat.core.params import SamplingParams
     from pagechat.tools.demo import model_or_demo
     from pagechat.tui.generate import run_generate
+
+    for i, p in enumerate(prompt, 1):
+        check_text(p, f"prompt {i}")
+    for s in stop or ():
+        check_text(s, "--stop")
+    check_text(system or "", "--system")
 
     params = SamplingParams(
         temperature=temperature,
@@ -454,6 +460,11 @@ def main() -> None:
         app()
     except PagechatError as e:
         print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except OSError as e:  # a path the user named cannot be read or written
+        print(
+            f"error: {e.filename}: {e.strerror}" if e.filename else f"error: {e}", file=sys.stderr
+        )
         sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)

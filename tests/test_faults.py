@@ -1,0 +1,146 @@
+"""Faults found by trying pagechat as a hostile user: each bad value, file or text gets one line
+naming what and where, exit code 2 and no traceback; odd but valid settings still give exact
+results."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from conftest import cli
+from safetensors.torch import load_file, save_file
+from test_cli_errors import assert_one_line_error
+
+
+@pytest.fixture
+def model(tiny_llama, tmp_path):
+    """A fresh copy of the tiny llama checkpoint to break."""
+    dst = tmp_path / "model"
+    shutil.copytree(tiny_llama, dst)
+    return dst
+
+
+def generate(model, capsys, *args: str) -> tuple[int | None, str, str]:
+    return cli(["generate", str(model), "--max-tokens", "3", *args], capsys)
+
+
+def edit_config(model, **fields) -> None:
+    path = model / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg.update(fields)
+    path.write_text(json.dumps(cfg))
+
+
+def edit_weights(model, change) -> None:
+    tensors = load_file(model / "model.safetensors")
+    change(tensors)
+    save_file(tensors, model / "model.safetensors")
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--seed", str(2**70)], f"seed must be between 0 and 2^63 - 1, got {2**70}"),
+        (["--seed", str(2**64)], f"seed must be between 0 and 2^63 - 1, got {2**64}"),
+        (["--seed", "-1"], "seed must be between 0 and 2^63 - 1, got -1"),
+        (["--kv-blocks", "0"], "--kv-blocks must be >= 1, got 0"),
+        (["--kv-memory", "nan"], "cannot read 'nan' as a size; write e.g. 2GiB, 512MiB or 1000000"),
+        (["--kv-memory", "inf"], "cannot read 'inf' as a size; write e.g. 2GiB, 512MiB or 1000000"),
+        (["--kv-memory", "-3GiB"], "cannot read '-3GiB' as a size; write e.g. 2GiB, 512MiB or"),
+        (["--kv-memory", "1e30"], "is more memory than this machine has"),
+        (
+            ["--kv-blocks", str(10**12)],
+            f"a KV pool of {10**12} blocks (7.63e+06 GiB) is more memory than this machine has",
+        ),
+    ],
+)
+def test_bad_engine_values(args, message, tiny_llama, capsys):
+    code, _, err = generate(tiny_llama, capsys, "-p", "hi", *args)
+    assert_one_line_error(code, err, message)
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["-p", "ok", "-p", "a\udcffb"], "prompt 2 is not valid UTF-8 text"),
+        (["-p", "hi", "--chat", "--system", "\udcfe"], "--system is not valid UTF-8 text"),
+        (["-p", "hi", "--stop", "\udcfe"], "--stop is not valid UTF-8 text"),
+    ],
+)
+def test_text_that_is_not_utf8(args, message, tiny_llama, capsys):
+    """Python hands undecodable argv bytes on as lone surrogates, which the tokenizer rejects."""
+    code, _, err = generate(tiny_llama, capsys, *args)
+    assert_one_line_error(code, err, message)
+
+
+@pytest.mark.parametrize(
+    "fields,message",
+    [
+        ({"num_hidden_layers": [2]}, "num_hidden_layers must be an integer >= 1, got [2]"),
+        ({"hidden_size": {"a": 1}}, "hidden_size must be an integer >= 1, got {'a': 1}"),
+        ({"vocab_size": 0}, "vocab_size must be an integer >= 1, got 0"),
+        ({"num_attention_heads": "4"}, "num_attention_heads must be an integer >= 1, got '4'"),
+        ({"rms_norm_eps": "small"}, "rms_norm_eps must be a number, got 'small'"),
+        (
+            {"max_position_embeddings": 10**15},
+            f"max_position_embeddings must be an integer between 1 and 2^24, got {10**15}",
+        ),
+        (
+            {"sliding_window": "abc", "use_sliding_window": True},
+            "sliding_window must be an integer >= 1, got 'abc'",
+        ),
+        (
+            {"sliding_window": 0, "use_sliding_window": True},
+            "sliding_window must be an integer >= 1, got 0",
+        ),
+    ],
+)
+def test_odd_config_values(fields, message, model, capsys):
+    edit_config(model, **fields)
+    code, _, err = generate(model, capsys, "-p", "hi")
+    assert_one_line_error(code, err, f"{model / 'config.json'}: {message}")
+
+
+def test_checkpoint_with_more_layers_than_its_config(model, capsys):
+    edit_config(model, num_hidden_layers=1)
+    code, _, err = generate(model, capsys, "-p", "hi")
+    assert_one_line_error(
+        code, err, "model.safetensors: tensor model.layers.1.input_layernorm.weight is not used"
+    )
+
+
+def test_checkpoint_with_integer_weights(model, capsys):
+    def to_int(t):
+        t["model.norm.weight"] = t["model.norm.weight"].to(torch.int32)
+
+    edit_weights(model, to_int)
+    code, _, err = generate(model, capsys, "-p", "hi")
+    assert_one_line_error(
+        code, err, "model.safetensors: tensor model.norm.weight is int32, not floating point"
+    )
+
+
+def test_chat_template_that_raises(model, capsys):
+    (model / "chat_template.jinja").write_text("{{ raise_exception('no system role') }}")
+    code, _, err = generate(model, capsys, "-p", "hi", "--chat")
+    assert_one_line_error(code, err, "the chat template failed: no system role")
+
+
+def test_unwritable_output_folder(capsys):
+    code, _, err = cli(["make-model", "/proc/no/such"], capsys)
+    assert_one_line_error(code, err, "/proc/no: No such file or directory")
+
+
+def test_tiny_batch_budget_chunks_long_prompts_exactly(tiny_llama, capsys):
+    """A step budget smaller than a decode graph's width still prefills in chunks, and the
+    text equals the one computed with the default budget."""
+    prompt = "word " * 40
+    runs = [
+        generate(tiny_llama, capsys, "-p", prompt, "--ignore-eos", "--json", *extra)
+        for extra in ([], ["--max-batch-tokens", "5"], ["--max-batch-tokens", "1"])
+    ]
+    assert all(code == 0 for code, _, _ in runs), runs[1][2]
+    ids = [json.loads(out)["results"][0]["token_ids"] for _, out, _ in runs]
+    assert ids[0] == ids[1] == ids[2] and len(ids[0]) == 3
