@@ -1,7 +1,7 @@
 """Paged attention: K/V are written through a slot mapping and read back only through block tables.
 
-The torch backend pads the step's ragged batch into [seqs, max_query, max_context] once per step (the
-gather index and masks are shared by every layer), then runs scaled_dot_product_attention.
+The torch backend pads the step's ragged batch into [seqs, max_query, max_context] once per step
+(the gather index and masks are shared by every layer), then runs scaled_dot_product_attention.
 """
 
 from __future__ import annotations
@@ -17,26 +17,23 @@ _SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
 
 @dataclass(slots=True)
 class AttentionMetadata:
-    """Per-step tensors every layer's attention shares: where to write K/V and what each query reads."""
+    """Per-step tensors all layers' attention shares: where to write K/V, what each query reads."""
 
     slot_mapping: torch.Tensor  # [T] pool slot of each new token
-    gather: (
-        torch.Tensor
-    )  # [B * max_ctx] pool slots of each sequence's context, row after row (padded with slot 0)
-    q_rows: (
-        torch.Tensor | None
-    )  # [T] row of each token in the padded [B * max_q] layout; None: no padding
+    # [B * max_ctx] pool slots of each sequence's context, row after row (padded with slot 0)
+    gather: torch.Tensor
+    q_rows: torch.Tensor | None  # [T] each token's row in the padded [B * max_q]; None: no padding
     q_pos: torch.Tensor  # [B, max_q] position of each padded query (-1 for padding)
     _masks: dict = field(default_factory=dict)
 
     def mask(self, window: int | None) -> torch.Tensor | None:
-        """[B, 1, max_q, max_ctx] bool: causal, within the context, and within the sliding window if any; None
-        when every query may read every key (one sequence decoding), so attention runs without a mask."""
+        """[B, 1, max_q, max_ctx] bool: causal, within the context, and within the sliding window if
+        any; None when every query may read every key (one sequence decoding), so attention runs
+        without a mask."""
         if window not in self._masks:
             if self.q_pos.shape == (1, 1) and (window is None or self.gather.shape[0] <= window):
-                self._masks[window] = (
-                    None  # one sequence decoding its newest token: it reads the whole context
-                )
+                # one sequence decoding its newest token: it reads the whole context
+                self._masks[window] = None
                 return None
             k_pos = torch.arange(
                 self.gather.shape[0] // self.q_pos.shape[0], device=self.gather.device
@@ -58,19 +55,18 @@ def build_metadata(
     block_size: int,
     device: torch.device,
 ) -> AttentionMetadata:
-    """Metadata for sequences that compute `counts[i]` tokens after `starts[i]` already cached ones."""
+    """Metadata for sequences computing `counts[i]` tokens after `starts[i]` already cached ones."""
     max_q = max(counts)
     ctx = [s + c for s, c in zip(starts, counts)]
     max_ctx = max(ctx)
     max_blocks = max(len(t) for t in tables)
     table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long)
-    # the slot of every context position, row after row: each block's first slot plus the offsets in it
+    # the slot of every context position, row after row: each block's first slot plus its offsets
     gather = (table.unsqueeze(-1) * block_size + torch.arange(block_size)).flatten(1)[:, :max_ctx]
     if min(ctx) < max_ctx:  # a shorter context reads slot 0 past its end
         gather = torch.where(torch.arange(max_ctx) < torch.tensor(ctx).unsqueeze(1), gather, 0)
-    if (
-        max_q == min(counts) == 1
-    ):  # every sequence computes one token (decode): no padding, slots found in Python
+    # every sequence computes one token (decode): no padding, slots found in Python
+    if max_q == min(counts) == 1:
         q_pos = torch.tensor(starts).unsqueeze(1)
         slot_mapping = torch.tensor(
             [t[s // block_size] * block_size + s % block_size for t, s in zip(tables, starts)]
@@ -100,10 +96,10 @@ def paged_attention(
     meta: AttentionMetadata,
     window: int | None,
 ) -> torch.Tensor:
-    """Write this step's k/v [T, KV, D] into the caches [slots, KV, D], then attend q [T, H, D] -> [T, H, D]."""
+    """Write k/v [T, KV, D] into the caches [slots, KV, D], then attend q [T, H, D] -> [T, H, D]."""
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
-    # The batch size is read from a tensor, so a traced step follows it; every other size is -1 or a flatten.
+    # The batch size is read from a tensor, so a traced step follows it; other sizes are -1 or flat.
     b = meta.q_pos.shape[0]
     if meta.q_rows is None:
         qp = q.unflatten(0, (b, -1))
@@ -113,10 +109,9 @@ def paged_attention(
             .index_copy_(0, meta.q_rows, q)
             .unflatten(0, (b, -1))
         )
-    # index_select, not k_cache[meta.gather]: on CPU advanced indexing copies ~5x slower (2000 slots: 67 vs 363 us)
-    keys = (
-        k_cache.index_select(0, meta.gather).unflatten(0, (b, -1)).transpose(1, 2)
-    )  # [B, KV, ctx, D]
+    # keys and values [B, KV, ctx, D] by index_select, not k_cache[meta.gather]: on CPU, advanced
+    # indexing copies several times slower
+    keys = k_cache.index_select(0, meta.gather).unflatten(0, (b, -1)).transpose(1, 2)
     values = v_cache.index_select(0, meta.gather).unflatten(0, (b, -1)).transpose(1, 2)
     if not _SDPA_GQA and keys.shape[1] != q.shape[1]:
         keys = keys.repeat_interleave(q.shape[1] // keys.shape[1], dim=1)
