@@ -40,9 +40,8 @@ class EngineConfig:
     draft: str | None = None  # draft model directory for speculative decoding
     ngram: bool = False  # prompt-lookup speculation
     num_draft: int = 4  # tokens drafted per step
-    quant: str | None = (
-        None  # None | int8 | int8-wo | bf16-wo | awq (AWQ and bnb-int8 checkpoints are detected anyway)
-    )
+    # None | int8 | int8-wo | bf16-wo | awq (AWQ and bnb-int8 checkpoints are detected anyway)
+    quant: str | None = None
     graphs: bool = (
         True  # run small unpadded steps as traced graphs (core/graphs.py); False: --eager
     )
@@ -77,7 +76,7 @@ class EngineConfig:
 
 
 def check_dtype(name: str) -> None:
-    """Raise PagechatError unless name is auto or a dtype the engine runs (the one --dtype check)."""
+    """Raise PagechatError unless name is auto or a dtype the engine runs: the one --dtype check."""
     if name != "auto" and name not in DTYPES:
         names = ["auto", *DTYPES]
         raise PagechatError(f"--dtype must be {', '.join(names[:-1])} or {names[-1]}, got {name!r}")

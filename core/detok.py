@@ -1,4 +1,4 @@
-"""Incremental detokenisation: turn a growing list of output ids into text deltas without re-decoding it all."""
+"""Incremental detokenisation: growing output ids -> text deltas, without re-decoding them all."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pagechat.core.sequence import Sequence
 def update_text(tokenizer, seq: Sequence) -> None:
     """Append the text completed by seq's newest tokens to seq.text.
 
-    Decodes only a short window (from prefix offset) so long replies stay O(1) per token; waits while the
-    window ends in an incomplete UTF-8 character (byte-level BPE splits characters across tokens).
+    Decodes only a short window (from prefix offset), so long replies stay O(1) per token; waits
+    while the window ends in a partial UTF-8 character (byte-level BPE splits characters in tokens).
     """
     out = seq.output_ids
     prefix, read = seq.detok

@@ -1,4 +1,4 @@
-"""The KV pool: one tensor [layers, 2, num_blocks, block_size, kv_heads, head_dim] for every sequence."""
+"""The KV pool: one tensor [layers, 2, num_blocks, block_size, kv_heads, head_dim] for all seqs."""
 
 from __future__ import annotations
 
@@ -64,8 +64,8 @@ def allocate_pool(
         return torch.zeros(shape, dtype=dtype, device=device)
     except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
         raise PagechatError(
-            f"cannot allocate a KV pool of {num_blocks} blocks on {device}: {str(e).splitlines()[0]}; "
-            "lower --kv-blocks or --kv-memory"
+            f"cannot allocate a KV pool of {num_blocks} blocks on {device}: "
+            f"{str(e).splitlines()[0]}; lower --kv-blocks or --kv-memory"
         ) from None
 
 

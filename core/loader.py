@@ -71,14 +71,15 @@ def _read_json(path: Path) -> dict:
 
 
 def _rope(cfg: dict) -> tuple[float, dict | None]:
-    # transformers 5 keeps rope settings in rope_parameters (with rope_theta inside); 4.x in
-    # rope_theta + rope_scaling
+    # transformers 5 keeps rope settings in rope_parameters (rope_theta inside), 4.x in rope_theta
+    # and rope_scaling
     params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
     theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ROPE_TYPES:
         raise PagechatError(
-            f"config.json: rope type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})"
+            f"config.json: rope type {rope_type!r} is not supported "
+            f"(supported: {', '.join(ROPE_TYPES)})"
         )
     return theta, (None if rope_type == "default" else {**params, "rope_type": rope_type})
 
@@ -217,9 +218,10 @@ def weight_files(model_dir: Path) -> list[Path]:
     pickles = sorted(p.name for p in model_dir.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
     if pickles:
         raise PagechatError(
-            f"{model_dir} holds only pickle weights ({pickles[0]}); pagechat loads safetensors only, because "
-            "unpickling can run arbitrary code. Convert once in a trusted environment: "
-            "AutoModelForCausalLM.from_pretrained(dir).save_pretrained(out, safe_serialization=True)"
+            f"{model_dir} holds only pickle weights ({pickles[0]}); pagechat loads safetensors "
+            "only, because unpickling can run arbitrary code. Convert once in a trusted "
+            "environment: AutoModelForCausalLM.from_pretrained(dir)"
+            ".save_pretrained(out, safe_serialization=True)"
         )
     raise PagechatError(
         f"{model_dir} has no model.safetensors (nor a sharded model.safetensors.index.json)"
@@ -236,9 +238,8 @@ class WeightReader:
         for f in self.files:
             try:
                 h = safe_open(str(f), framework="pt")
-            except (
-                Exception
-            ) as e:  # safetensors raises its own error types for truncated / bad headers
+            # safetensors raises its own error types for truncated / bad headers
+            except Exception as e:
                 raise PagechatError(f"{f} is truncated or not a safetensors file ({e})") from None
             self._handles[f] = h
             for k in h.keys():
@@ -252,7 +253,8 @@ class WeightReader:
         f = self.where.get(name)
         if f is None:
             raise PagechatError(
-                f"tensor {name} is missing from the checkpoint ({', '.join(p.name for p in self.files)})"
+                f"tensor {name} is missing from the checkpoint "
+                f"({', '.join(p.name for p in self.files)})"
             )
         try:
             t = self._handles[f].get_tensor(name)
@@ -262,7 +264,8 @@ class WeightReader:
             ) from None
         if shape is not None and tuple(t.shape) != tuple(shape):
             raise PagechatError(
-                f"{f.name}: tensor {name} has shape {tuple(t.shape)}, config.json implies {tuple(shape)}"
+                f"{f.name}: tensor {name} has shape {tuple(t.shape)}, "
+                f"config.json implies {tuple(shape)}"
             )
         return t
 

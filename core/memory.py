@@ -1,4 +1,4 @@
-"""Memory accounting of a loaded engine: weight bytes by module kind and format, KV bytes, live readings.
+"""Memory accounting of a loaded engine: weight bytes by module kind and format, KV, live readings.
 
 `weight_report(model)` sums the bytes of the tensors a loaded model really holds; the planner
 (pagechat.tools.planner) computes the same figures from config.json alone.
@@ -32,7 +32,7 @@ class WeightRow:
 
 @dataclass(frozen=True, slots=True)
 class WeightReport:
-    """A model's weight memory, row per (kind, format); tied weights are counted once, under embedding."""
+    """A model's weight memory, row per (kind, format); tied weights count once, under embedding."""
 
     rows: tuple[WeightRow, ...]
 
@@ -60,7 +60,7 @@ def module_kind(name: str) -> str:
 
 
 def weight_report(model: nn.Module) -> WeightReport:
-    """The bytes of every weight tensor the model holds, grouped by kind and format (shared storage once)."""
+    """Bytes of every weight tensor the model holds, by kind and format (shared storage once)."""
     acc: dict[tuple[str, str, str], list[int]] = defaultdict(lambda: [0, 0])
     seen: set[int] = set()
     for name, mod in model.named_modules():
@@ -107,7 +107,7 @@ def fmt_bytes(n: float) -> str:
 
 @dataclass(frozen=True, slots=True)
 class EngineMemory:
-    """What the engine holds that never changes after load: weights, the pool, its geometry and context."""
+    """What the engine holds that never changes after load: weights, pool, geometry, context."""
 
     weights: WeightReport
     pool_bytes: int
@@ -139,7 +139,7 @@ class EngineMemory:
 
 @dataclass(frozen=True, slots=True)
 class Readings:
-    """Live readings: the torch CUDA allocator and mem_get_info, or the RSS of the engine's process on CPU."""
+    """Live readings: torch's CUDA allocator and mem_get_info, or the engine process's CPU RSS."""
 
     rss: int | None = None
     mem_total: int | None = None

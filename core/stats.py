@@ -1,4 +1,4 @@
-"""RunStats: totals over a run's StepReports (TTFT, prefill and decode speed, KV use) for CLI lines and JSON."""
+"""RunStats: totals over a run's StepReports (TTFT, prefill/decode speed, KV use), CLI and JSON."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pagechat.core.report import SpecTotals, StepReport
 
 
 class RunStats:
-    """Accumulates step reports; decode speed counts pure decode steps, prefill speed the steps with prefill."""
+    """Sums step reports: decode speed over pure decode steps, prefill speed over prefill steps."""
 
     def __init__(self, engine) -> None:
         self.engine = engine
@@ -93,9 +93,11 @@ class RunStats:
     def line(self) -> str:
         d = self.as_dict()
         return (
-            f"TTFT {d['ttft_ms']:.1f} ms | prefill {d['prefill_tokens']} tok at {d['prefill_tok_s']:.1f} tok/s | "
-            f"decode {d['decode_tokens']} tok at {d['decode_tok_s']:.1f} tok/s | KV blocks {d['kv_blocks_used']}/"
-            f"{d['kv_blocks_total']} peak | prefix-cache hits {d['prefix_hit_tokens']} tok | "
+            f"TTFT {d['ttft_ms']:.1f} ms | "
+            f"prefill {d['prefill_tokens']} tok at {d['prefill_tok_s']:.1f} tok/s | "
+            f"decode {d['decode_tokens']} tok at {d['decode_tok_s']:.1f} tok/s | "
+            f"KV blocks {d['kv_blocks_used']}/{d['kv_blocks_total']} peak | "
+            f"prefix-cache hits {d['prefix_hit_tokens']} tok | "
             f"{d['dtype']} on {d['device']}" + self._spec_line(d)
         )
 
@@ -104,7 +106,8 @@ class RunStats:
         if "proposer" not in d:
             return ""
         return (
-            f" | {d['proposer']} k={d['num_draft']}: accepted {d['accepted_tokens']}/{d['drafted_tokens']} "
+            f" | {d['proposer']} k={d['num_draft']}: "
+            f"accepted {d['accepted_tokens']}/{d['drafted_tokens']} "
             f"({100 * d['acceptance_rate']:.0f}%), {d['mean_acceptance_length']:.2f} tok/verify, "
             f"{d['target_forwards_per_token']:.2f} target forwards/tok"
         )
