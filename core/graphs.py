@@ -1,16 +1,20 @@
 """Step graphs: small steps (decode, draft verification, drafting) replayed as TorchScript traces.
 
-A decoder layer is ~50 torch ops per step. Called from Python, each op costs a few microseconds beyond its
-kernel; for a 135M model on a CPU that is as much time as the matmuls. torch.jit.trace records the ops of one
-step once, and the recording then runs from C++ (GPU engines such as vLLM and nano-vllm capture CUDA graphs
-per batch size for the same reason). A recording keeps no Python branch: sizes are read from the inputs'
-shapes, so one trace serves any step that takes the same branches, which are:
-- every sequence computes the same number of tokens (no padding rows); the graph computes every token's logits
-  and the runner keeps the rows it wants (a draft's catch-up wants one of two, a short prompt one of a few);
-- at most MAX_GRAPH_TOKENS tokens, the side of bf16-wo's row branch that the trace records (its matmul);
-- which sliding windows need a mask this step (the key of the trace: none when one sequence decodes).
-Everything else runs eagerly. torch.jit is deprecated in favour of torch.compile, whose compile of this
-model's decode step did not finish in 20 minutes on the 2-core machine; a trace takes 0.35-0.41 s (135M model).
+A decoder layer is ~50 torch ops per step. Called from Python, each op costs a few microseconds
+beyond its kernel; for a 135M model on a CPU that is as much time as the matmuls. torch.jit.trace
+records the ops of one step once, and the recording then runs from C++ (GPU engines such as vLLM and
+nano-vllm capture CUDA graphs per batch size for the same reason). A recording keeps no Python
+branch: sizes are read from the inputs' shapes, so one trace serves any step that takes the same
+branches, which are:
+- every sequence computes the same number of tokens (no padding rows); the graph computes every
+  token's logits and the runner keeps the rows it wants (a draft's catch-up wants one of two, a
+  short prompt one of a few);
+- at most MAX_GRAPH_TOKENS tokens, the side of bf16-wo's row branch that the trace records (its
+  matmul);
+- which sliding windows need a mask this step (the trace's key: none when one sequence decodes).
+Everything else runs eagerly. torch.jit is deprecated in favour of torch.compile, but compiling this
+model's decode step takes far longer than an interactive tool can wait at start-up, while a trace
+takes well under a second.
 """
 
 from __future__ import annotations
@@ -23,19 +27,16 @@ from pagechat.core.attention import AttentionMetadata
 from pagechat.core.model import DecoderModel
 
 MAX_GRAPH_TOKENS = 8  # a layer that branches on its row count (bf16-wo) splits here too
-TRACE_SUPPORTED = sys.version_info < (
-    3,
-    14,
-)  # torch.jit warns that it may break on Python 3.14 and later
+# torch.jit warns that it may break on Python 3.14 and later
+TRACE_SUPPORTED = sys.version_info < (3, 14)
 
 
 def _step(model: DecoderModel, windows: tuple[int | None, ...], masked: tuple[int | None, ...]):
-    """The traced function: token ids, positions, the pool and the step's metadata tensors -> logits of every row.
+    """The traced function: token ids, positions, pool and the step's metadata tensors -> logits.
 
-    A function, not a module: tracing it records the weights as constants (the same tensors, not copies), so a
-    replay fetches no attribute of any submodule. Against a trace of the model as a module (~5 attribute lookups
-    per weight): bit-equal logits, one-token graph forward 2.68 -> 2.44 ms (demo, 1 thread) and 29.1 -> 27.5 ms
-    (135M bf16-wo, 2 threads), CPU time, interleaved.
+    A function, not a module: tracing it records the weights as constants (the same tensors, not
+    copies), so a replay fetches no attribute of any submodule. A trace of the model as a module
+    looks up ~5 attributes per weight on every replay; this one gives bit-equal logits, faster.
     """
 
     def step(ids, positions, pool, slot_mapping, gather, q_pos, *masks):
@@ -47,8 +48,9 @@ def _step(model: DecoderModel, windows: tuple[int | None, ...], masked: tuple[in
 
 
 class StepGraphs:
-    """The traces of one model, one per mask key: made on first use, or at load by ModelRunner.warm_up (the
-    unmasked one always, the causal-mask one when a proposer will verify or draft)."""
+    """The traces of one model, one per mask key: made on first use, or at load by
+    ModelRunner.warm_up (the unmasked one always, the causal-mask one when a proposer will verify
+    or draft)."""
 
     def __init__(self, model: DecoderModel) -> None:
         self.model = model
@@ -67,20 +69,18 @@ class StepGraphs:
         pool: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """float32 logits [T, vocab] of every token; the step's K/V are written into pool as eagerly."""
+        """float32 logits [T, vocab] of every token; the step's K/V go into pool as when eager."""
         masks = {w: m for w in self.windows if (m := meta.mask(w)) is not None}
         key = tuple(masks)
         args = (ids, positions, pool, meta.slot_mapping, meta.gather, meta.q_pos, *masks.values())
-        # the executor's optimising passes cost ~1 s on the first two calls and gained nothing measurable here
+        # the executor's optimising passes stall the first two calls and gained nothing measurable
         with torch.jit.optimized_execution(False):
             if key not in self.traces:
-                with (
-                    warnings.catch_warnings()
-                ):  # the deprecation notice, and tracer notes on baked-in Python ints
+                # the deprecation notice, and tracer notes on baked-in Python ints
+                with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     self.traces[key] = torch.jit.trace(
                         _step(self.model, self.windows, key), args, check_trace=False
                     )
-            return self.traces[key](
-                *args
-            )  # after a trace this writes the step's K/V a second time, the same values
+            # after a trace this writes the step's K/V a second time, the same values
+            return self.traces[key](*args)
