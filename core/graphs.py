@@ -32,7 +32,7 @@ TRACE_SUPPORTED = sys.version_info < (3, 14)
 
 
 def _step(model: DecoderModel, windows: tuple[int | None, ...], masked: tuple[int | None, ...]):
-    """The traced function: token ids, positions, pool and the step's metadata tensors -> logits.
+    """The traced function: ids, positions, pool and metadata tensors -> the logits of every row.
 
     A function, not a module: tracing it records the weights as constants (the same tensors, not
     copies), so a replay fetches no attribute of any submodule. A trace of the model as a module
