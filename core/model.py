@@ -1,5 +1,4 @@
-"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) in plain torch, over the paged KV
-pool.
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) in plain torch, on the paged KV pool.
 
 q/k/v and gate/up are fused into one matmul each at load time; weights come from safetensors.
 """
@@ -179,9 +178,11 @@ class DecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         p = f"model.layers.{i}"
-        norm = lambda name: RMSNorm(
-            w.floats(f"{p}.{name}.weight", (spec.hidden_size,), dtype), spec.rms_norm_eps
-        )  # noqa: E731
+
+        def norm(name: str) -> RMSNorm:
+            weight = w.floats(f"{p}.{name}.weight", (spec.hidden_size,), dtype)
+            return RMSNorm(weight, spec.rms_norm_eps)
+
         self.input_layernorm = norm("input_layernorm")
         self.post_attention_layernorm = norm("post_attention_layernorm")
         self.self_attn = Attention(spec, w, f"{p}.self_attn", dtype, spec.sliding_windows[i], load)

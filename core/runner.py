@@ -1,4 +1,4 @@
-"""ModelRunner: turns a scheduled batch into one flat ragged forward pass and returns the logits that sample."""
+"""ModelRunner: a scheduled batch -> one flat ragged forward pass -> the logits that sample."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pagechat.core.scheduler import ScheduledSeq
 
 
 class ModelRunner:
-    """Runs the model over the KV pool for a list of scheduled chunks: eagerly, or as a step graph where one fits."""
+    """Runs the model over the KV pool for scheduled chunks: eagerly, or as a fitting step graph."""
 
     def __init__(
         self,
@@ -27,10 +27,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up(self, count: int) -> None:
-        """Trace a one-sequence step of `count` <= MAX_GRAPH_TOKENS tokens now, while the model loads, not in the
-        first reply (as GPU engines capture their graphs at start-up): 1 token is a decode step; more take the
-        causal-mask trace that verification and a draft's catch-up use. It writes K/V into the pool's first
-        slots, which no sequence holds yet. Nothing without graphs."""
+        """Trace a one-sequence step of `count` <= MAX_GRAPH_TOKENS tokens now, while the model
+        loads, not in the first reply (as GPU engines capture their graphs at start-up): 1 token is
+        a decode step; more take the causal-mask trace that verification and a draft's catch-up use.
+        It writes K/V into the pool's first slots, which no sequence holds yet. Without graphs, a
+        no-op."""
         if self.graphs is None:
             return
         table = list(range(self.blocks.blocks_needed(count)))
@@ -40,8 +41,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, items: list[ScheduledSeq], logits_per_item: list[int]) -> torch.Tensor:
-        """Compute every item's chunk (+ its draft tokens); return float32 logits for the last logits_per_item[i]
-        tokens of each item."""
+        """Compute every item's chunk (+ its draft tokens); return float32 logits for the last
+        logits_per_item[i] tokens of each item."""
         ids: list[int] = []
         positions: list[int] = []
         rows: list[int] = []
