@@ -1,4 +1,4 @@
-"""Sampler: repetition penalty, temperature, top-k / top-p / min-p, seeded draws and candidate records.
+"""Sampler: repetition penalty, temperature, top-k / top-p / min-p, seeded draws, candidate records.
 
 Semantics follow transformers' RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
 TopKLogitsWarper, TopPLogitsWarper and MinPLogitsWarper (min_tokens_to_keep=1), applied in that
@@ -19,11 +19,10 @@ from torch import Tensor
 _CUT_BY = (None, "top-k", "top-p", "min-p")  # index = the cut code used below
 _NEG_INF = float("-inf")
 TOP_P_SHORTLIST = 256  # tokens top-p looks at before it sorts the whole vocabulary...
-TOP_P_SHORTLIST_VOCAB = (
-    4096  # ...in vocabularies this large: below, one sort is cheaper (2048 logits: 0.08 ms vs 0.24)
-)
-# Closer than this to the top-p limit, a token's fate is left to the full sort: transformers' float32 cumulative
-# sum (a double accumulator on CPU) is within ~1e-7 of the exact sum, so 1e-5 leaves a wide berth.
+TOP_P_SHORTLIST_VOCAB = 4096  # ...in vocabularies this large: in smaller ones one sort is cheaper
+# Closer than this to the top-p limit, a token's fate is left to the full sort: transformers'
+# float32 cumulative sum (a double accumulator on CPU) is within ~1e-7 of the exact sum, so 1e-5
+# leaves a wide berth.
 TOP_P_MARGIN = 1e-5
 
 
@@ -66,7 +65,7 @@ class SampleRecord:
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
-    """A generator seeded for one request on `device`, or None (global RNG) when there is no seed."""
+    """A generator seeded for one request on `device`, or None (global RNG) when there's no seed."""
     return None if seed is None else torch.Generator(device=device).manual_seed(seed)
 
 
@@ -75,8 +74,8 @@ def _column(values: list, like: Tensor, dtype: torch.dtype = torch.float32) -> T
 
 
 def penalised_logits(logits: Tensor, rows: Sequence[SampleRow]) -> Tensor:
-    """`logits` in float32 with each row's repetition penalty applied over its history (`logits` itself when it is
-    float32 and no row has a penalty: nothing downstream writes into it)."""
+    """`logits` in float32 with each row's repetition penalty applied over its history (`logits`
+    itself when it is float32 and no row has a penalty: nothing downstream writes into it)."""
     out = logits.float()
     hit = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1 and r.history]
     if not hit:
@@ -97,9 +96,9 @@ def penalised_logits(logits: Tensor, rows: Sequence[SampleRow]) -> Tensor:
 
 
 def _top_p_by_sort(x: Tensor, thresholds: Tensor) -> Tensor:
-    """Top-p removal mask as transformers' TopPLogitsWarper computes it (rows with threshold 0 are off)."""
-    # Ascending, with torch's default (unstable) sort, exactly as transformers: the cumulative sums match
-    # it bit for bit and tied logits at the boundary break the same way.
+    """Top-p removal mask as transformers' TopPLogitsWarper computes it (threshold 0: row off)."""
+    # Ascending, with torch's default (unstable) sort, exactly as transformers: the cumulative sums
+    # match it bit for bit and tied logits at the boundary break the same way.
     sorted_x, order = torch.sort(x, dim=-1)
     cum = sorted_x.softmax(dim=-1).cumsum(dim=-1)
     drop = (cum <= thresholds) & (thresholds > 0)  # top_p == 1 is off, as in transformers
@@ -108,20 +107,20 @@ def _top_p_by_sort(x: Tensor, thresholds: Tensor) -> Tensor:
 
 
 def top_p_removed(x: Tensor, tops: list[float]) -> Tensor:
-    """Which tokens top-p removes: transformers' mask, found among the TOP_P_SHORTLIST most likely tokens where
-    the cut is clearly inside them, by the full sort otherwise. On the CPU machine, one row, a nucleus of tens of
-    tokens: 49k logits 4.74 -> 0.78 ms, 128k 15.0 -> 1.72 ms; a nucleus beyond the shortlist (a flat, untrained
-    model's) pays both, 4.83 -> 5.71 ms.
+    """Which tokens top-p removes: transformers' mask, found among the TOP_P_SHORTLIST most likely
+    tokens where the cut is clearly inside them, by the full sort otherwise. A nucleus of tens of
+    tokens (a trained model's) then costs a top-k of the shortlist instead of a sort of the whole
+    vocabulary; a nucleus beyond the shortlist (a flat, untrained model's) pays for both.
 
-    transformers removes a token when the probability mass of it and every less likely token is <= 1 - p, i.e.
-    keeps the token ranked j (descending) when the mass ranked above it is < total - (1 - p). That is decided from
-    the shortlist unless the cut falls beyond it, the mass above a token next to the cut lies within
-    TOP_P_MARGIN of the limit (float32 rounding of transformers' cumulative sum could decide it), or two equally
-    likely tokens straddle the cut (the sort's tie order decides it).
+    transformers removes a token when the probability mass of it and every less likely token is
+    <= 1 - p, i.e. keeps the token ranked j (descending) when the mass ranked above it is
+    < total - (1 - p). That is decided from the shortlist unless the cut falls beyond it, the mass
+    above a token next to the cut lies within TOP_P_MARGIN of the limit (float32 rounding of
+    transformers' cumulative sum could decide it), or two equally likely tokens straddle the cut
+    (the sort's tie order decides it).
     """
-    thresholds = _column(
-        [1 - t for t in tops], x
-    )  # 1 - p in double, then float32, as transformers compares
+    # 1 - p in double, then float32, as transformers compares
+    thresholds = _column([1 - t for t in tops], x)
     if x.shape[1] < TOP_P_SHORTLIST_VOCAB:
         return _top_p_by_sort(x, thresholds)
     probs = x.softmax(dim=-1)
@@ -152,10 +151,10 @@ def top_p_removed(x: Tensor, tops: list[float]) -> Tensor:
 def _process(
     logits: Tensor, rows: Sequence[SampleRow]
 ) -> tuple[Tensor, Tensor, list[Tensor | None]]:
-    """(penalised logits, processed logits, [top-k, top-p, min-p] removal masks, None if not applied)."""
+    """(penalised logits, processed logits, [top-k, top-p, min-p] masks, None if not applied)."""
     pen = penalised_logits(logits, rows)
     vocab = pen.shape[1]
-    # Greedy rows ride along with neutral settings, so their processed logits are the penalised ones.
+    # Greedy rows ride along with neutral settings: their processed logits are the penalised ones.
     ps = [r.params for r in rows]
     temps = [1.0 if p.greedy else p.temperature for p in ps]
     ks = [0 if p.greedy or p.top_k >= vocab else p.top_k for p in ps]
@@ -183,7 +182,7 @@ def _process(
 
 
 def processed_logits(logits: Tensor, rows: Sequence[SampleRow]) -> Tensor:
-    """Penalty, temperature and filters applied; cut entries are -inf. (For greedy rows: penalised logits.)"""
+    """Penalty, temperature, filters applied; cut entries -inf (greedy rows: penalised logits)."""
     return _process(logits, rows)[1]
 
 
@@ -198,16 +197,16 @@ def _probs(pen: Tensor, x: Tensor, rows: Sequence[SampleRow]) -> Tensor:
 
 
 def target_probs(logits: Tensor, rows: Sequence[SampleRow]) -> Tensor:
-    """The exact distribution each row samples from ([n, V], rows sum to 1); greedy rows are one-hot at the argmax."""
+    """The exact distribution each row samples from ([n, V], rows sum to 1); greedy rows one-hot."""
     pen, x, _ = _process(logits, rows)
     return _probs(pen, x, rows)
 
 
 def draw_from(probs: Tensor, generators: Sequence[torch.Generator | None]) -> Tensor:
-    """One token per row of `probs` ([n, V], rows sum to ~1) by inverse CDF; row i uses generators[i]."""
+    """One token per row of `probs` [n, V] (rows sum to ~1) by inverse CDF with generators[i]."""
     # One uniform per row from that row's own generator (so a seeded row's tokens do not depend on
     # the batch), then a batched search of the float64 CDF. torch.multinomial would do the same draw
-    # but costs ~10 ms per 150k-token row on CPU; this is a cumsum and two searchsorted calls.
+    # but is slow on CPU for large vocabularies; this is a cumsum and two searchsorted calls.
     n, dev = probs.shape[0], probs.device
     if n == 1:  # the same draw as below, in one op
         u = torch.rand(1, 1, dtype=torch.float64, generator=generators[0], device=dev)
@@ -248,7 +247,7 @@ class Sampler:
     def sample(
         self, logits: Tensor, rows: Sequence[SampleRow]
     ) -> tuple[list[int], list[SampleRecord]]:
-        """One token per row (argmax for greedy rows, a seeded draw otherwise) and one record per row."""
+        """One token per row (argmax if greedy, a seeded draw otherwise) and one record per row."""
         if not rows:
             return [], []
         pen, x, cuts = _process(logits, rows)
@@ -259,7 +258,7 @@ class Sampler:
     def record(
         self, logits: Tensor, rows: Sequence[SampleRow], chosen: list[int]
     ) -> list[SampleRecord]:
-        """Records for tokens picked elsewhere (speculative verification) from the logits they were judged by."""
+        """Records for tokens chosen in speculative verification, by the logits that judged them."""
         if not rows:
             return []
         pen, x, cuts = _process(logits, rows)
@@ -274,7 +273,7 @@ class Sampler:
         drawn = [i for i, g in enumerate(greedy) if not g]
         if drawn:
             idx = torch.tensor(drawn, device=x.device)
-            # Row-wise softmax of the processed logits: the numbers target_probs gives for these rows.
+            # Row-wise softmax of the processed logits: what target_probs gives for these rows.
             tokens[idx] = draw_from(x[idx].softmax(dim=-1), [rows[i].generator for i in drawn])
         return tokens
 
@@ -287,7 +286,7 @@ class Sampler:
         chosen: list[int],
         rows: Sequence[SampleRow],
     ) -> list[SampleRecord]:
-        """One SampleRecord per row: its top candidates (and the chosen token) with their figures."""
+        """One SampleRecord per row: its top candidates (and the chosen token), with figures."""
         wants = [r.params.num_candidates for r in rows]
         top_n = min(max(wants), pen.shape[1])
         params = _frozen_params(rows)
@@ -332,7 +331,7 @@ def _candidate_columns(
     rows: Sequence[SampleRow],
     top_n: int,
 ) -> list[tuple]:
-    """Per row, (ids, logits, probs, kept, cut codes) of its top N tokens and then the chosen one."""
+    """Per row, (ids, logits, probs, kept, cut codes) of its top N tokens, then the chosen one."""
     # Everything per candidate is computed on an [n, N + 1] block (top N, then the chosen token),
     # then read back with a few .tolist() calls: no tensor op per candidate.
     temps = _column([1.0 if r.params.greedy else r.params.temperature for r in rows], pen)
