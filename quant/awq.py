@@ -1,10 +1,10 @@
-"""The AWQ search (arXiv 2306.00978) for one decoder block: activation statistics, per-group scale grid
-search, scale folding and clipping search, all in fp32 on dense calibration batches.
+"""The AWQ search (arXiv 2306.00978) for one decoder block: activation statistics, per-group scale
+grid search, scale folding and clipping search, all in fp32 on dense calibration batches.
 
-The four Llama groups: input_layernorm -> q,k,v (loss on the attention output); v -> o (only when their
-shapes match, so not with GQA); post_attention_layernorm -> gate,up (loss on the MLP output); up -> down.
-Scaling a linear's input columns by s and dividing the op before it by s leaves the fp block unchanged;
-AWQ picks s so that the columns that meet large activations lose less to 4-bit rounding.
+The four Llama groups: input_layernorm -> q,k,v (loss on the attention output); v -> o (only when
+their shapes match, so not with GQA); post_attention_layernorm -> gate,up (loss on the MLP output);
+up -> down. Scaling a linear's input columns by s and dividing the op before it by s leaves the fp
+block unchanged; AWQ picks s so that columns meeting large activations lose less to 4-bit rounding.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def load_block(reader: WeightReader, spec: ModelSpec, i: int) -> Block:
 
 
 class BlockRunner:
-    """Dense fp32 forward of one decoder block over calibration batches [S, T, hidden], chunked over S."""
+    """Dense fp32 forward of one decoder block over calibration batches [S, T, hidden], chunked."""
 
     def __init__(self, spec: ModelSpec, seqlen: int, layer: int) -> None:
         self.spec, self.window = spec, spec.sliding_windows[layer]
@@ -84,7 +84,7 @@ class BlockRunner:
         return [x[i : i + step] for i in range(0, x.shape[0], step)]
 
     def context(self, blk: Block, w: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
-        """Attention up to (not including) o_proj: h [S, T, hidden] (normed) -> [S, T, heads * head_dim]."""
+        """Attention before o_proj: h [S, T, hidden] (normed) -> [S, T, heads * head_dim]."""
         sp, out = self.spec, []
         t = h.shape[1]
         for hc in self._chunks(h, sp.num_heads * t * t):
@@ -140,7 +140,7 @@ def search_scales(
     run: Callable[[list[torch.Tensor]], torch.Tensor],
     group: int,
 ) -> tuple[torch.Tensor, float]:
-    """The per-input-channel scale s [K] (and its alpha) minimising the MSE of run() with fake-4-bit W*s / s."""
+    """Per-input-channel scale s [K] (and alpha) minimising run()'s MSE with fake-4-bit W*s / s."""
     k = x.shape[-1]
     x_mean = x.reshape(-1, k).abs().mean(0)
     w = torch.cat(weights)
@@ -165,7 +165,7 @@ def search_scales(
 
 
 def search_clip(w: torch.Tensor, x: torch.Tensor, group: int) -> torch.Tensor:
-    """Per (output row, group) clip value [N, K/g] minimising the group's output MSE on sampled tokens."""
+    """Per (output row, group) clip value [N, K/g] minimising the group's output MSE on samples."""
     n, k = w.shape
     g = k // group
     xs = x.reshape(-1, k)
@@ -199,7 +199,7 @@ def _scale_rows(blk: Block, name: str, s: torch.Tensor) -> None:
 
 
 def scale_groups(blk: Block, runner: BlockRunner, feats: dict[str, torch.Tensor]):
-    """(group, its linears, the function whose output its loss is measured on) for the block's scaling groups."""
+    """(group, its linears, the function its loss is measured on) for the block's scaling groups."""
     w = blk.w
     groups = [
         (
@@ -224,7 +224,7 @@ def scale_groups(blk: Block, runner: BlockRunner, feats: dict[str, torch.Tensor]
 def fold_scales(
     blk: Block, scales: dict[str, torch.Tensor], feats: dict[str, torch.Tensor] | None = None
 ) -> None:
-    """Fold each group's s: the op before it divides by s, its linears' input columns multiply by s (fp-exact)."""
+    """Fold each group's s (fp-exact): the op before divides by s, its linears' inputs multiply."""
     prev = {
         "qkv": ("norm", "ln1"),
         "o": ("rows", "v"),
@@ -245,9 +245,9 @@ def fold_scales(
 
 
 def clip_weights(blk: Block, feats: dict[str, torch.Tensor], group: int) -> None:
-    """Clip every linear except q/k to the per-group max that minimises its output error on sampled tokens."""
-    # q and k are left alone: their errors reach the softmax scores, where clipping hurts more than it helps
-    # (AutoAWQ skips them too); each other linear is searched on the inputs it meets
+    """Clip all linears but q/k to the per-group max minimising output error on sampled tokens."""
+    # q and k are left alone: their errors reach the softmax scores, where clipping hurts more than
+    # it helps (AutoAWQ skips them too); each other linear is searched on the inputs it meets
     inputs = {"v": "qkv", "o": "o", "gate": "gate_up", "up": "gate_up", "down": "down"}
     for n, g in inputs.items():
         w = blk.w[n]
@@ -259,7 +259,7 @@ def clip_weights(blk: Block, feats: dict[str, torch.Tensor], group: int) -> None
 def awq_block(
     blk: Block, runner: BlockRunner, feats: dict[str, torch.Tensor], group: int
 ) -> dict[str, float]:
-    """Search and fold AWQ scales, then clip, in place on blk; returns the chosen alpha per group."""
+    """Search and fold AWQ scales, then clip, in place on blk; returns each group's chosen alpha."""
     found = {
         g: search_scales(feats[g], [blk.w[n] for n in names], run, group)
         for g, names, run in scale_groups(blk, runner, feats)

@@ -1,4 +1,4 @@
-"""`pagechat quantize`: write an AutoAWQ GEMM checkpoint (safetensors + config + tokenizer) by AWQ or plain RTN.
+"""`pagechat quantize`: an AutoAWQ GEMM checkpoint (safetensors, config, tokenizer) by AWQ or RTN.
 
 Memory stays bounded: weights are read one block at a time, and AWQ holds one block's calibration
 activations (the block's input, output and the four groups' inputs) at a time.
@@ -39,7 +39,7 @@ class QuantizeResult:
 
 
 def awq_quant_config(group: int) -> dict:
-    """config.json's quantization_config for an AutoAWQ GEMM checkpoint (what transformers and vLLM read)."""
+    """config.json's quantization_config for an AutoAWQ GEMM checkpoint (transformers, vLLM)."""
     return {
         "quant_method": "awq",
         "zero_point": True,
@@ -60,13 +60,14 @@ def calibration_ids(tokenizer, texts: Iterable[str], samples: int, seqlen: int) 
     n = min(samples, len(ids) // seqlen)
     if n == 0:
         raise PagechatError(
-            f"the calibration text has {len(ids)} tokens; --seqlen {seqlen} needs at least that many"
+            f"the calibration text has {len(ids)} tokens; "
+            f"--seqlen {seqlen} needs at least that many"
         )
     return torch.tensor(ids[: n * seqlen]).view(n, seqlen)
 
 
 def check_quantizable(spec: ModelSpec, group: int, where: Path) -> None:
-    """Every decoder linear must split into whole groups and whole packed words (8 outputs per int32)."""
+    """Every decoder linear must split into whole groups and packed words (8 outputs per int32)."""
     if spec.quantization is not None:
         raise PagechatError(
             f"{where} is already quantised ({spec.quantization.get('quant_method', '?')}); "
@@ -100,7 +101,7 @@ def check_quantizable(spec: ModelSpec, group: int, where: Path) -> None:
 def check_request(
     model_dir: Path, out_dir: Path, method: str, group: int, samples: int, seqlen: int
 ) -> ModelSpec:
-    """Refuse a quantize request that cannot succeed, before any heavy work; returns the model's spec."""
+    """Refuse a quantize request that cannot succeed, before heavy work; return the model spec."""
     if method not in METHODS:
         raise PagechatError(f"--method must be awq or rtn, got {method!r}")
     spec = read_spec(check_model_dir(model_dir))
@@ -130,7 +131,7 @@ def quantize_checkpoint(
     seqlen: int = 512,
     progress: Progress | None = None,
 ) -> QuantizeResult:
-    """Quantise every decoder linear of a float checkpoint to 4-bit (AWQ search or plain RTN) in AutoAWQ format."""
+    """Quantise a float checkpoint's decoder linears to 4-bit (AWQ or RTN) in AutoAWQ format."""
     t0 = time.perf_counter()
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     spec = check_request(model_dir, out_dir, method, group, samples, seqlen)
@@ -184,7 +185,7 @@ def quantize_checkpoint(
 
 
 def _write(model_dir: Path, out_dir: Path, tensors: dict[str, torch.Tensor], group: int) -> None:
-    """model.safetensors, config.json with quantization_config, quant_config.json, and every non-weight file."""
+    """model.safetensors, config.json (quantization_config), quant_config.json, non-weight files."""
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(
         {k: v.contiguous() for k, v in tensors.items()},

@@ -1,7 +1,7 @@
-"""Quality checks through pagechat's own engine: perplexity of a text, and greedy agreement between two engines.
+"""Quality checks through pagechat's engine: perplexity of a text, greedy agreement of two engines.
 
-Both run whole windows through the engine's ModelRunner (paged KV, the same kernels generation uses) and
-read the logits of every position; the KV blocks are released after each window.
+Both run whole windows through the engine's ModelRunner (paged KV, the same kernels generation uses)
+and read the logits of every position; the KV blocks are released after each window.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ class Perplexity:
 
 
 def window_logits(engine, ids: list[int]) -> torch.Tensor:
-    """float32 logits [len(ids), vocab] of every position of ids, computed as one prefill through the engine."""
+    """float32 logits [len(ids), vocab] at each position of ids: one prefill through the engine."""
     from pagechat.core.params import SamplingParams
     from pagechat.core.scheduler import ScheduledSeq
     from pagechat.core.sequence import Sequence
@@ -49,7 +49,7 @@ def window_logits(engine, ids: list[int]) -> torch.Tensor:
 
 
 def perplexity(engine, ids: list[int], window: int | None = None) -> Perplexity:
-    """Perplexity of ids, cut into windows of `window` tokens (default: the engine's context, at most 2048)."""
+    """Perplexity of ids in windows of `window` tokens (default: the engine's context, <= 2048)."""
     t0 = time.perf_counter()
     window = min(window or 2048, engine.max_model_len)
     if window < 2:
@@ -74,7 +74,8 @@ def perplexity(engine, ids: list[int], window: int | None = None) -> Perplexity:
 class Agreement:
     """How close a model's greedy decoding is to a reference's over the same prompts."""
 
-    top1: float  # teacher-forced: share of the reference's generated tokens the model also ranks first
+    # teacher-forced: share of the reference's generated tokens the model also ranks first
+    top1: float
     exact: float  # share of prompts whose free-running greedy output is identical
     prefix: float  # mean share of each output that matches before the first difference
     tokens: int

@@ -1,9 +1,9 @@
-"""Quantised linear layers the engine's model swaps in: AWQ int4, torch int8 weight-only, bitsandbytes LLM.int8.
+"""Quantised linear layers the model swaps in: AWQ int4, torch int8 weight-only, bitsandbytes int8.
 
 Each layer picks its kernel ("path") once, from the device and the shapes, and says which in `path`:
-torch's int4 / int8 weight-only matmuls want bf16 activations (other dtypes hit a slow scalar loop), so
-activations are cast to bf16 around the call and back; where the op is missing or the shapes don't fit it,
-the weights are dequantised on every call (exact in fp32, memory stays quantised).
+torch's int4 / int8 weight-only matmuls want bf16 activations (other dtypes hit a slow scalar loop),
+so activations are cast to bf16 around the call and back; where the op is missing or the shapes
+don't fit it, the weights are dequantised on every call (exact in fp32, memory stays quantised).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def _sm80(device: torch.device) -> bool:
 
 
 def awq_path(n: int, k: int, group: int, device: torch.device) -> str:
-    """Which kernel an AWQ layer of out=n, in=k runs on device: int4pack-cpu, int4pack-cuda or dequant."""
+    """Which kernel an AWQ layer (out=n, in=k) runs on device: int4pack-cpu/-cuda or dequant."""
     if group in INT4_GROUPS and k % group == 0:
         if (
             device.type == "cpu"
@@ -49,7 +49,7 @@ def awq_path(n: int, k: int, group: int, device: torch.device) -> str:
             and _has_kernel("_weight_int4pack_mm_for_cpu", device)
         ):
             return "int4pack-cpu"
-        # tensor-core tiles: n in 8s, k in 2 x 16 at least; the kernel needs sm80+ (read from torch's source)
+        # tensor-core tiles: n in 8s, k in 2 x 16 at least; the kernel needs sm80+ (torch's source)
         if (
             device.type == "cuda"
             and n % 8 == 0
@@ -62,26 +62,27 @@ def awq_path(n: int, k: int, group: int, device: torch.device) -> str:
 
 
 def int8_wo_path(device: torch.device) -> str:
-    """Which kernel an int8 weight-only layer runs on device: int8pack-cpu, int8pack-cuda or dequant."""
+    """Which kernel an int8 weight-only layer runs on device: int8pack-cpu/-cuda or dequant."""
     if _has_kernel("_weight_int8pack_mm", device):
         return f"int8pack-{device.type}"
     return "dequant"
 
 
 def bf16_head(mode: str | None, dtype: torch.dtype) -> bool:
-    """Whether lm_head (and a tied embedding) is stored in bf16: in a weight-only mode of a float32 model."""
+    """Whether lm_head (and a tied embedding) is kept in bf16: weight-only modes of fp32 models."""
     return mode in WEIGHT_ONLY and dtype == torch.float32
 
 
 def _scales_and_zeros(zeros: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    # torch's int4 kernels compute w = (q - 8) * scale + zero; AWQ's w = (q - z) * scale, so zero = (8 - z) * scale
+    # torch's int4 kernels compute w = (q - 8) * scale + zero; AWQ's w = (q - z) * scale,
+    # so zero = (8 - z) * scale
     s = scales.float()
     return torch.stack([s, (8 - zeros.float()) * s], dim=-1).to(_BF16).contiguous()
 
 
 class _WeightOnlyLinear(nn.Module):
-    """What the weight-only layers share: rows flattened for `_matmul` (when not flat yet), bias added in the
-    output's dtype, the leading dimensions restored."""
+    """What the weight-only layers share: rows flattened for `_matmul` (when not flat yet), bias
+    added in the output's dtype, the leading dimensions restored."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.dim() == 2  # the engine's rows are flat already: no reshape ops per call
@@ -151,7 +152,7 @@ class AWQLinear(_WeightOnlyLinear):
 
 
 class Int8WOLinear(_WeightOnlyLinear):
-    """int8 weight-only linear: per-output-channel symmetric int8 weights, activations stay floating point."""
+    """int8 weight-only linear: per-output-channel symmetric int8 weights, floating activations."""
 
     quant_format = "int8-wo"
 
@@ -196,9 +197,10 @@ class Int8WOLinear(_WeightOnlyLinear):
 
 
 class Bf16WOLinear(_WeightOnlyLinear):
-    """bf16 weight-only linear for float32 models: the weight is stored in bf16 (half the bytes). A few rows
-    (decode) run as a bf16 matmul, reading half the bytes; many rows (prefill) upcast the weight and run in
-    float32, because on a CPU without native bf16 a bf16 matmul of many rows is several times slower."""
+    """bf16 weight-only linear for float32 models: the weight is stored in bf16 (half the bytes). A
+    few rows (decode) run as a bf16 matmul, reading half the bytes; many rows (prefill) upcast the
+    weight and run in float32, because on a CPU without native bf16 a bf16 matmul of many rows is
+    several times slower."""
 
     quant_format = "bf16-wo"
     path = "bf16 <= 8 rows, else fp32"
@@ -228,10 +230,10 @@ def bnb_int8_linear(
     int8: torch.Tensor | None = None,
     scb: torch.Tensor | None = None,
 ) -> nn.Module:
-    """A bitsandbytes Linear8bitLt (LLM.int8, threshold 6.0, eval mode) from a float weight or from int8 + SCB."""
+    """A bitsandbytes Linear8bitLt (LLM.int8, threshold 6.0, eval) from float or int8 + SCB."""
     import bitsandbytes as bnb
 
-    # bnb logs a warning on every call whose activations are not fp16; it casts them itself, so say it once here
+    # bnb warns on every call whose activations are not fp16; it casts them itself: say it once here
     logging.getLogger("bitsandbytes.autograd._functions").setLevel(logging.ERROR)
     n, k = (weight if weight is not None else int8).shape
     layer = bnb.nn.Linear8bitLt(
@@ -245,20 +247,19 @@ def bnb_int8_linear(
     if weight is not None:
         layer.weight = bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=False)
     else:
-        # CB must be set too: without it bnb takes the int8 rows for float weights and quantises them again
+        # CB must be set too: without it bnb takes the int8 rows for float weights, quantising again
         layer.weight = bnb.nn.Int8Params(
             int8, requires_grad=False, has_fp16_weights=False, CB=int8, SCB=scb.float()
         )
     layer.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-    layer = layer.to(
-        device
-    )  # bnb quantises a float weight in .to(device): row absmax -> SCB, int8 rows -> CB
+    # bnb quantises a float weight in .to(device): row absmax -> SCB, int8 rows -> CB
+    layer = layer.to(device)
     layer.quant_format, layer.path = "int8", "bnb-llm.int8"
-    return layer.eval()  # training mode dequantises on CPU (~7x slower)
+    return layer.eval()  # training mode dequantises the weight on CPU, which is far slower
 
 
 def quant_tensors(module: nn.Module) -> tuple[str, str, list[torch.Tensor]] | None:
-    """(format, kernel path, every tensor it holds) for a quantised layer; None for any other module."""
+    """(format, kernel path, every tensor it holds) of a quantised layer; None for other modules."""
     fmt = getattr(module, "quant_format", None)
     if fmt is None:
         return None

@@ -50,23 +50,23 @@ class QuantPlan:
 
     @property
     def traceable(self) -> bool:
-        """Whether a trace records these layers faithfully: bitsandbytes' LLM.int8 picks its outlier columns in
-        Python on every call, which a trace would freeze."""
+        """Whether a trace records these layers faithfully: bitsandbytes' LLM.int8 picks its outlier
+        columns in Python on every call, which a trace would freeze."""
         return self.mode != "int8"
 
     def head(self, device: torch.device, dtype: torch.dtype) -> Callable[[torch.Tensor], nn.Module]:
-        """How lm_head is built from its weight: in bf16 (Bf16WOLinear) in a weight-only mode of a float32 model.
+        """How lm_head is built from its weight: bf16 (Bf16WOLinear) in a float32 weight-only mode.
 
-        There a tied head is the biggest weight read per token (the 135M model's 28M-parameter embedding: 108
-        MiB at float32, AWQ's decoder linears are 57 MiB); in bf16 it reads half the bytes (decode 32.8 ->
-        28.1 ms/token for int8-wo on that model, 2 CPU threads).
+        There a tied head is the biggest weight read per token (in a small model, a float32
+        embedding can outweigh all the quantised decoder linears together); in bf16 it reads half
+        the bytes, and decoding, bound by the bytes it reads, gets faster.
         """
         if bf16_head(self.mode, dtype):
             return lambda weight: Bf16WOLinear(weight, None, device)
         return linear
 
     def loader(self, device: torch.device) -> LinearLoader:
-        """The LinearLoader that builds each decoder linear directly on device, quantised as planned."""
+        """The LinearLoader building each decoder linear on device, quantised as planned."""
         if self.mode is None:
             return dense_linear
         if self.mode == "awq":
@@ -77,7 +77,7 @@ class QuantPlan:
 
 
 def resolve_quant(spec: ModelSpec, requested: str | None, model_dir: Path) -> QuantPlan:
-    """The plan for this checkpoint and --quant request; PagechatError (one line) for what cannot run."""
+    """The plan for this checkpoint and --quant; PagechatError (one line) if it can't run."""
     where = f"{model_dir}/config.json"
     if requested is not None and requested not in QUANT_MODES:
         raise PagechatError(f"--quant must be one of {', '.join(QUANT_MODES)}, got {requested!r}")
@@ -110,11 +110,13 @@ def resolve_quant(spec: ModelSpec, requested: str | None, model_dir: Path) -> Qu
             )
         if not (qc.get("load_in_8bit") or qc.get("_load_in_8bit")):
             raise PagechatError(
-                f"{where}: bitsandbytes quantization_config sets neither load_in_8bit nor load_in_4bit"
+                f"{where}: bitsandbytes quantization_config sets neither load_in_8bit "
+                "nor load_in_4bit"
             )
         if requested in ("awq", "bf16-wo"):
             raise PagechatError(
-                f"--quant {requested} cannot apply to {model_dir}: it is a bitsandbytes int8 checkpoint "
+                f"--quant {requested} cannot apply to {model_dir}: "
+                "it is a bitsandbytes int8 checkpoint "
                 "(run it without --quant, or with --quant int8 / int8-wo)"
             )
         return QuantPlan(requested or "int8", "bnb-int8")
@@ -163,7 +165,7 @@ def _check_awq(qc: dict, spec: ModelSpec, where: str) -> int:
 def _stacked(
     w: WeightReader, names: list[str], suffix: str, shapes: list[tuple[int, ...]], what: str
 ) -> torch.Tensor:
-    """The named tensors concatenated along the last dim, each checked against its expected shape."""
+    """The named tensors concatenated along the last dim, each checked against its shape."""
     parts = []
     for n, shape in zip(names, shapes):
         try:
@@ -176,7 +178,7 @@ def _stacked(
 def _weights(
     w: WeightReader, names: list[str], out_sizes: tuple[int, ...], in_size: int
 ) -> torch.Tensor:
-    """The named linears' weights stacked along the output dim as the checkpoint stores them (fused qkv, gate/up)."""
+    """The named linears' weights stacked on the output dim as stored (fused qkv, gate/up)."""
     return torch.cat([w.get(f"{n}.weight", (o, in_size)) for n, o in zip(names, out_sizes)])
 
 
@@ -191,7 +193,9 @@ def _bias(
 
 
 def _unquantised(w: WeightReader, names: list[str], marker: str) -> bool:
-    """True when none of names is quantised (modules_to_not_convert / llm_int8_skip_modules); mixed is an error."""
+    """True when none of names is quantised (modules_to_not_convert, llm_int8_skip_modules).
+
+    Mixed is an error."""
     have = [w.has(f"{n}.{marker}") for n in names]
     if any(have) and not all(have):
         raise PagechatError(
@@ -212,7 +216,7 @@ def _awq_loader(group: int, device: torch.device) -> LinearLoader:
             raise PagechatError(
                 f"{names[0]}.qweight / .qzeros must be int32, got {qw.dtype} / {qz.dtype}"
             )
-        # fused qkv / gate-up: the checkpoint linears are stacked along the output dim, as in dense_linear
+        # fused qkv / gate-up: the checkpoint linears stack along the output dim, as in dense_linear
         return AWQLinear(
             unpack_awq(qw),
             unpack_awq(qz),
@@ -239,12 +243,14 @@ def _int8_loader(mode: str, prequantised: bool, device: torch.device) -> LinearL
         if prequantised and _unquantised(w, names, "SCB"):  # llm_int8_skip_modules: left in float
             return dense_linear(w, names, out_sizes, in_size, bias, dtype)
         if prequantised:
-            # transformers' load_in_8bit checkpoints: int8 rows `weight` [out, in] + row absmax `SCB` [out]
+            # transformers' load_in_8bit checkpoints: int8 rows `weight` [out, in], row absmax
+            # `SCB` [out]
             q = _weights(w, names, out_sizes, in_size)
             scb = torch.cat([w.get(f"{n}.SCB", (o,)) for n, o in zip(names, out_sizes)]).float()
             if q.dtype != torch.int8:
                 raise PagechatError(
-                    f"{names[0]}.weight of a bitsandbytes int8 checkpoint must be int8, got {q.dtype}"
+                    f"{names[0]}.weight of a bitsandbytes int8 checkpoint must be int8, "
+                    f"got {q.dtype}"
                 )
             if mode == "int8-wo":
                 return Int8WOLinear(q, scb / 127, b, device)
@@ -262,7 +268,7 @@ def _int8_loader(mode: str, prequantised: bool, device: torch.device) -> LinearL
 
 
 class Backend:
-    """pagechat's quantisation as the engine's registry sees it (the `pagechat.quant` entry point)."""
+    """pagechat's quantisation as the engine's registry sees it (`pagechat.quant` entry point)."""
 
     modes = QUANT_MODES
     resolve = staticmethod(resolve_quant)

@@ -1,7 +1,8 @@
 """4-bit group quantisation and the AutoAWQ GEMM packing: eight 4-bit values per int32, interleaved.
 
 Shapes follow AutoAWQ (transposed vs nn.Linear): for a Linear(in=K, out=N) with group g, qweight is
-int32 [K, N/8], qzeros int32 [K/g, N/8], scales fp16 [K/g, N]; W^T[k, n] = (q[k, n] - z[k//g, n]) * s[k//g, n].
+int32 [K, N/8], qzeros int32 [K/g, N/8], scales fp16 [K/g, N];
+W^T[k, n] = (q[k, n] - z[k//g, n]) * s[k//g, n].
 """
 
 from __future__ import annotations
@@ -10,8 +11,9 @@ import torch
 
 BITS = 4
 MAX_Q = 2**BITS - 1
-# Nibble i (bits 4i..4i+3) of packed word c holds logical column 8c + AWQ_ORDER[i]; unpacking takes nibbles
-# LSB-first, so logical column j is nibble AWQ_REVERSE[j]. (AutoAWQ's order suits its CUDA kernel's loads.)
+# Nibble i (bits 4i..4i+3) of packed word c holds logical column 8c + AWQ_ORDER[i]; unpacking takes
+# nibbles LSB-first, so logical column j is nibble AWQ_REVERSE[j]. (The order suits the loads of
+# AutoAWQ's CUDA kernel.)
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 AWQ_REVERSE = (0, 4, 1, 5, 2, 6, 3, 7)
 _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
@@ -37,7 +39,7 @@ def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_groups(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric round-to-nearest of w [N, K] per group of inputs -> q [N, K], zeros [N, K/g], scales [N, K/g]."""
+    """Asymmetric round-to-nearest of w [N, K] per group -> q [N, K], zeros and scales [N, K/g]."""
     n, k = w.shape
     g = w.float().reshape(n, k // group, group)
     lo, hi = g.amin(-1), g.amax(-1)
@@ -48,7 +50,7 @@ def quantize_groups(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Te
 
 
 def fake_quantize(w: torch.Tensor, group: int) -> torch.Tensor:
-    """w [N, K] after a 4-bit quantise-dequantise round trip (what the packed layer will compute with)."""
+    """w [N, K] after a 4-bit quantise-dequantise round trip (what the packed layer uses)."""
     n, k = w.shape
     q, z, s = quantize_groups(w, group)
     deq = (q.float().reshape(n, k // group, group) - z.float().unsqueeze(-1)) * s.unsqueeze(-1)
@@ -58,10 +60,11 @@ def fake_quantize(w: torch.Tensor, group: int) -> torch.Tensor:
 def to_awq(
     w: torch.Tensor, group: int, bias: torch.Tensor | None = None
 ) -> dict[str, torch.Tensor]:
-    """An nn.Linear weight [N, K] (and bias) -> AutoAWQ GEMM tensors {qweight, qzeros, scales[, bias]}."""
+    """An nn.Linear weight [N, K] (and bias) -> AutoAWQ GEMM {qweight, qzeros, scales[, bias]}."""
     q, z, s = quantize_groups(w, group)
     s16 = s.to(torch.float16)
-    # Round the scales to fp16 first and requantise with them, so the stored q matches the stored scale exactly.
+    # Round the scales to fp16 first and requantise with them: the stored q then fits the stored
+    # scale exactly.
     q = _requantize(w, z, s16.float(), group)
     out = {
         "qweight": pack_awq(q.t().contiguous()),
