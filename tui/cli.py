@@ -421,6 +421,50 @@ def bench(
     bench_command(model_or_demo(model_dir, quant), config, rounds, vs_hf, as_json, spec_prompt)
 
 
+@app.command("bench-serve")
+def bench_serve(
+    url: Annotated[str, typer.Argument(help="base URL of an OpenAI-compatible server")],
+    model: Annotated[
+        str | None, typer.Option(help="model name to request (default: the first /v1/models lists)")
+    ] = None,
+    concurrency: Annotated[
+        str, typer.Option(help="comma-separated levels; each sends every request")
+    ] = "1,4,16",
+    requests: Annotated[int, typer.Option(help="requests per level")] = 64,
+    rate: Annotated[
+        float, typer.Option(help="arrivals per second, Poisson (inf: all at once)")
+    ] = float("inf"),
+    prompt_words: Annotated[int, typer.Option(help="words per (random, distinct) prompt")] = 128,
+    output_tokens: Annotated[
+        int, typer.Option(help="tokens per reply (ignore_eos: each reply is this long)")
+    ] = 64,
+    seed: Annotated[int, typer.Option(help="seed of the prompts and arrival times")] = 0,
+    api_key: Annotated[str | None, typer.Option(help="sent as a Bearer token")] = None,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="print one JSON object instead of the table")
+    ] = False,
+) -> None:
+    """Load any OpenAI-compatible server (pagechat serve, vLLM, llama-server) with streamed
+    completions: TTFT, ITL, TPOT and end-to-end latency percentiles and throughput per
+    concurrency level."""
+    from pagechat.tools.bench_serve import LoadSpec
+    from pagechat.tui.bench_serve_cmd import bench_serve_command, parse_levels
+
+    for name, value in (
+        ("--requests", requests),
+        ("--prompt-words", prompt_words),
+        ("--output-tokens", output_tokens),
+    ):
+        if value < 1:
+            raise PagechatError(f"{name} must be >= 1, got {value}")
+    if not rate > 0:
+        raise PagechatError(f"--rate must be > 0 (inf: all at once), got {rate}")
+    if not url.startswith(("http://", "https://")):
+        raise PagechatError(f"URL must start with http:// or https://, got {url!r}")
+    spec = LoadSpec(url, model or "", requests, rate, prompt_words, output_tokens, seed, api_key)
+    raise typer.Exit(bench_serve_command(spec, parse_levels(concurrency), as_json))
+
+
 @app.command("train-demo")
 def train_demo_cmd(
     out_dir: Annotated[
