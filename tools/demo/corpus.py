@@ -1,15 +1,15 @@
-"""The demo models' training text, generated offline from templates under a seed, and its held-out split.
+"""The demo models' training text, made offline from templates under a seed, and its held-out split.
 
-Every item is one user question and one short assistant answer whose correctness can be checked with a
-substring (`expect`). Held-out questions come from the same templates, but their keys are reserved, so the
-training generator never emits them. Two strengths of reservation:
-- comparisons and repeats reserve the content: the pair of numbers (in any order and phrasing) and the
-  sentence never appear, so the model must compare numbers and copy words it never saw together;
-- sums, products, counts, "what comes after" and facts reserve the exact question: the same numbers or
-  concept appear in other phrasings. A model of a few million parameters trained for minutes memorises
-  these tables rather than learning arithmetic (pilot runs that reserved whole operand pairs answered about
-  half of the unseen sums, off by one), so what is tested there is that it understands a phrasing it never
-  saw with those numbers.
+Every item is one user question and one short assistant answer whose correctness can be checked with
+a substring (`expect`). Held-out questions come from the same templates, but their keys are
+reserved, so the training generator never emits them. Two strengths of reservation:
+- comparisons and repeats reserve the content: the pair of numbers (in any order and phrasing) and
+  the sentence never appear, so the model must compare numbers and copy words it never saw together;
+- sums, products, counts, "what comes after" and facts reserve the exact question: the same numbers
+  or concept appear in other phrasings. A model of a few million parameters trained for minutes
+  memorises these tables rather than learning arithmetic (reserving whole operand pairs leaves it
+  guessing at unseen sums), so what is tested there is that it understands a phrasing it never saw
+  with those numbers.
 """
 
 from __future__ import annotations
@@ -52,27 +52,33 @@ FACTS: dict[str, tuple[str, str]] = {
         "16 by default",
     ),
     "the KV cache": (
-        "The KV cache keeps the keys and values of earlier tokens, so a new token attends to them without recomputing them.",
+        "The KV cache keeps the keys and values of earlier tokens, so a new token attends to them "
+        "without recomputing them.",
         "without recomputing",
     ),
     "a block table": (
-        "A block table lists the KV blocks of one sequence in order, so attention can find its tokens in the pool.",
+        "A block table lists the KV blocks of one sequence in order, so attention can find its "
+        "tokens in the pool.",
         "lists the KV blocks",
     ),
     "prefill": (
-        "Prefill runs the whole prompt through the model in one pass and writes its keys and values into the KV cache.",
+        "Prefill runs the whole prompt through the model in one pass and writes its keys and "
+        "values into the KV cache.",
         "whole prompt",
     ),
     "chunked prefill": (
-        "Chunked prefill splits a long prompt into pieces, so decode steps of other sequences keep running in between.",
+        "Chunked prefill splits a long prompt into pieces, so decode steps of other sequences keep "
+        "running in between.",
         "splits a long prompt",
     ),
     "decode": (
-        "Decode makes one new token per step for each running sequence, reading the KV cache of the tokens before it.",
+        "Decode makes one new token per step for each running sequence, reading the KV cache of "
+        "the tokens before it.",
         "one new token per step",
     ),
     "sampling": (
-        "Sampling picks the next token at random from the model's probabilities, shaped by temperature, top-k and top-p.",
+        "Sampling picks the next token at random from the model's probabilities, shaped by "
+        "temperature, top-k and top-p.",
         "at random from the model's probabilities",
     ),
     "greedy decoding": (
@@ -80,11 +86,13 @@ FACTS: dict[str, tuple[str, str]] = {
         "most likely token",
     ),
     "temperature": (
-        "Temperature divides the logits before the softmax: 0 is greedy, higher values make the text more varied.",
+        "Temperature divides the logits before the softmax: 0 is greedy, higher values make the "
+        "text more varied.",
         "divides the logits",
     ),
     "top-p": (
-        "Top-p keeps the smallest set of tokens whose probabilities add up to p, and samples from that set.",
+        "Top-p keeps the smallest set of tokens whose probabilities add up to p, and samples from "
+        "that set.",
         "smallest set of tokens",
     ),
     "top-k": (
@@ -92,27 +100,33 @@ FACTS: dict[str, tuple[str, str]] = {
         "k most likely tokens",
     ),
     "min-p": (
-        "Min-p drops every token whose probability is below min-p times the probability of the best token.",
+        "Min-p drops every token whose probability is below min-p times the probability of the "
+        "best token.",
         "times the probability of the best token",
     ),
     "the repetition penalty": (
-        "The repetition penalty lowers the scores of tokens that already appeared, so the text repeats less.",
+        "The repetition penalty lowers the scores of tokens that already appeared, so the text "
+        "repeats less.",
         "already appeared",
     ),
     "the prefix cache": (
-        "The prefix cache shares full KV blocks between prompts that start with the same tokens, so they are computed once.",
+        "The prefix cache shares full KV blocks between prompts that start with the same tokens, "
+        "so they are computed once.",
         "start with the same tokens",
     ),
     "copy-on-write": (
-        "Copy-on-write gives a sequence its own copy of a shared block just before it writes to that block.",
+        "Copy-on-write gives a sequence its own copy of a shared block just before it writes to "
+        "that block.",
         "its own copy",
     ),
     "speculative decoding": (
-        "Speculative decoding lets a small draft model propose a few tokens, and the target model checks them all in one pass.",
+        "Speculative decoding lets a small draft model propose a few tokens, and the target model "
+        "checks them all in one pass.",
         "draft model propose",
     ),
     "the draft model": (
-        "The draft model is a small model with the same vocabulary that guesses the next few tokens for the big model.",
+        "The draft model is a small model with the same vocabulary that guesses the next few "
+        "tokens for the big model.",
         "guesses the next few tokens",
     ),
     "the acceptance rate": (
@@ -120,23 +134,28 @@ FACTS: dict[str, tuple[str, str]] = {
         "share of draft tokens",
     ),
     "preemption": (
-        "Preemption frees the blocks of the newest sequence when the pool runs out, and recomputes that sequence later.",
+        "Preemption frees the blocks of the newest sequence when the pool runs out, and recomputes "
+        "that sequence later.",
         "newest sequence",
     ),
     "the scheduler": (
-        "The scheduler chooses which sequences run in each step, under a budget of tokens per step.",
+        "The scheduler chooses which sequences run in each step, under a budget of tokens per "
+        "step.",
         "budget of tokens",
     ),
     "continuous batching": (
-        "Continuous batching adds new requests to the running batch at every step instead of waiting for the batch to end.",
+        "Continuous batching adds new requests to the running batch at every step instead of "
+        "waiting for the batch to end.",
         "at every step",
     ),
     "TTFT": (
-        "TTFT is the time to first token: how long a request waits before its first new token appears.",
+        "TTFT is the time to first token: how long a request waits before its first new token "
+        "appears.",
         "time to first token",
     ),
     "AWQ": (
-        "AWQ stores weights in 4 bits, scaled so that the weights that matter most keep their precision.",
+        "AWQ stores weights in 4 bits, scaled so that the weights that matter most keep their "
+        "precision.",
         "4 bits",
     ),
     "int8 weights": (
@@ -144,15 +163,18 @@ FACTS: dict[str, tuple[str, str]] = {
         "one byte per weight",
     ),
     "the memory panel": (
-        "The memory panel shows how much memory the weights and the KV cache take, and whether a model fits.",
+        "The memory panel shows how much memory the weights and the KV cache take, and whether a "
+        "model fits.",
         "whether a model fits",
     ),
     "a token": (
-        "A token is a piece of text, often a word or part of a word, that the model reads and writes.",
+        "A token is a piece of text, often a word or part of a word, that the model reads and "
+        "writes.",
         "piece of text",
     ),
     "the chat template": (
-        "The chat template turns the messages of a conversation into the text the model was trained on.",
+        "The chat template turns the messages of a conversation into the text the model was "
+        "trained on.",
         "messages of a conversation",
     ),
 }
@@ -169,7 +191,8 @@ FACT_TEMPLATES = (
 SMALL_TALK = (
     (
         ("Hello!", "Hi!", "Hi there.", "Hey!", "Good morning!", "Hello, who is this?"),
-        "Hello! I am the pagechat demo model. Ask me a sum, a comparison, or something about the engine.",
+        "Hello! I am the pagechat demo model. Ask me a sum, a comparison, or something about the "
+        "engine.",
     ),
     (
         ("How are you?", "How are you doing?", "How is it going?"),
@@ -177,18 +200,21 @@ SMALL_TALK = (
     ),
     (
         ("Who are you?", "What are you?", "What is your name?"),
-        "I am the pagechat demo model, a small Llama model trained on this machine in a few minutes.",
+        "I am the pagechat demo model, a small Llama model trained on this machine in a few "
+        "minutes.",
     ),
     (
         ("What can you do?", "What do you know?", "How can you help me?"),
-        "I can add, subtract and multiply small numbers, compare numbers, count, repeat a sentence, and explain how "
+        "I can add, subtract and multiply small numbers, compare numbers, count, repeat a "
+        "sentence, and explain how "
         "pagechat works.",
     ),
     (("Thanks!", "Thank you.", "Thank you very much!", "Great, thanks."), "You are welcome!"),
     (("Bye!", "Goodbye.", "See you later."), "Goodbye! Your KV blocks will be freed."),
     (
         ("What is pagechat?", "Tell me about pagechat.", "What does pagechat do?"),
-        "pagechat runs a language model on your own machine with a paged KV cache, and shows what the engine does.",
+        "pagechat runs a language model on your own machine with a paged KV cache, and shows what "
+        "the engine does.",
     ),
     (
         ("Are you a large model?", "Is this a big model?", "How big are you?"),
@@ -318,7 +344,7 @@ COUNT_TEMPLATES = (
 
 @dataclass(frozen=True, slots=True)
 class Item:
-    """One question and its answer; `key` identifies it for the held-out reservation, `expect` checks a reply."""
+    """A question and its answer: `key` reserves it for held-out use, `expect` checks a reply."""
 
     kind: str
     key: tuple
@@ -327,8 +353,9 @@ class Item:
     expect: str
 
 
-# Answers start with a word: every number or word copied into them then carries a leading space, the same
-# token as in the question (a reply that starts with "33" would need "33" learned apart from " 33").
+# Answers start with a word: every number or word copied into them then carries a leading space,
+# the same token as in the question (a reply that starts with "33" would need "33" learned apart
+# from " 33").
 def _add(rng: random.Random, hard: bool) -> Item:
     a, b = rng.randint(2 if hard else 0, SMALL), rng.randint(2 if hard else 0, SMALL)
     q = rng.choice(ADD_TEMPLATES).format(a=a, b=b)
@@ -425,8 +452,8 @@ MAKERS: dict[str, Callable[[random.Random, bool], Item]] = {
     "fact": _fact,
     "talk": _talk,
 }
-# Copying is what a tiny model learns last (it needs induction heads), and sums, comparisons and counts
-# all copy numbers from the question: long repeat-after-me sentences give it a dense copy signal.
+# Copying is what a tiny model learns last (it needs induction heads), and sums, comparisons and
+# counts all copy numbers from the question: long repeat-after-me sentences are a dense copy signal.
 WEIGHTS = {
     "add": 13,
     "sub": 5,
@@ -441,7 +468,7 @@ WEIGHTS = {
 
 
 def heldout_pool() -> list[Item]:
-    """All reserved questions (HELDOUT_ROUNDS rounds of HELDOUT_MIX), fixed regardless of the training seed."""
+    """All reserved questions (HELDOUT_ROUNDS rounds of HELDOUT_MIX), whatever the training seed."""
     rng, items, keys = random.Random(HELDOUT_SEED), [], set()
     for kind in HELDOUT_MIX * HELDOUT_ROUNDS:
         item = MAKERS[kind](rng, True)
@@ -453,7 +480,7 @@ def heldout_pool() -> list[Item]:
 
 
 def heldout(n: int = 10) -> list[Item]:
-    """The first n held-out questions; n=10 is the official set (one round of every held-out kind)."""
+    """The first n held-out questions; n=10 is the official set (one round of each kind)."""
     return heldout_pool()[:n]
 
 
@@ -489,8 +516,8 @@ def training_dialogues(n: int, seed: int = 0) -> list[list[dict]]:
 
 
 def copy_drills(n: int, seed: int = 0) -> list[list[dict]]:
-    """n repeat-after-me conversations with long sentences (8-24 words): a dense copy signal that the
-    training starts with, so that induction heads form before the mixed corpus needs them."""
+    """n repeat-after-me conversations with long sentences (8-24 words): a dense copy signal that
+    the training starts with, so that induction heads form before the mixed corpus needs them."""
     rng = random.Random(f"drills-{seed}")
     reserved = {item.key for item in heldout_pool()}
     out = []
@@ -518,6 +545,6 @@ CALIB_SEED = 1234  # calibration dialogues; evaluation text uses other seeds
 
 
 def calibration_texts() -> Iterator[str]:
-    """Offline calibration text for AWQ, endless: the corpus's dialogues rendered in ChatML, 200 per seed."""
+    """Endless offline calibration text for AWQ: the corpus's dialogues in ChatML, 200 per seed."""
     for seed in itertools.count(CALIB_SEED):
         yield "".join(render(d) for d in training_dialogues(200, seed=seed))
