@@ -402,7 +402,8 @@ class Engine:
             if not work.prefill
             else "mixed"
         )
-        events, self._block_events = tuple(self._block_events), []
+        events = tuple(self._block_events)
+        self._block_events.clear()  # in place: the allocator holds this list's append
         return StepReport(
             step=self._steps,
             kind=kind,

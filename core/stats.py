@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 from pagechat.core.loader import dtype_name
 from pagechat.core.report import SpecTotals, StepReport
 
@@ -17,6 +19,7 @@ class RunStats:
         self.prefill_s = self.decode_s = self.wall_s = 0.0
         self.peak_blocks = 0
         self._spec: dict[int, SpecTotals] = {}  # each sequence's, from its newest DraftRecord
+        self.block_events: Counter[str] = Counter()  # the allocator's events, by kind
 
     def add(self, r: StepReport) -> None:
         self.steps += 1
@@ -25,6 +28,7 @@ class RunStats:
         self.hit_tokens += r.prefix_hit_tokens
         self.preemptions += len(r.preempted)
         self.peak_blocks = max(self.peak_blocks, r.blocks.num_used)
+        self.block_events.update(e.kind for e in r.block_events)
         for d in r.drafts:
             self._spec[d.seq_id] = d.totals
         if r.kind == "decode":
@@ -56,6 +60,7 @@ class RunStats:
             "kv_blocks_total": e.blocks.num_blocks,
             "prefix_hit_tokens": self.hit_tokens,
             "preemptions": self.preemptions,
+            "block_events": dict(sorted(self.block_events.items())),
             "steps": self.steps,
             "wall_s": round(self.wall_s, 4),
             "dtype": dtype_name(e.dtype),

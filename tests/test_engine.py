@@ -170,3 +170,16 @@ def test_n_samples_fork_and_copy_on_write(tiny_llama):
         )
         assert seq.output_ids == ref.output_ids
     assert engine.block_map.snapshot().num_used == 0
+
+
+def test_step_reports_carry_every_block_event(tiny_llama):
+    """The events the step reports carry are all the allocator announced, step after step."""
+    engine = Engine(tiny_llama, EngineConfig(device="cpu", dtype="float32", block_size=4))
+    seen = []
+    engine.blocks.observers.append(seen.append)
+    engine.add_request("Blocks fill up", SamplingParams(max_tokens=20, n=2, ignore_eos=True))
+    reported = []
+    while engine.has_unfinished():
+        reported += engine.step().block_events
+    kinds = {e.kind for e in reported}
+    assert reported == seen and {"allocated", "shared", "copied", "cached"} <= kinds
