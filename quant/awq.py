@@ -47,7 +47,10 @@ class Block:
 def load_block(reader: WeightReader, spec: ModelSpec, i: int) -> Block:
     """Block i's weights from the checkpoint, as fp32 copies (they are scaled in place later)."""
     p = f"model.layers.{i}"
-    get = lambda name: reader.get(f"{p}.{name}").float().clone()  # noqa: E731
+
+    def get(name: str) -> torch.Tensor:
+        return reader.get(f"{p}.{name}").float().clone()
+
     blk = Block({s: get(f"{n}.weight") for s, n in LINEARS.items()})
     for s, n in LINEARS.items():
         if reader.has(f"{p}.{n}.bias"):

@@ -1,8 +1,8 @@
-"""`pagechat bench`: single-stream, 8-request, multi-turn and bandwidth figures, optionally beside transformers.
+"""`pagechat bench`: single-stream, 8-request, multi-turn, bandwidth figures; optionally vs HF too.
 
-Everything runs in one process on the same weights. Each figure is the median of `rounds` repetitions,
-and with --vs-hf the two sides alternate round by round, so a machine that gets busier or quieter during
-the run moves both alike: quote the ratios.
+Everything runs in one process on the same weights. Each figure is the median of `rounds`
+repetitions, and with --vs-hf the two sides alternate round by round, so a machine that gets busier
+or quieter during the run moves both alike: quote the ratios.
 """
 
 from __future__ import annotations
@@ -35,15 +35,17 @@ class Workload:
     prompt: list[int]
     batch: list[list[int]]
     turns: list[list[int]]  # user text of each turn
-    replies: list[
-        list[int]
-    ]  # reply tokens transformers' history takes after each turn (pagechat keeps its own, as long)
+    # reply tokens transformers' history takes after each turn (pagechat keeps its own, as long)
+    replies: list[list[int]]
 
     @staticmethod
     def make(vocab: int, special: set[int], max_len: int, seed: int = 0) -> Workload:
         rng = random.Random(seed)
         ids = [i for i in range(min(vocab, 32000)) if i not in special]
-        draw = lambda n: [rng.choice(ids) for _ in range(n)]  # noqa: E731
+
+        def draw(n: int) -> list[int]:
+            return [rng.choice(ids) for _ in range(n)]
+
         # a model with a short context gets the same mix, scaled down to fit
         scale = min(1.0, (max_len - max(BATCH_OUTPUTS)) / max(BATCH_PROMPTS))
         return Workload(
@@ -55,7 +57,7 @@ class Workload:
 
 
 def measure_bandwidth(device: torch.device, mib: int = 256) -> float:
-    """Memory bandwidth in bytes/s read off a large fp32 matrix-vector product (the decode floor's kind of work)."""
+    """Memory bandwidth (bytes/s) of a large fp32 matrix-vector product: the decode floor's work."""
     n = int((mib * 2**20 / 4) ** 0.5)
     w = torch.randn(n, n, device=device)
     x = torch.randn(n, device=device)
@@ -78,9 +80,9 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
 def pagechat_round(engine: Engine, w: Workload) -> dict:
-    """One repetition of every figure through the engine, decoding plainly (spec_round measures speculation:
-    on the workload's random-token prompts no draft is ever accepted, and the figures compare with plain
-    transformers)."""
+    """One repetition of every figure through the engine, decoding plainly (spec_round measures
+    speculation: on the workload's random-token prompts no draft is ever accepted, and the figures
+    compare with plain transformers)."""
     engine.set_speculation(False)
     out: dict = {}
     seen: dict = {"decode_s": 0.0, "decode_n": 0}
@@ -108,24 +110,30 @@ def pagechat_round(engine: Engine, w: Workload) -> dict:
         history += user
         [s] = engine.generate([list(history)], SamplingParams(max_tokens=TURN_REPLY, **GREEDY))
         out["turn_ttft_ms"].append(1000 * (s.first_token_time - s.arrival))
-        history += (
-            s.output_ids
-        )  # the reply as a chat keeps it: its KV is in the cache, bar the last token's
+        # the reply as a chat keeps it: its KV is in the cache, bar the last token's
+        history += s.output_ids
     return out
 
 
+def _greedy_decode(engine: Engine, prompt: list[int]) -> tuple:
+    """The greedy reply to prompt (a Sequence) and the seconds of each of its pure decode steps."""
+    decode_s: list[float] = []
+    [seq] = engine.generate(
+        [prompt],
+        SamplingParams(max_tokens=DECODE_TOKENS, temperature=0.0),
+        on_report=lambda r: decode_s.append(r.elapsed_s) if r.kind == "decode" else None,
+    )
+    return seq, decode_s
+
+
 def spec_round(engine: Engine, prompt: list[int]) -> dict:
-    """Plain vs speculative decode of the same prompt, back to back in one round. Greedy up to the model's end
-    of sequence (past a chat reply's end the text is what no draft predicts), so both decode the same tokens."""
+    """Plain vs speculative decode of the same prompt, back to back in one round. Greedy up to the
+    model's end of sequence (past a chat reply's end the text is what no draft predicts), so both
+    decode the same tokens."""
     res = {}
     for on in (False, True):
         engine.set_speculation(on)
-        decode_s = []
-        [seq] = engine.generate(
-            [prompt],
-            SamplingParams(max_tokens=DECODE_TOKENS, temperature=0.0),
-            on_report=lambda r: decode_s.append(r.elapsed_s) if r.kind == "decode" else None,
-        )
+        seq, decode_s = _greedy_decode(engine, prompt)
         if not decode_s:
             raise PagechatError(
                 "the speculation prompt's reply ended after its first token; nothing to measure"
@@ -139,7 +147,7 @@ def spec_round(engine: Engine, prompt: list[int]) -> dict:
 
 
 def hf_round(models: dict, w: Workload) -> dict:
-    """The same figures through transformers' generate, at each loaded dtype; the caller keeps the faster."""
+    """The same figures by transformers' generate at each loaded dtype; caller keeps the faster."""
     out = {}
     for name, model in models.items():
         r: dict = {}
@@ -165,9 +173,8 @@ def hf_round(models: dict, w: Workload) -> dict:
         for user, reply in zip(w.turns, w.replies):
             history += user
             t = time.perf_counter()
-            _hf_generate(
-                model, torch.tensor([history]), 1
-            )  # a transformers user re-prefills the history (cost: its length)
+            # a transformers user re-prefills the history (cost: its length)
+            _hf_generate(model, torch.tensor([history]), 1)
             r["turn_ttft_ms"].append(1000 * (time.perf_counter() - t))
             history += reply
         out[name] = r
@@ -227,7 +234,7 @@ def run_bench(
 ) -> BenchResult:
     """Warm up, then `rounds` interleaved repetitions of every figure; medians, MBU and ratios."""
     special = set(engine.tokenizer.all_special_ids)
-    # a fresh workload each round (and one for warm-up), so no round is served from an earlier round's cache
+    # a fresh workload each round (and one for warm-up), so no round reuses an earlier round's cache
     loads = [
         Workload.make(engine.spec.vocab_size, special, engine.max_model_len, seed)
         for seed in range(rounds + 1)
@@ -285,7 +292,7 @@ def _ratio(a, b):
 
 
 def _load_hf(engine: Engine, log) -> dict:
-    """transformers' model on the same checkpoint at float32 and bfloat16 (its fastest differs by CPU)."""
+    """transformers' model on the same checkpoint, float32 and bfloat16 (which is faster varies)."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 

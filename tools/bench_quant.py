@@ -1,7 +1,8 @@
-"""`pagechat bench-quant`: decode speed and weight memory of fp32 / bf16 / int8 / int8-wo / bf16-wo / AWQ on one model.
+"""`pagechat bench-quant`: decode speed and weight memory of each weight mode on one model.
 
-All engines are loaded first, then timed in interleaved rounds (fp32, bf16, int8, ... , fp32, bf16, ...), so
-a machine that gets busier or quieter during the run affects every mode alike; the median round counts.
+The modes: fp32 / bf16 / int8 / int8-wo / bf16-wo / AWQ. All engines are loaded first, then timed
+in interleaved rounds (fp32, bf16, int8, ... , fp32, bf16, ...), so a machine that gets busier or
+quieter during the run affects every mode alike; the median round counts.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def bench_quant(
     device: str = "auto",
     log: Callable[[str], None] = lambda s: None,
 ) -> list[BenchRow]:
-    """Load model_dir once per mode (AWQ from awq_dir, or a temporary RTN checkpoint) and time decoding."""
+    """Load model_dir once per mode (AWQ from awq_dir, or a temp RTN checkpoint); time decoding."""
     from pagechat.core.config import EngineConfig
     from pagechat.core.engine import Engine
     from pagechat.core.loader import dtype_name, read_spec
@@ -102,7 +103,8 @@ def bench_quant(
             )
         tmp = tempfile.TemporaryDirectory(prefix="pagechat-bench-")
         log(
-            f"making a 4-bit RTN checkpoint (g{group}) for the awq mode: same kernels and bytes as AWQ"
+            f"making a 4-bit RTN checkpoint (g{group}) for the awq mode: "
+            "same kernels and bytes as AWQ"
         )
         awq_dir = quantize_checkpoint(Path(model_dir), Path(tmp.name) / "awq", "rtn", group).out_dir
     prompt = [(7 + 13 * i) % spec.vocab_size for i in range(prompt_tokens)]
@@ -116,9 +118,8 @@ def bench_quant(
                 awq_dir if m == "awq" else model_dir,
                 EngineConfig(dtype=dtype, quant=quant, device=device, kv_blocks=blocks),
             )
-            _decode_rate(
-                engines[m], prompt, batch, 4
-            )  # warm-up: first-call allocations, kernel packing caches
+            # warm-up: first-call allocations, kernel packing caches
+            _decode_rate(engines[m], prompt, batch, 4)
         rates: dict[str, list[float]] = {m: [] for m in modes}
         for r in range(rounds):
             for m in modes:

@@ -259,7 +259,8 @@ def _add_legacy_keys(config_path: Path, dtype: str) -> None:
 
 
 def save_tokenizer(tokenizer: transformers.PreTrainedTokenizerFast, out_dir: Path) -> None:
-    """Save the tokenizer files; name the class every transformers version knows (5.x writes its own name)."""
+    """Save the tokenizer files under a class name all transformers versions know (5.x writes its
+    own name)."""
     tokenizer.save_pretrained(out_dir)
     path = Path(out_dir) / "tokenizer_config.json"
     cfg = json.loads(path.read_text())

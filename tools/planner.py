@@ -1,7 +1,7 @@
 """`pagechat plan`: what a checkpoint's weights and KV pool take, from config.json alone.
 
-`estimate_weights` gives the figures `weight_report` reads from a loaded model (they agree exactly, see
-tests/test_memory.py), so `plan` answers "does it fit?" before anything heavy is loaded.
+`estimate_weights` gives the figures `weight_report` reads from a loaded model (they agree exactly,
+see tests/test_memory.py), so `plan` answers "does it fit?" before anything heavy is loaded.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def estimate_weights(
     group: int | None = None,
     device_type: str = "cuda",
 ) -> WeightReport:
-    """What weight_report would say for this config loaded with `mode` on device_type, from config alone."""
+    """What weight_report would say for this config loaded as `mode` on device_type, from config."""
     elem = torch.empty((), dtype=dtype).element_size()
     name = dtype_name(dtype)
     h, d, kv, hid, inter = (
@@ -90,7 +90,7 @@ def estimate_weights(
 
 @dataclass(frozen=True, slots=True)
 class CapacityPlan:
-    """What fits in a memory budget: the weights, then KV blocks in what is left (vLLM's startup figures)."""
+    """What fits in a budget: the weights, then KV blocks in the rest (vLLM's startup figures)."""
 
     budget: int
     weights: WeightReport
@@ -128,7 +128,7 @@ def plan_capacity(
     context: int,
     block_size: int = 16,
 ) -> CapacityPlan:
-    """Blocks that fit when the KV pool takes CUDA_FREE_FRACTION of the budget left after the weights."""
+    """Blocks that fit when the KV pool takes CUDA_FREE_FRACTION of what the weights leave."""
     per_token = kv_bytes_per_token(spec, kv_dtype)
     kv_budget = max(0, int((budget - weights.total) * CUDA_FREE_FRACTION))
     return CapacityPlan(

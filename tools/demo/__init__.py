@@ -1,5 +1,5 @@
-"""The demo models shipped with pagechat: a tiny chat model, its 4-bit AWQ variant and a draft, trained by
-`pagechat train-demo` and used whenever a command is given no MODEL_DIR."""
+"""The demo models shipped with pagechat: a tiny chat model, its 4-bit AWQ variant and a draft,
+trained by `pagechat train-demo` and used whenever a command is given no MODEL_DIR."""
 
 from __future__ import annotations
 
@@ -28,26 +28,26 @@ def chat_model_dir() -> Path:
 
 
 def awq_model_dir() -> Path:
-    """The chat model quantised to 4-bit AWQ by pagechat's own quantizer (`--quant awq` without a MODEL_DIR)."""
+    """The chat model quantised to 4-bit AWQ by pagechat (`--quant awq` without a MODEL_DIR)."""
     return _shipped("chat-awq")
 
 
 def draft_model_dir() -> Path:
-    """The shipped draft model's directory: same vocabulary, at most a quarter of the chat model's size."""
+    """The shipped draft model's directory: same vocabulary, at most a quarter of the chat model."""
     return _shipped("draft")
 
 
 def model_or_demo(model_dir: Path | None, quant: str | None = None) -> Path:
-    """The given model directory (which must exist), else the demo chat model (its AWQ variant for --quant awq;
-    int8 is made from the chat model's weights as it loads)."""
+    """The given model directory (which must exist), else the demo chat model (its AWQ variant for
+    --quant awq; int8 is made from the chat model's weights as it loads)."""
     if model_dir is None:
         return awq_model_dir() if quant == "awq" else chat_model_dir()
     return check_model_dir(model_dir)
 
 
 def draft_or_demo(draft: Path | None) -> str | None:
-    """--draft's value as EngineConfig takes it: `demo` (unless a directory of that name exists) is the shipped
-    draft."""
+    """--draft's value as EngineConfig takes it: `demo` (unless a directory of that name exists) is
+    the shipped draft."""
     if draft is None:
         return None
     if str(draft) == DEMO_DRAFT and not draft.is_dir():

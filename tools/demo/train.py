@@ -1,5 +1,5 @@
-"""Train the demo models offline on a CPU: a BPE tokenizer, a Llama chat model and its draft, then check
-them through pagechat's own engine. `train_demo(out_dir, seed)` is deterministic under the seed."""
+"""Train the demo models offline on a CPU: a BPE tokenizer, a Llama chat model and its draft, then
+check them through pagechat's own engine. `train_demo(out_dir, seed)` is deterministic by seed."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ NUMBERS = 200  # 0..199 are single tokens
 
 @dataclass(frozen=True, slots=True)
 class Shape:
-    """A Llama shape; hidden and intermediate are multiples of 128 (what the int4/int8 kernels take)."""
+    """A Llama shape; hidden and intermediate are multiples of 128 (what int4/int8 kernels take)."""
 
     hidden: int
     intermediate: int
@@ -43,8 +43,8 @@ class Shape:
 
 @dataclass(frozen=True, slots=True)
 class Recipe:
-    """How one model is trained: `drills` copy drills, then one pass over `dialogues` fresh conversations;
-    AdamW with one cosine LR schedule over both."""
+    """How one model is trained: `drills` copy drills, then one pass over `dialogues` fresh
+    conversations; AdamW with one cosine LR schedule over both."""
 
     shape: Shape
     dialogues: int
@@ -55,15 +55,17 @@ class Recipe:
     weight_decay: float = 0.01
 
 
-# lr 2e-3: at 3e-3 and above the copy drills can stall (loss stuck near uniform) and never form induction heads
+# lr 2e-3: at 3e-3 and above the copy drills can stall (loss stuck near uniform) and never form
+# induction heads
 CHAT = Recipe(Shape(256, 768, 4, 4, 2), dialogues=80000)
 DRAFT = Recipe(Shape(128, 384, 3, 2, 1), dialogues=44000)
 
 
 def build_tokenizer(dialogues: list[list[dict]], vocab_size: int = VOCAB):
-    """Byte-level BPE on the dialogue texts and Python's own docstrings, with every number 0..199 made one
-    token (with and without its leading space): copying, comparing and counting numbers is then copying,
-    comparing and stepping single tokens, which a tiny model learns in minutes (digit by digit it does not)."""
+    """Byte-level BPE on the dialogue texts and Python's own docstrings, with every number 0..199
+    made one token (with and without its leading space): copying, comparing and counting numbers is
+    then copying, comparing and stepping single tokens, which a tiny model learns in minutes (digit
+    by digit it does not)."""
     numbers = [
         " ".join(str(i) for i in range(NUMBERS)),
         "\n".join(str(i) for i in range(NUMBERS)),
@@ -92,7 +94,7 @@ def encode(tok, messages: list[dict]) -> tuple[list[int], list[bool]]:
 def pack(
     examples: list[tuple[list[int], list[bool]]], row: int, rng: random.Random
 ) -> list[list[int]]:
-    """Group whole conversations, in a seeded order, into rows of at most `row` tokens (first fit)."""
+    """Group whole conversations, in a seeded order, into rows of <= `row` tokens (first fit)."""
     order = list(range(len(examples)))
     rng.shuffle(order)
     rows, room = [], []
@@ -110,8 +112,9 @@ def pack(
 
 
 def batches(examples, rows: list[list[int]], per_step: int):
-    """(ids, positions, mask, targets) per step: packed rows, each conversation attending only to itself from
-    position 0, as it will at inference; targets are -100 where nothing is learned and on the padding."""
+    """(ids, positions, mask, targets) per step: packed rows, each conversation attending only to
+    itself from position 0, as it will at inference; targets are -100 where nothing is learned and
+    on the padding."""
     width = max(sum(len(examples[j][0]) for j in r) for r in rows)
     for i in range(0, len(rows), per_step):
         group = rows[i : i + per_step]
@@ -167,7 +170,7 @@ def train_model(
     log: Callable[[str], None],
     on_step=None,
 ):
-    """Train one Llama from scratch, drills first; returns the model and its mean loss over the last 50 steps."""
+    """Train one Llama from scratch, drills first; return it and its mean loss, last 50 steps."""
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(llama_config(recipe.shape, vocab_size)).train()
     opt = torch.optim.AdamW(
@@ -228,7 +231,7 @@ def _greedy(engine, questions: list[str], max_tokens: int = 96, on_report=None):
 
 
 def evaluate(model_dir: str | Path, n: int = 10, quant: str | None = None) -> dict:
-    """Held-out accuracy at temperature 0 through the Engine (float32): the first n held-out questions."""
+    """Held-out accuracy at temperature 0 through the Engine (float32): first n held-out items."""
     items = corpus.heldout(n)
     texts = [
         s.text
@@ -271,13 +274,13 @@ def train_demo(
     chat: Recipe = CHAT,
     draft: Recipe = DRAFT,
 ) -> dict:
-    """Train tokenizer, chat model and draft into out_dir/{chat,draft}, quantise the chat model to out_dir/chat-awq,
-    evaluate all through the engine, write out_dir/metrics.json. The same seed and thread count give the same
-    files (the thread count fixes the reductions' order)."""
+    """Train tokenizer, chat model and draft into out_dir/{chat,draft}, quantise the chat model to
+    out_dir/chat-awq, evaluate all through the engine, write out_dir/metrics.json. The same seed and
+    thread count give the same files (the thread count fixes the reductions' order)."""
     from pagechat.quant.checkpoint import quantize_checkpoint
 
-    # 2 threads on the quiet 2-core machine: 0.25 s per chat step vs 0.46 s with one; under other load
-    # they wait on each other and can be slower than one.
+    # 2 threads by default: on a quiet 2-core machine a chat step takes about half the time it
+    # takes with one; under other load they wait on each other and can be slower than one.
     torch.set_num_threads(threads)
     out_dir, t0 = Path(out_dir), time.perf_counter()
     n = max(chat.dialogues, draft.dialogues)
@@ -286,7 +289,8 @@ def train_demo(
     examples = [encode(tok, d) for d in dialogues]
     drills = [encode(tok, d) for d in corpus.copy_drills(max(chat.drills, draft.drills), seed)]
     log(
-        f"corpus: {len(examples)} dialogues, {sum(len(x) for x, _ in examples)} tokens, vocab {len(tok)}"
+        f"corpus: {len(examples)} dialogues, {sum(len(x) for x, _ in examples)} tokens, "
+        f"vocab {len(tok)}"
     )
     metrics = {"seed": seed, "threads": threads, "vocab_size": len(tok), "dialogues": len(examples)}
     for name, recipe in (("chat", chat), ("draft", draft)):
