@@ -1,8 +1,8 @@
 """Regenerate the README screenshots: `python screenshots/make_screenshots.py [--model DIR]`.
 
-Drives the real app headless (Textual Pilot) on the demo chat model (speculating with the demo draft), or on
---model DIR (speculating by n-gram lookup), and writes SVGs here; PNGs too when `rsvg-convert` is installed
-(Debian: librsvg2-bin).
+Drives the real app headless (Textual Pilot) on the demo chat model (speculating with the demo
+draft), or on --model DIR (speculating by n-gram lookup), and writes SVGs here; PNGs too when
+`rsvg-convert` is installed (Debian: librsvg2-bin).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from drive import send_and_advance, type_prompt, wait_reply_done  # noqa: E402
 
 
 def save(app: PagechatApp, name: str) -> None:
-    """SVG from Textual, then PNG with rsvg-convert (xml:space keeps the leading spaces of text runs)."""
+    """SVG from Textual, then PNG by rsvg-convert (xml:space keeps text runs' leading spaces)."""
     svg = OUT / f"{name}.svg"
     app.save_screenshot(svg.name, path=str(OUT))
     svg.write_text(svg.read_text().replace("<svg ", '<svg xml:space="preserve" ', 1))

@@ -1,4 +1,4 @@
-"""Attention metadata against a plain-Python reading of the block tables, for random ragged batches."""
+"""Attention metadata against a plain-Python reading of the block tables, random ragged batches."""
 
 from __future__ import annotations
 
@@ -11,7 +11,10 @@ from pagechat.core.attention import build_metadata
 
 def reference(starts, counts, tables, bs, window):
     """(slot_mapping, gather rows, q_pos rows, allowed[b][q][k]) straight from the definitions."""
-    slot = lambda table, p: table[p // bs] * bs + p % bs  # noqa: E731
+
+    def slot(table, p):
+        return table[p // bs] * bs + p % bs
+
     max_q, max_ctx = max(counts), max(s + c for s, c in zip(starts, counts))
     slots = [slot(t, s + i) for s, c, t in zip(starts, counts, tables) for i in range(c)]
     gather = [

@@ -1,4 +1,4 @@
-"""The shipped demo models: they load through the engine and answer held-out questions; the draft fits."""
+"""The shipped demo models load through the engine and answer held-out questions; the draft fits."""
 
 import json
 import math
@@ -41,8 +41,8 @@ def test_shipped_metrics_match_what_the_engine_gives_now(chat_result):
 
 
 def test_demo_draft_records_are_what_the_reply_got():
-    """With the demo draft most replies end inside an accepted draft: the records show no bonus after the end of
-    sequence, and the emitted tokens are exactly the reply's tokens after the first."""
+    """With the demo draft most replies end inside an accepted draft: the records show no bonus
+    after the end of sequence, and the emitted tokens are exactly the reply's after the first."""
     from pagechat.core.config import EngineConfig
     from pagechat.core.engine import Engine
     from pagechat.core.params import SamplingParams
@@ -63,8 +63,8 @@ def test_demo_draft_records_are_what_the_reply_got():
 
 
 def test_a_chat_turn_reuses_every_token_the_last_one_computed():
-    """The next turn's prompt re-renders the reply through the chat template; the prefix cache then serves every
-    token whose KV the finished turn holds, its partly filled last block included."""
+    """The next turn's prompt re-renders the reply through the chat template; the prefix cache then
+    serves every token whose KV the finished turn holds, its partly filled last block included."""
     from pagechat.core.config import EngineConfig
     from pagechat.core.engine import Engine
     from pagechat.core.params import SamplingParams
@@ -149,8 +149,8 @@ TINY = Recipe(Shape(128, 256, 1, 2, 1), dialogues=300, drills=40, rows=8)
 
 
 def test_train_demo_pipeline_is_deterministic_under_a_seed(tmp_path):
-    """The whole script on a tiny recipe, twice: same files, same metrics (timings aside); every part is made
-    and checked through the engine."""
+    """The whole script on a tiny recipe, twice: same files, same metrics (timings aside); every
+    part is made and checked through the engine."""
     runs = [
         train_demo(tmp_path / str(i), seed=3, threads=1, log=lambda s: None, chat=TINY, draft=TINY)
         for i in range(2)

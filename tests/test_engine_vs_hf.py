@@ -1,7 +1,8 @@
-"""The engine against transformers: same checkpoint, fp32, greedy tokens equal and prefill logits close.
+"""The engine vs transformers: same checkpoint, fp32, greedy tokens equal and prefill logits close.
 
-Every scenario that changes how the engine computes (continuous batch, 7-token prefill chunks, a pool so
-small that sequences are preempted, a prefix served from the cache) must still produce transformers' tokens.
+Every scenario that changes how the engine computes (continuous batch, 7-token prefill chunks, a
+pool so small that sequences are preempted, a prefix served from the cache) must still produce
+transformers' tokens.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ NEW_TOKENS = 32
 PROMPTS = [
     "Hi",
     "The KV cache keeps keys and values of every token, block by block.",
-    "Continuous batching lets new requests join the running batch at the next step, while long prompts are "
-    "prefilled in chunks so that decoding sequences are not starved; preemption frees blocks when they run out.",
+    "Continuous batching lets new requests join the running batch at the next step, while long "
+    "prompts are prefilled in chunks so that decoding sequences are not starved; preemption frees "
+    "blocks when they run out.",
 ]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
@@ -117,8 +119,8 @@ def test_prefix_cache_hit_matches(arch, tiny_models, reference):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_next_turn_resumes_from_the_partial_tail(arch, tiny_models, reference):
-    """A chat's next turn extends the finished turn's tokens: every token with KV is a hit, the partly filled
-    last block included, and the reply is still transformers'."""
+    """A chat's next turn extends the finished turn's tokens: every token with KV is a hit, the
+    partly filled last block included, and the reply is still transformers'."""
     hf, prompts, conts = reference[arch]
     engine = Engine(tiny_models[arch], fp32(block_size=16))
     [first] = engine.generate([prompts[1]], GREEDY)

@@ -1,9 +1,10 @@
-"""Step graphs (core/graphs.py): the traced steps compute exactly what the eager engine computes (bit for bit where
-every row's logits are wanted), and they run.
+"""Step graphs (core/graphs.py): the traced steps compute exactly what the eager engine computes
+(bit for bit where every row's logits are wanted), and they run.
 
-Each scenario takes a different trace key or shape: one sequence decoding (no mask), a batch of three of
-different lengths (a padding mask), n-gram speculation (verification steps of several tokens per sequence),
-and a sliding window shorter than the context (a window mask), which transformers checks as well.
+Each scenario takes a different trace key or shape: one sequence decoding (no mask), a batch of
+three of different lengths (a padding mask), n-gram speculation (verification steps of several
+tokens per sequence), and a sliding window shorter than the context (a window mask), which
+transformers checks as well.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ PROMPTS = [
 
 
 def traced_run(path, prompts, params=GREEDY, **cfg):
-    """(output ids, the logits of every forward, the trace keys made, how many forwards ran as graphs)."""
+    """(output ids, logits of every forward, trace keys made, how many forwards ran as graphs)."""
     engine = Engine(path, EngineConfig(device="cpu", dtype="float32", **cfg))
     logits, graph_calls = [], []
     run, graphs = engine.runner.run, engine.runner.graphs
@@ -75,8 +76,8 @@ def test_graphs_equal_eager(tiny_llama, prompts, cfg, key, eager_steps):
     assert outs == eager_outs
     assert len(logits) == len(eager_logits)
     prefill, *steps = zip(logits, eager_logits)
-    # the prompt's forward: a graph computes every row's logits and keeps the last, eager only the last (a head
-    # matmul of another height: equal to rounding)
+    # the prompt's forward: a graph computes every row's logits and keeps the last, eager only the
+    # last (a head matmul of another height: equal to rounding)
     assert torch.allclose(*prefill, rtol=0, atol=1e-5)
     for got, want in steps:
         assert torch.equal(got, want)  # the same kernels in the same order: bit for bit
@@ -101,7 +102,7 @@ def test_sliding_window_graph_matches_transformers(tiny_models, tmp_path):
             attention_mask=torch.ones(1, len(ids), dtype=torch.long),
         )[0, len(ids) :].tolist()
     outs, _, keys, calls = traced_run(path, [ids])
-    # (): made at load, used for contexts within 8; (8,): one sequence, yet a mask, as the window is shorter
+    # (): made at load, used for contexts within 8; (8,): one sequence yet masked (a shorter window)
     assert keys == {(), (8,)} and calls == GREEDY.max_tokens - 1
     assert outs == [want]
 

@@ -1,4 +1,4 @@
-"""Saved chats: atomic JSON under XDG_DATA_HOME/pagechat, listing, resume by id, Markdown export, the CLI commands."""
+"""Saved chats: atomic JSON under XDG_DATA_HOME/pagechat, list, resume by id, Markdown, the CLI."""
 
 from __future__ import annotations
 

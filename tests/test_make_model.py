@@ -1,4 +1,4 @@
-"""make_model: random checkpoints that transformers reloads, seeded, with a round-tripping tokenizer."""
+"""make_model: random checkpoints that transformers reloads, seeded, a round-tripping tokenizer."""
 
 import json
 

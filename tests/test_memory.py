@@ -1,5 +1,5 @@
-"""Memory accounting: the engine's weight report equals the real tensors' bytes, config-only estimates equal
-the report, and `plan` turns a budget into KV blocks and concurrent sequences."""
+"""Memory accounting: the engine's weight report equals the real tensors' bytes, config-only
+estimates equal the report, and `plan` turns a budget into KV blocks and concurrent sequences."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pagechat.tools.planner import estimate_weights, plan_capacity
 
 
 def unique_bytes(model: torch.nn.Module) -> int:
-    """Bytes of every parameter and buffer storage the model holds (each once), rope tables excluded."""
+    """Bytes of every parameter and buffer storage the model holds (once each), not rope tables."""
     seen, total = set(), 0
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         if name in ("cos", "sin") or t.data_ptr() in seen:

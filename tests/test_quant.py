@@ -1,7 +1,7 @@
-"""Quantisation: AWQ packing and layers, int8 layers, the quantize / eval / plan commands and their errors.
+"""Quantisation: AWQ packing and layers, int8 layers, the quantize / eval / plan commands, errors.
 
-Checkpoints are made here with transformers' own classes at hidden 128 (torch's int4 kernel wants N % 16);
-the tokenizer is the tiny llama fixture's.
+Checkpoints are made here with transformers' own classes at hidden 128 (torch's int4 kernel wants
+N % 16); the tokenizer is the tiny llama fixture's.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ CPU = torch.device("cpu")
 
 
 def make_checkpoint(out, tokenizer_dir, arch="llama", kv_heads=2, seed=0, **extra):
-    """A random hidden-128 checkpoint of arch, saved by transformers, with the tiny fixture's tokenizer."""
+    """A random hidden-128 checkpoint of arch, saved by transformers, with the tiny tokenizer."""
     shutil.copytree(
         tokenizer_dir, out, ignore=shutil.ignore_patterns("*.safetensors", "config.json")
     )
@@ -186,7 +186,7 @@ def test_quant_modes_swap_every_decoder_linear_and_weight_only_modes_the_head(ll
     head, emb = e.model.lm_head, e.model.embed_tokens.weight
     if mode == "int8":  # LLM.int8 quantises activations too: the head stays as the model
         assert type(head).__name__ == "Linear" and emb.dtype == torch.float32
-    else:  # a bf16 head; a tied embedding would read the same bf16 table (test_memory checks that case)
+    else:  # a bf16 head; a tied embedding would read the same bf16 table (test_memory checks it)
         assert type(head).__name__ == "Bf16WOLinear" and head.weight.dtype == torch.bfloat16
         assert not e.spec.tie_word_embeddings and emb.dtype == torch.float32
     out = e.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=6, ignore_eos=True))[0]
@@ -284,7 +284,7 @@ def test_rtn_checkpoint_is_autoawq_format_and_loads_fused(rtn, llama):
 
 
 def test_awq_engine_equals_a_dense_model_of_the_dequantised_weights(rtn, monkeypatch):
-    """Oracle: transformers' Llama with the dequantised weights; our fallback path runs the same math in fp32."""
+    """Oracle: transformers' Llama, dequantised weights; our fallback runs that math in fp32."""
     monkeypatch.setattr("pagechat.quant.layers.awq_path", lambda *a: "dequant")
     monkeypatch.setattr(
         QuantPlan, "head", lambda self, device, dtype: linear
@@ -327,7 +327,7 @@ def test_awq_quantize_runs_folds_exactly_and_loads(llama, tmp_path):
 
 
 def test_scale_folding_leaves_the_float_block_unchanged(tmp_path, tiny_llama):
-    """MHA with qkv bias (Qwen2): every group, v -> o included, folds without changing the fp output."""
+    """MHA with qkv bias (Qwen2): all groups, v -> o too, fold without changing the fp output."""
     path = make_checkpoint(tmp_path / "qwen2", tiny_llama, "qwen2", kv_heads=4)
     from pagechat.core.loader import WeightReader, read_spec
 
@@ -345,12 +345,15 @@ def test_scale_folding_leaves_the_float_block_unchanged(tmp_path, tiny_llama):
 
 
 def test_scale_search_protects_salient_channels():
-    """The AWQ mechanism: with a few large-activation input channels, the chosen scales beat plain RTN."""
+    """The AWQ mechanism: with a few large-activation input channels, its scales beat plain RTN."""
     torch.manual_seed(0)
     w = torch.randn(64, 256)
     x = torch.randn(512, 256)
     x[:, :4] *= 30
-    run = lambda ws: x @ ws[0].t()  # noqa: E731
+
+    def run(ws):
+        return x @ ws[0].t()
+
     s, alpha = search_scales(x, [w], run, 128)
     rtn_err = (run([fake_quantize(w, 128)]) - run([w])).pow(2).mean()
     awq_err = (run([fake_quantize(w * s, 128) / s]) - run([w])).pow(2).mean()
@@ -361,7 +364,7 @@ def test_scale_search_protects_salient_channels():
 
 
 def test_transformers_load_in_8bit_checkpoint_loads_directly(llama, tmp_path):
-    """Saved the way transformers saves load_in_8bit models: bnb's own state_dict (int8 weight, SCB, weight_format)."""
+    """Saved as transformers saves load_in_8bit models: bnb's state_dict (int8, SCB, format)."""
     out = tmp_path / "int8"
     shutil.copytree(llama, out)
     tensors = load_file(out / "model.safetensors")
@@ -524,7 +527,7 @@ def test_quantize_and_eval_commands(llama, tmp_path, capsys):
 
 
 def test_transformers_reads_the_awq_config_and_names(rtn):
-    """transformers parses our quantization_config as an AwqConfig (GEMM), and every tensor it expects is there."""
+    """transformers reads our quantization_config as AwqConfig (GEMM); all its tensors are there."""
     cfg = transformers.AutoConfig.from_pretrained(str(rtn))
     qc = transformers.AwqConfig.from_dict(cfg.quantization_config)
     assert (qc.bits, qc.group_size, qc.zero_point, qc.format) == (4, 128, True, "gemm")

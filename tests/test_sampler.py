@@ -121,10 +121,9 @@ def test_top_p_from_the_shortlist_equals_transformers_and_sorts_only_when_it_mus
     edge = torch.full((1, vocab), -INF)
     edge[0, :3] = torch.tensor([0.5, 0.3, 0.2]).log()  # p = 0.5 and 0.8 cut exactly at a token
     for p in (0.5, 0.8, 0.9, 0.95, 0.99):
-        # rows the full sort may decide: peaked ones only where a cut lies within TOP_P_MARGIN of the limit
-        wide = (
-            2 if p < 0.99 else 8
-        )  # a 0.99 nucleus ends among tokens of ~1e-3: cuts near the limit are common
+        # rows the full sort may decide: peaked ones only where a cut lies within TOP_P_MARGIN of
+        # the limit (a 0.99 nucleus ends among tokens of ~1e-3: cuts near the limit are common)
+        wide = 2 if p < 0.99 else 8
         for x, most in (
             (peaked, wide),
             (top_k, wide),
