@@ -27,10 +27,9 @@ class SamplingParams:
     length_penalty: float = 1.0  # a finished beam's score is its log-probability / length**this
     early_stopping: bool | str = False  # True, False or "never", as transformers reads them
 
-    def validate(self) -> SamplingParams:
-        """Raise PagechatError naming the first out-of-range field; return self when all are
-        valid."""
-        checks = [
+    def _rules(self) -> list[tuple[str, object, str, bool]]:
+        """(option name, value, rule, whether it holds) for every field, in the order checked."""
+        return [
             ("temperature", self.temperature, "must be >= 0", self.temperature >= 0),
             ("top-p", self.top_p, "must be in (0, 1]", 0 < self.top_p <= 1),
             ("top-k", self.top_k, "must be >= 0 (0 = off)", self.top_k >= 0),
@@ -65,7 +64,10 @@ class SamplingParams:
                 self.beam_width == 1 or self.n == 1,
             ),
         ]
-        for name, value, rule, ok in checks:
+
+    def validate(self) -> SamplingParams:
+        """Raise PagechatError naming the first out-of-range field; return self when all hold."""
+        for name, value, rule, ok in self._rules():
             if not ok or (isinstance(value, float) and not math.isfinite(value)):
                 raise PagechatError(f"{name} {rule}, got {value}")
         return self
