@@ -13,65 +13,33 @@ from pagechat.tui.client import EngineClient
 from pagechat.tui.heap import settle_heap
 from pagechat.tui.history import ChatRecord, ChatStore, export_markdown
 from pagechat.tui.protocol import (
-    EngineInfo,
     Finished,
     FirstToken,
     MemoryRead,
     Refused,
     SpeculationSet,
 )
-from pagechat.tui.screens import HelpScreen
+from pagechat.tui.screens import PANELS, HelpScreen, MainScreen, StatusBar, status_line
 from pagechat.tui.session import ChatSession, Message
 from pagechat.tui.widgets.blocks import BlocksPanel
-from pagechat.tui.widgets.chat import ChatColumn, ChatLog, PromptInput, ReplyView
+from pagechat.tui.widgets.chat import PromptInput, ReplyView
 from pagechat.tui.widgets.controls import ControlsPanel
 from pagechat.tui.widgets.memory import MemoryPanel
-from pagechat.tui.widgets.panel import Panel, Readout
 from pagechat.tui.widgets.sampling import SamplingPanel, token_label
 from pagechat.tui.widgets.speculation import SpeculationPanel
 from pagechat.tui.widgets.timing import TimingPanel
-from rich.text import Text
 from textual import events, on
-from textual.app import App, ComposeResult, SystemCommand
+from textual.app import App, SystemCommand
 from textual.binding import Binding
-from textual.containers import Container, Horizontal, Vertical
 from textual.geometry import Size
 from textual.screen import Screen
 from textual.widget import AwaitMount
-from textual.widgets import Footer, Input, Tab, Tabs
+from textual.widgets import Input, Tabs
 
-PANELS = (
-    ("blocks", "Blocks"),
-    ("sampling", "Sampling"),
-    ("timing", "Timing"),
-    ("controls", "Controls"),
-    ("memory", "Memory"),
-    ("speculation", "Spec"),
-)
 GRID_MIN = (150, 40)  # terminal size from which every panel is shown at once
 FPS = 20  # the UI renders the latest report at most this often
 UI_CPU_BUDGET = 0.03  # while decoding, the UI thread's share of one core (see within_budget)
 MAX_FRAME_GAP = 0.5  # ...but draw at least twice a second
-
-
-class StatusBar(Readout):
-    """One line: model, dtype and device, chat id, and what the engine is doing."""
-
-
-def status_line(info: EngineInfo, session: ChatSession, frozen: bool) -> Text:
-    """The status bar's text; `frozen` hides the varying tok/s."""
-    t = Text().append(" pagechat ", "bold #1c1c1c on #5fafff")
-    t.append(f" {info.model_name} ", "bold").append(f"{info.precision} on {info.device}", "dim")
-    turns = sum(1 for m in session.messages if m.role == "user")
-    t.append(f" │ chat {session.record.id} · {turns} turn{'s' * (turns != 1)}", "dim")
-    msg = session.streaming
-    if msg is None:
-        return t.append(" │ ", "dim").append("idle", "dim")
-    t.append(" │ ", "dim").append("● generating", "bold #87d787")
-    t.append(f" {len(msg.tokens)} tok", "dim")
-    if msg.timing and msg.timing.decode_tok_s and not frozen:
-        t.append(f" · {msg.timing.decode_tok_s:.1f} tok/s", "dim")
-    return t
 
 
 class PagechatApp(App[None]):
@@ -131,40 +99,27 @@ class PagechatApp(App[None]):
         )
         self.active_panel = "blocks"
         self.term_size: Size | None = None
+        # the chat and its panels, reached through this whatever screen is on top (the help, say)
+        self.main = MainScreen(self.session.system, self.memory, base, self.spec_controls())
         self._dirty: dict[int, Message] = {}  # messages changed since the last draw
         self._render_due = False
         self._time_mark, self._cpu_mark = time.perf_counter(), time.thread_time()
 
     # -- layout -----------------------------------------------------------------------------------
-    def compose(self) -> ComposeResult:
-        yield StatusBar(id="status")
-        with Horizontal(id="main"):
-            yield ChatColumn(self.session.system, id="chat")
-            with Vertical(id="side"):
-                yield Tabs(*(Tab(label, id=key) for key, label in PANELS), id="panel-tabs")
-                with Container(id="panels"):
-                    yield BlocksPanel(self.memory.block_bytes, id="blocks")
-                    yield SamplingPanel(id="sampling")
-                    yield TimingPanel(id="timing")
-                    yield ControlsPanel(self.session.params, self.spec_controls(), id="controls")
-                    yield MemoryPanel(self.memory, id="memory")
-                    yield SpeculationPanel(id="speculation")
-        yield Footer()
+    def get_default_screen(self) -> MainScreen:
+        return self.main
 
-    @property
-    def main(self) -> Screen:
-        """The chat screen (App.query_one would search whatever screen is on top, e.g. help)."""
-        return self.screen_stack[0]
-
-    def on_mount(self) -> None:
-        log = self.main.query_one(ChatLog)
+    async def on_mount(self) -> None:
+        """Fill the main screen and start the engine's loop."""
+        await AwaitMount(self.main, [self.main])  # the screen composes in its own task
+        log = self.main.chat_log
         for m in self.session.messages:
             log.add(m)
         self.loop.start()
         self.apply_layout()
         self.set_timer(1 / FPS, self._tick)
         self.set_interval(1.0, self.refresh_memory)
-        self.main.query_one("#prompt", PromptInput).focus()
+        self.main.prompt.focus()
         self.refresh_panels(everything=True)
         self.call_after_refresh(settle_heap, True)
 
@@ -185,23 +140,15 @@ class PagechatApp(App[None]):
     def apply_layout(self) -> None:
         """Tabs (one panel at a time) on small terminals, every panel in a grid on big ones."""
         grid = self.grid_layout()
-        if not self.screen_stack or not self.main.query("#panels"):
-            return
-        screen = self.main
-        screen.set_class(grid, "-grid")
-        screen.set_class(not grid, "-tabs")
-        for key, _ in PANELS:
-            self.main.query_one(f"#{key}", Panel).set_class(key == self.active_panel, "-active")
+        if not self.main.query("#panels"):
+            return  # not composed yet
+        self.main.set_layout(grid, self.active_panel)
         self.call_after_refresh(self.refresh_panels, True)
 
     def show_panel(self, key: str) -> None:
         """Make `key` the active panel (the visible one in the tabbed layout)."""
         self.active_panel = key
-        tabs = self.main.query_one("#panel-tabs", Tabs)
-        if tabs.active != key:
-            tabs.active = key
-        for k, _ in PANELS:
-            self.main.query_one(f"#{k}", Panel).set_class(k == key, "-active")
+        self.main.show_panel(key)
         self.call_after_refresh(self.refresh_panels, True)
 
     @on(Tabs.TabActivated, "#panel-tabs")
@@ -218,7 +165,7 @@ class PagechatApp(App[None]):
     def pump(self, force: bool = False) -> None:
         """Drain the engine's events into the session, then render once if the UI's CPU budget allows (runs at FPS)."""
         events = self.loop.events
-        if not self.is_running or not self.screen_stack:
+        if not self.is_running or not self.main.is_attached:
             return
         finished, first, quiet = (
             False,
@@ -243,16 +190,14 @@ class PagechatApp(App[None]):
         if finished:
             self.save()
             settle_heap()
-            self.main.query_one("#prompt", PromptInput).cursor_blink = (
-                self.session.streaming is None
-            )
+            self.main.prompt.cursor_blink = self.session.streaming is None
         if not self._render_due or not (
             force or finished or first or quiet or self.within_budget()
         ):
             return
         self._render_due = False
         self._time_mark, self._cpu_mark = time.perf_counter(), time.thread_time()
-        log = self.main.query_one(ChatLog)
+        log = self.main.chat_log
         for msg in self._dirty.values():
             log.update(msg)
         self._dirty.clear()
@@ -361,9 +306,9 @@ class PagechatApp(App[None]):
             return
         reply = self.session.add_user(text)
         conversation = self.session.conversation()
-        log = self.main.query_one(ChatLog)
+        log = self.main.chat_log
         mounts = [log.add(self.session.messages[-2]), log.add(reply)]
-        prompt = self.main.query_one("#prompt", PromptInput)
+        prompt = self.main.prompt
         prompt.clear()
         prompt.cursor_blink = False  # each blink repaints the screen: none while the engine decodes
         self.pinned = None
@@ -398,7 +343,7 @@ class PagechatApp(App[None]):
         if self.pinned is not None:
             self.pinned = None
             self.show_sampling()
-        self.main.query_one("#prompt", PromptInput).focus()
+        self.main.prompt.focus()
 
     def action_new_chat(self) -> None:
         """Ctrl+N: abort the reply in flight, save this chat, start an empty one (same system prompt and settings)."""
@@ -411,8 +356,8 @@ class PagechatApp(App[None]):
         )
         self.session.latest, self.session.blocks = old.latest, old.blocks
         self.pinned = None
-        self.main.query_one(ChatLog).clear()
-        self.main.query_one("#prompt", PromptInput).focus()
+        self.main.chat_log.clear()
+        self.main.prompt.focus()
         self.refresh_panels(everything=True)
         self.call_after_refresh(settle_heap, True)
         self.notify(f"new chat {self.session.record.id}", timeout=3)
@@ -433,7 +378,7 @@ class PagechatApp(App[None]):
 
     def action_inspect(self) -> None:
         """Ctrl+R: focus the last reply to pick its tokens."""
-        reply = self.main.query_one(ChatLog).last_reply()
+        reply = self.main.chat_log.last_reply()
         if reply is None:
             self.notify("no reply yet", severity="warning")
             return
@@ -462,7 +407,7 @@ class PagechatApp(App[None]):
         self.session.system = event.value
         self.save()
         self.notify("system prompt set (applies from the next message)", timeout=3)
-        self.main.query_one("#prompt", PromptInput).focus()
+        self.main.prompt.focus()
 
     @on(Input.Changed, "#system-prompt")
     def _system_changed(self, event: Input.Changed) -> None:

@@ -1,14 +1,115 @@
-"""Modal screens: the help screen listing every key."""
+"""The app's screens: the main screen (chat beside the inspector panels) and the help."""
 
 from __future__ import annotations
 
+from pagechat.core.memory import EngineMemory
+from pagechat.core.params import SamplingParams
+from pagechat.tui.protocol import EngineInfo
+from pagechat.tui.session import ChatSession
+from pagechat.tui.widgets.blocks import BlocksPanel
+from pagechat.tui.widgets.chat import ChatColumn, ChatLog, PromptInput
+from pagechat.tui.widgets.controls import ControlsPanel
+from pagechat.tui.widgets.memory import MemoryPanel
+from pagechat.tui.widgets.panel import Panel, Readout
+from pagechat.tui.widgets.sampling import SamplingPanel
+from pagechat.tui.widgets.speculation import SpeculationPanel
+from pagechat.tui.widgets.timing import TimingPanel
 from rich.table import Table
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import VerticalScroll
-from textual.screen import ModalScreen
-from textual.widgets import Static
+from textual.containers import Container, Horizontal, Vertical, VerticalScroll
+from textual.screen import ModalScreen, Screen
+from textual.widgets import Footer, Static, Tab, Tabs
+
+PANELS = (
+    ("blocks", "Blocks"),
+    ("sampling", "Sampling"),
+    ("timing", "Timing"),
+    ("controls", "Controls"),
+    ("memory", "Memory"),
+    ("speculation", "Spec"),
+)
+
+
+class StatusBar(Readout):
+    """One line: model, dtype and device, chat id, and what the engine is doing."""
+
+
+def status_line(info: EngineInfo, session: ChatSession, frozen: bool) -> Text:
+    """The status bar's text; `frozen` hides the varying tok/s."""
+    t = Text().append(" pagechat ", "bold #1c1c1c on #5fafff")
+    t.append(f" {info.model_name} ", "bold").append(f"{info.precision} on {info.device}", "dim")
+    turns = sum(1 for m in session.messages if m.role == "user")
+    t.append(f" │ chat {session.record.id} · {turns} turn{'s' * (turns != 1)}", "dim")
+    msg = session.streaming
+    if msg is None:
+        return t.append(" │ ", "dim").append("idle", "dim")
+    t.append(" │ ", "dim").append("● generating", "bold #87d787")
+    t.append(f" {len(msg.tokens)} tok", "dim")
+    if msg.timing and msg.timing.decode_tok_s and not frozen:
+        t.append(f" · {msg.timing.decode_tok_s:.1f} tok/s", "dim")
+    return t
+
+
+class MainScreen(Screen):
+    """The chat column beside the inspector panels, between the status line and the footer.
+
+    The panels are tabbed (one shown at a time: Screen class -tabs) or all in a grid (-grid).
+    """
+
+    def __init__(
+        self,
+        system: str,
+        memory: EngineMemory,
+        params: SamplingParams,
+        spec: tuple[bool, bool, int],
+    ) -> None:
+        """system: the chat's system prompt; spec: (a proposer exists, speculation on, draft
+        length)."""
+        super().__init__()
+        self.system, self.memory, self.params, self.spec = system, memory, params, spec
+
+    def compose(self) -> ComposeResult:
+        yield StatusBar(id="status")
+        with Horizontal(id="main"):
+            yield ChatColumn(self.system, id="chat")
+            with Vertical(id="side"):
+                yield Tabs(*(Tab(label, id=key) for key, label in PANELS), id="panel-tabs")
+                with Container(id="panels"):
+                    yield BlocksPanel(self.memory.block_bytes, id="blocks")
+                    yield SamplingPanel(id="sampling")
+                    yield TimingPanel(id="timing")
+                    yield ControlsPanel(self.params, self.spec, id="controls")
+                    yield MemoryPanel(self.memory, id="memory")
+                    yield SpeculationPanel(id="speculation")
+        yield Footer()
+
+    @property
+    def prompt(self) -> PromptInput:
+        return self.query_one("#prompt", PromptInput)
+
+    @property
+    def chat_log(self) -> ChatLog:
+        return self.query_one(ChatLog)
+
+    def set_layout(self, grid: bool, active: str) -> None:
+        """Every panel at once in a grid, or tabs that show the `active` one."""
+        self.set_class(grid, "-grid")
+        self.set_class(not grid, "-tabs")
+        self._mark_active(active)
+
+    def show_panel(self, key: str) -> None:
+        """Make `key` the active panel: its tab selected, its box highlighted."""
+        tabs = self.query_one("#panel-tabs", Tabs)
+        if tabs.active != key:
+            tabs.active = key
+        self._mark_active(key)
+
+    def _mark_active(self, key: str) -> None:
+        for k, _ in PANELS:
+            self.query_one(f"#{k}", Panel).set_class(k == key, "-active")
+
 
 # (keys, what they do, where): the one list the help screen shows; app BINDINGS use the same keys.
 KEYS: tuple[tuple[str, str, str], ...] = (
