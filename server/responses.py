@@ -1,0 +1,101 @@
+"""Response bodies in OpenAI's shapes: whole completions, streamed chunks, and the SSE framing."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from pagechat.server.jobs import Choice
+from pagechat.server.logprobs import chat_logprobs, completion_logprobs
+from pagechat.server.messages import ChoiceDelta
+
+DONE = "data: [DONE]\n\n"
+
+
+def sse(body: dict) -> str:
+    """One server-sent event."""
+    return f"data: {json.dumps(body, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    """The fields every body of one response repeats."""
+
+    kind: str  # "chat" | "completion"
+    model: str
+    id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @classmethod
+    def new(cls, kind: str, model: str) -> Header:
+        prefix = "chatcmpl" if kind == "chat" else "cmpl"
+        return cls(kind, model, f"{prefix}-{uuid.uuid4().hex}")
+
+    def body(self, chunk: bool) -> dict:
+        if self.kind == "chat":
+            obj = "chat.completion.chunk" if chunk else "chat.completion"
+        else:
+            obj = "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+
+def _logprobs(kind: str, choice_logprobs: list, wanted: bool, offset: int = 0) -> dict | None:
+    if not wanted:
+        return None
+    if kind == "chat":
+        return chat_logprobs(choice_logprobs)
+    return completion_logprobs(choice_logprobs, offset)
+
+
+def whole(header: Header, choices: list[Choice], usage: dict, logprobs: bool) -> dict:
+    """A non-streamed response: every choice's text, logprobs and finish reason, and usage."""
+    out = []
+    for c in choices:
+        lp = _logprobs(header.kind, c.logprobs, logprobs)
+        if header.kind == "chat":
+            message = {"role": "assistant", "content": c.text}
+            out.append({"index": c.index, "message": message, "logprobs": lp})
+        else:
+            out.append({"index": c.index, "text": c.text, "logprobs": lp})
+        out[-1]["finish_reason"] = c.finish_reason
+    return {**header.body(chunk=False), "choices": out, "usage": usage}
+
+
+class ChunkWriter:
+    """The chunks of one streamed response; remembers per choice only what the format needs
+    (completions' character offsets)."""
+
+    def __init__(self, header: Header, logprobs: bool, include_usage: bool) -> None:
+        self.header, self.logprobs, self.include_usage = header, logprobs, include_usage
+        self._offsets: dict[int, int] = {}
+
+    def _chunk(self, choice: dict) -> str:
+        body = {**self.header.body(chunk=True), "choices": [choice]}
+        if self.include_usage:
+            body["usage"] = None
+        return sse(body)
+
+    def opening(self, index: int) -> str:
+        """Chat's first chunk of a choice: the assistant's role, no text yet."""
+        delta = {"role": "assistant", "content": ""}
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+        return self._chunk(choice)
+
+    def delta(self, d: ChoiceDelta) -> str | None:
+        """A delta's chunk; None when it carries nothing (text held back for a stop string)."""
+        if not (d.text or d.logprobs or d.finished):
+            return None
+        offset = self._offsets.get(d.index, 0)
+        self._offsets[d.index] = offset + sum(len(t.token) for t in d.logprobs)
+        lp = _logprobs(self.header.kind, list(d.logprobs), self.logprobs, offset)
+        if self.header.kind == "chat":
+            choice = {"index": d.index, "delta": {"content": d.text} if d.text else {}}
+        else:
+            choice = {"index": d.index, "text": d.text}
+        return self._chunk({**choice, "logprobs": lp, "finish_reason": d.finish_reason})
+
+    def usage(self, usage: dict) -> str:
+        """The last chunk with stream_options.include_usage: no choices, the whole usage."""
+        return sse({**self.header.body(chunk=True), "choices": [], "usage": usage})

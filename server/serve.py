@@ -1,0 +1,88 @@
+"""`pagechat serve`: load the engine, build the application around it, run it under uvicorn."""
+
+from __future__ import annotations
+
+import ipaddress
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import uvicorn
+from pagechat.core.config import EngineConfig
+from pagechat.core.engine import Engine
+from pagechat.server.app import ServerState, create_app
+from pagechat.server.engine_loop import EngineLoop
+from pagechat.server.metrics import ServerMetrics
+from pagechat.server.prompts import Limits, PromptEncoder
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSettings:
+    """Where the server listens, who may call it, and the model's name in the API."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    model_name: str | None = None  # default: the model directory's name
+    log_level: str = "info"
+
+
+def is_loopback(host: str) -> bool:
+    """True for localhost and loopback addresses (127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to anything
+
+
+def exposure_warning(host: str, api_key: str | None) -> str | None:
+    """The warning for a server others can reach without a key, or None."""
+    if api_key or is_loopback(host):
+        return None
+    return (
+        f"WARNING: serving on {host} without --api-key: anyone who can reach this machine can "
+        "use the model. Pass --api-key KEY (clients send it as a Bearer token), or bind to "
+        "127.0.0.1."
+    )
+
+
+def build_state(engine: Engine, settings: ServerSettings) -> ServerState:
+    """The routes' shared state around a loaded engine."""
+    name = settings.model_name or engine.model_dir.resolve().name
+    blocks = engine.blocks
+    limits = Limits(
+        engine.max_model_len, blocks.num_blocks * blocks.block_size, engine.spec.vocab_size
+    )
+    metrics = ServerMetrics(name, blocks.num_blocks)
+    return ServerState(
+        loop=EngineLoop(engine, metrics),
+        metrics=metrics,
+        encoder=PromptEncoder(engine.model_dir, limits),
+        model_name=name,
+        api_key=settings.api_key,
+        max_n=engine.config.max_seqs,
+    )
+
+
+def serve(model_dir: Path, config: EngineConfig, settings: ServerSettings) -> None:
+    """Load the model and serve it until interrupted."""
+    engine = Engine(model_dir, config)
+    state = build_state(engine, settings)
+    print(
+        f"pagechat serve: {model_dir} as {state.model_name!r} ({engine.precision}, "
+        f"{engine.blocks.num_blocks} KV blocks of {engine.blocks.block_size} tokens) on "
+        f"http://{settings.host}:{settings.port}/v1",
+        file=sys.stderr,
+    )
+    warning = exposure_warning(settings.host, settings.api_key)
+    if warning:
+        print(f"\n\033[1;31m{warning}\033[0m\n", file=sys.stderr)
+    uvicorn.run(
+        create_app(state),
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        http="h11",  # its ASGI spec version makes Starlette watch for disconnects mid-stream
+    )
