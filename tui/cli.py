@@ -498,6 +498,64 @@ def train_demo_cmd(
     )
 
 
+@app.command()
+def serve(
+    model_dir: OptionalModelDir = None,
+    host: Annotated[
+        str, typer.Option(help="address to listen on (0.0.0.0: every interface; needs a key)")
+    ] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="port to listen on")] = 8000,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            envvar="PAGECHAT_API_KEY",
+            help="key clients must send (Authorization: Bearer KEY) to call /v1",
+        ),
+    ] = None,
+    served_model_name: Annotated[
+        str | None, typer.Option(help="the model's name in the API (default: the directory's)")
+    ] = None,
+    draft: Draft = None,
+    ngram: Ngram = False,
+    num_draft: NumDraft = 4,
+    quant: Quant = None,
+    dtype: Dtype = "auto",
+    device: Device = "auto",
+    block_size: BlockSize = 16,
+    kv_blocks: KvBlocks = None,
+    kv_memory: KvMemory = None,
+    max_batch_tokens: Annotated[
+        int, typer.Option(help="tokens computed per step (longer prompts are chunked)")
+    ] = 2048,
+    max_seqs: Annotated[int, typer.Option(help="sequences running at once")] = 64,
+    eager: Eager = False,
+) -> None:
+    """Serve a model over an OpenAI-compatible HTTP API (chat, completions, streaming), with
+    Prometheus metrics at /metrics."""
+    from pagechat.server.serve import ServerSettings
+    from pagechat.server.serve import serve as serve_model
+    from pagechat.tools.demo import model_or_demo
+
+    if not 0 <= port <= 65535:
+        raise PagechatError(f"--port must be in 0..65535, got {port}")
+    config = engine_config(
+        device=device,
+        dtype=dtype,
+        quant=quant,
+        draft=draft,
+        ngram=ngram,
+        num_draft=num_draft,
+        eager=eager,
+        kv_memory=kv_memory,
+        block_size=block_size,
+        kv_blocks=kv_blocks,
+        max_batch_tokens=max_batch_tokens,
+        max_seqs=max_seqs,
+    )
+    settings = ServerSettings(host, port, api_key or None, served_model_name)
+    serve_model(model_or_demo(model_dir, quant), config, settings)
+
+
 def main() -> None:
     """Console entry point: user errors become one line on stderr and exit code 2."""
     try:
