@@ -106,19 +106,24 @@ class EngineLoop:
             self._fail_all(self.error)
 
     def _take(self, block: bool) -> bool:
-        """Apply what the inbox holds (waiting for one item when idle); False on stop."""
+        """Apply what the inbox holds (waiting for one item when idle); False on stop. Aborts
+        free blocks at once, so the gauges are refreshed after them."""
+        aborted = False
         while True:
             try:
                 item = self._inbox.get(block=block)
             except queue.Empty:
-                return True
+                break
             block = False
             if item is _STOP:
                 return False
             if isinstance(item, _Abort):
-                self._abort(item.sub)
+                aborted = self._abort(item.sub) or aborted
             else:
                 self._add(item)
+        if aborted:
+            self._observe_load()
+        return True
 
     def _add(self, sub: Submission) -> None:
         try:
@@ -130,26 +135,34 @@ class EngineLoop:
         self._pending[sub.request_id] = pending
         self._routes[sub.request_id] = _Route(pending, sub.first_index, root=True)
 
-    def _abort(self, sub: Submission) -> None:
-        """Abort a submission's sequences (its forked samples too); their blocks are freed now."""
+    def _abort(self, sub: Submission) -> bool:
+        """Abort a submission's sequences (its forked samples too); their blocks are freed now.
+        False when there was nothing to abort."""
         pending = self._pending.pop(sub.request_id, None) if sub.request_id is not None else None
         if pending is None:
-            return  # never added, or already finished
+            return False  # never added, or already finished
         now = time.perf_counter()
         for seq_id in pending.seq_ids:
             route = self._routes.pop(seq_id, None)
             if route is not None and seq_id in self.engine.requests:
                 self.engine.abort(seq_id)
                 self.metrics.observe_finished("abort", now - sub.arrival)
+        return True
 
     def _step(self) -> None:
         started = time.perf_counter()
         report = self.engine.step()
         now = time.perf_counter()
         self._observe_scheduled(started)
-        scheduler = self.engine.scheduler
-        self.metrics.observe_step(report, len(scheduler.running), len(scheduler.waiting))
+        self.metrics.observe_step(report)
+        self._observe_load(report.blocks.num_used)
         self._deliver(self._route(report, now))
+
+    def _observe_load(self, used_blocks: int | None = None) -> None:
+        if used_blocks is None:
+            used_blocks = self.engine.block_map.snapshot().num_used
+        scheduler = self.engine.scheduler
+        self.metrics.observe_load(len(scheduler.running), len(scheduler.waiting), used_blocks)
 
     def _observe_scheduled(self, started: float) -> None:
         for request_id, pending in self._pending.items():

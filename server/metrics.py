@@ -80,13 +80,17 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
     # -- called from the engine's thread ---------------------------------------------------------
-    def observe_step(self, report: StepReport, running: int, waiting: int) -> None:
-        """Gauges and counters after one engine step."""
+    def observe_load(self, running: int, waiting: int, used_blocks: int) -> None:
+        """The gauges: after each step, and after aborts (which free blocks between steps)."""
         lab = self._label
         self.running.labels(**lab).set(running)
         self.waiting.labels(**lab).set(waiting)
+        self.kv_usage.labels(**lab).set(used_blocks / self.num_blocks if self.num_blocks else 0)
+
+    def observe_step(self, report: StepReport) -> None:
+        """The counters after one engine step."""
+        lab = self._label
         snap = report.blocks
-        self.kv_usage.labels(**lab).set(snap.num_used / self.num_blocks if self.num_blocks else 0)
         self.queries.labels(**lab).inc(max(snap.prefix_queried_tokens - self._queried, 0))
         self.hits.labels(**lab).inc(max(snap.prefix_hit_tokens - self._hit, 0))
         self._queried, self._hit = snap.prefix_queried_tokens, snap.prefix_hit_tokens
