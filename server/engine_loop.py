@@ -161,8 +161,9 @@ class EngineLoop:
     def _observe_load(self, used_blocks: int | None = None) -> None:
         if used_blocks is None:
             used_blocks = self.engine.block_map.snapshot().num_used
-        scheduler = self.engine.scheduler
-        self.metrics.observe_load(len(scheduler.running), len(scheduler.waiting), used_blocks)
+        sched = self.engine.scheduler
+        swapped = len(getattr(sched, "swapped", ()))  # a scheduler that preempts by swapping
+        self.metrics.observe_load(len(sched.running), len(sched.waiting), swapped, used_blocks)
 
     def _observe_scheduled(self, started: float) -> None:
         for request_id, pending in self._pending.items():

@@ -36,7 +36,7 @@ class ServerMetrics:
         g, c, h = self._gauge, self._counter, self._histogram
         self.running = g("num_requests_running", "Sequences in the running batch.")
         self.waiting = g("num_requests_waiting", "Sequences waiting (new or preempted).")
-        self.swapped = g("num_requests_swapped", "Sequences swapped to host memory (none here).")
+        self.swapped = g("num_requests_swapped", "Sequences preempted by swapping to host memory.")
         self.kv_usage = g("kv_cache_usage_perc", "Fraction of KV blocks in use (0 to 1).")
         self.queries = c("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.hits = c("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
@@ -80,11 +80,12 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
     # -- called from the engine's thread ---------------------------------------------------------
-    def observe_load(self, running: int, waiting: int, used_blocks: int) -> None:
+    def observe_load(self, running: int, waiting: int, swapped: int, used_blocks: int) -> None:
         """The gauges: after each step, and after aborts (which free blocks between steps)."""
         lab = self._label
         self.running.labels(**lab).set(running)
         self.waiting.labels(**lab).set(waiting)
+        self.swapped.labels(**lab).set(swapped)
         self.kv_usage.labels(**lab).set(used_blocks / self.num_blocks if self.num_blocks else 0)
 
     def observe_step(self, report: StepReport) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 
 class StreamOptions(BaseModel):
@@ -35,6 +35,14 @@ class SamplingFields(BaseModel):
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
+
+    @field_validator(
+        "n", "stream", "ignore_eos", "logprobs", "echo", mode="before", check_fields=False
+    )
+    @classmethod
+    def _null_is_default(cls, value: Any, info: ValidationInfo) -> Any:
+        """Some clients send null for a field they leave at its default."""
+        return cls.model_fields[info.field_name].default if value is None else value
 
 
 class TextPart(BaseModel):

@@ -205,13 +205,19 @@ def test_chat_logprobs(served):
 
 
 def test_completion_logprobs(served):
-    got = served.client().completions.create(
-        model=MODEL, prompt="Hello", max_tokens=5, temperature=0.8, seed=3, logprobs=2
-    )
+    """Completions' logprobs shape, the same streamed (same seed) as whole."""
+    args = dict(model=MODEL, prompt="Hello", max_tokens=5, temperature=0.8, seed=3, logprobs=2)
+    got = served.client().completions.create(**args)
     lp = got.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
     assert all(len(top) <= 2 and x <= 0 for top, x in zip(lp.top_logprobs, lp.token_logprobs))
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
+    tokens, offsets, logprobs = [], [], []
+    for chunk in served.client().completions.create(**args, stream=True):
+        tokens += chunk.choices[0].logprobs.tokens
+        offsets += chunk.choices[0].logprobs.text_offset
+        logprobs += chunk.choices[0].logprobs.token_logprobs
+    assert (tokens, offsets, logprobs) == (lp.tokens, lp.text_offset, lp.token_logprobs)
 
 
 def test_stop_string(served, oracle):

@@ -109,6 +109,12 @@ def test_bad_requests(served, path, body, status, param, words):
         assert "Traceback" not in r.text and "detail" not in r.text
 
 
+def test_null_fields_mean_their_defaults(served):
+    body = chat(max_tokens=2, n=None, stream=None, logprobs=None, temperature=None, stop=None)
+    r = httpx.post(served.url + CHAT, json=body)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 1
+
+
 def test_routes_and_methods_the_server_lacks(served):
     r = httpx.get(served.url + "/v1/embeddings")
     assert r.status_code == 404 and "no route GET /v1/embeddings" in r.json()["error"]["message"]
