@@ -24,17 +24,19 @@ class Options:
     params: SamplingParams
     max_tokens: int | None
     logprobs: int | None
+    max_tokens_param: str = "max_tokens"  # the field that set max_tokens, for errors
 
     def for_prompt(self, prompt_len: int, limits: Limits) -> SamplingParams:
         """The params of one prompt: max_tokens given (and checked against the room left), or all
         the room left, as vLLM does."""
         room = limits.max_len - prompt_len
         if self.max_tokens is not None and self.max_tokens > room:
+            name = self.max_tokens_param
             raise bad_param(
-                "max_tokens",
-                f"the prompt has {prompt_len} tokens and max_tokens asks for {self.max_tokens} "
+                name,
+                f"the prompt has {prompt_len} tokens and {name} asks for {self.max_tokens} "
                 f"more, but this server fits {limits.max_len} tokens per sequence; "
-                "lower max_tokens or shorten the prompt",
+                f"lower {name} or shorten the prompt",
                 "context_length_exceeded",
             )
         tokens = self.max_tokens if self.max_tokens is not None else room
@@ -136,7 +138,7 @@ def chat_options(req: ChatRequest, max_n: int) -> Options:
     tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     tokens = _max_tokens(tokens, param)
-    return Options(_params(req, _candidates(logprobs)), tokens, logprobs)
+    return Options(_params(req, _candidates(logprobs)), tokens, logprobs, param)
 
 
 def completion_options(req: CompletionRequest, max_n: int) -> Options:

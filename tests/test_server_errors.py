@@ -54,6 +54,7 @@ BAD = [
     (CHAT, chat(max_tokens=0), 400, "max_tokens", ">= 1"),
     (CHAT, chat(max_tokens=100_000), 400, "max_tokens", "lower max_tokens"),
     (CHAT, chat(max_completion_tokens=-3), 400, "max_completion_tokens", ">= 1"),
+    (CHAT, chat(max_completion_tokens=10**5), 400, "max_completion_tokens", "lower max_comp"),
     (CHAT, chat(n=0), 400, "n", "between 1 and 8"),
     (CHAT, chat(n=9), 400, "n", "between 1 and 8"),
     (CHAT, chat(presence_penalty=0.5), 400, "presence_penalty", "not supported"),
