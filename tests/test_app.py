@@ -23,12 +23,14 @@ from pagechat.tui.engine_process import EngineProcess
 from pagechat.tui.history import ChatStore
 from pagechat.tui.screens import HelpScreen
 from pagechat.tui.widgets.blocks import FREE, BlockGrid, BlocksPanel
-from pagechat.tui.widgets.chat import ChatLog, ReplyView, TokenView, printable
+from pagechat.tui.widgets.chat import ChatLog, PromptInput, ReplyView, TokenView, printable
 from pagechat.tui.widgets.controls import ControlsPanel
 from pagechat.tui.widgets.sampling import SamplingPanel
 from pagechat.tui.widgets.timing import TimingPanel
+from rich.console import Console
+from textual.binding import Binding
 from textual.screen import Screen
-from textual.widgets import Tabs
+from textual.widgets import Static, Tabs
 
 pytestmark = pytest.mark.anyio
 SIZE = (120, 36)
@@ -388,8 +390,19 @@ async def test_keys_nudge_params_help_and_resize(model_dir, tmp_path):
         assert app.screen.has_class("-tabs")
         await pilot.press("f6", "f6", "f7")
         assert app.session.params.temperature == 1.0 and app.session.params.top_p == 0.9
+        prompt = app.query_one(PromptInput)
+        prompt.focus()
+        await pilot.press("a", "ctrl+j", "b", "alt+enter")  # new lines, nothing sent
+        assert prompt.text == "a\nb\n" and not app.session.messages
+        prompt.clear()
         await pilot.press("f1")
         assert isinstance(app.screen, HelpScreen)
+        console = Console(width=240, record=True)  # wide enough that no row wraps
+        console.print(app.screen.query_one("#help-box Static", Static).content)
+        shown = console.export_text()
+        for b in Binding.make_bindings([*app.BINDINGS, *PromptInput.BINDINGS, *ReplyView.BINDINGS]):
+            assert (b.tooltip or b.description) in shown, b  # every binding, in its own words
+        assert "Ctrl+N" in shown and "Shift+Enter / Alt+Enter / Ctrl+J" in shown
         await pilot.press("escape")
         assert not isinstance(app.screen, HelpScreen)
         await pilot.resize_terminal(200, 50)

@@ -30,7 +30,7 @@ from pagechat.tui.widgets.speculation import SpeculationPanel
 from pagechat.tui.widgets.timing import TimingPanel
 from textual import events, on
 from textual.app import App, SystemCommand
-from textual.binding import Binding
+from textual.binding import Binding, BindingType
 from textual.geometry import Size
 from textual.screen import Screen
 from textual.widget import AwaitMount
@@ -47,21 +47,89 @@ class PagechatApp(App[None]):
 
     CSS_PATH = "app.tcss"
     TITLE = "pagechat"
-    # priority: the prompt (a TextArea) binds F6/F7 itself; Esc and F1 stay normal so the help screen gets them
+    # priority: the prompt (a TextArea) binds F6/F7 itself; Esc and F1 stay normal so that the
+    # help screen gets them. The help screen lists these, so each says what it does in its tooltip.
     BINDINGS = [
-        Binding("escape", "stop", "Stop", tooltip="stop the reply, keeping its text"),
-        Binding("ctrl+n", "new_chat", "New chat", priority=True),
-        Binding("ctrl+s", "export", "Export .md", priority=True),
-        Binding("ctrl+r", "inspect", "Tokens", priority=True),
-        Binding("f1", "help", "Help"),
-        Binding("question_mark", "help", "Help", show=False),
-        Binding("f2", "next_panel", "Panel", priority=True),
-        Binding("f3", "toggle_layout", "Layout", show=False, priority=True),
-        Binding("f4", "focus_controls", "Controls", show=False, priority=True),
-        Binding("f5", "nudge('temperature', -0.1)", "T−", show=False, priority=True),
-        Binding("f6", "nudge('temperature', 0.1)", "T+", show=False, priority=True),
-        Binding("f7", "nudge('top_p', -0.05)", "top-p−", show=False, priority=True),
-        Binding("f8", "nudge('top_p', 0.05)", "top-p+", show=False, priority=True),
+        Binding(
+            "escape",
+            "stop",
+            "Stop",
+            tooltip="stop the reply (keeps the partial text); else back to the prompt",
+        ),
+        Binding(
+            "ctrl+n",
+            "new_chat",
+            "New chat",
+            priority=True,
+            tooltip="new chat (frees its KV blocks; prefix-cached blocks stay cached)",
+        ),
+        Binding(
+            "ctrl+s", "export", "Export .md", priority=True, tooltip="export this chat as Markdown"
+        ),
+        Binding(
+            "ctrl+r", "inspect", "Tokens", priority=True, tooltip="inspect the last reply's tokens"
+        ),
+        Binding("f1", "help", "Help", tooltip="this help"),
+        Binding("question_mark", "help", "Help", show=False, tooltip="this help"),
+        Binding(
+            "f2",
+            "next_panel",
+            "Panel",
+            priority=True,
+            tooltip="next inspector panel (tabbed layout)",
+        ),
+        Binding(
+            "f3",
+            "toggle_layout",
+            "Layout",
+            show=False,
+            priority=True,
+            tooltip="switch layout: tabs / all panels",
+        ),
+        Binding(
+            "f4",
+            "focus_controls",
+            "Controls",
+            show=False,
+            priority=True,
+            tooltip="focus the controls",
+        ),
+        Binding(
+            "f5",
+            "nudge('temperature', -0.1)",
+            "T−",
+            show=False,
+            priority=True,
+            tooltip="temperature −0.1",
+        ),
+        Binding(
+            "f6",
+            "nudge('temperature', 0.1)",
+            "T+",
+            show=False,
+            priority=True,
+            tooltip="temperature +0.1",
+        ),
+        Binding(
+            "f7",
+            "nudge('top_p', -0.05)",
+            "top-p−",
+            show=False,
+            priority=True,
+            tooltip="top-p −0.05",
+        ),
+        Binding(
+            "f8", "nudge('top_p', 0.05)", "top-p+", show=False, priority=True, tooltip="top-p +0.05"
+        ),
+        # declared here (as App would add it) so that the help lists it
+        Binding(
+            App.COMMAND_PALETTE_BINDING,
+            "command_palette",
+            "palette",
+            show=False,
+            priority=True,
+            tooltip="command palette (every action)",
+        ),
     ]
 
     def __init__(
@@ -467,7 +535,15 @@ class PagechatApp(App[None]):
 
     def action_help(self) -> None:
         if not isinstance(self.screen, HelpScreen):
-            self.push_screen(HelpScreen())
+            self.push_screen(HelpScreen(self.key_sections()))
+
+    def key_sections(self) -> list[tuple[str, list[BindingType]]]:
+        """(where, bindings) for the help: the app's and its main screen's keys work anywhere."""
+        return [
+            ("anywhere", [*self.BINDINGS, *App.BINDINGS, *MainScreen.BINDINGS]),
+            ("prompt", PromptInput.BINDINGS),
+            ("reply", ReplyView.BINDINGS),
+        ]
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)

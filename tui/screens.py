@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from pagechat.core.memory import EngineMemory
 from pagechat.core.params import SamplingParams
 from pagechat.tui.protocol import EngineInfo
@@ -17,7 +19,7 @@ from pagechat.tui.widgets.timing import TimingPanel
 from rich.table import Table
 from rich.text import Text
 from textual.app import ComposeResult
-from textual.binding import Binding
+from textual.binding import Binding, BindingType
 from textual.containers import Container, Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen, Screen
 from textual.widgets import Footer, Static, Tab, Tabs
@@ -111,54 +113,73 @@ class MainScreen(Screen):
             self.query_one(f"#{k}", Panel).set_class(k == key, "-active")
 
 
-# (keys, what they do, where): the one list the help screen shows; app BINDINGS use the same keys.
-KEYS: tuple[tuple[str, str, str], ...] = (
-    ("Enter", "send the prompt", "prompt"),
-    ("Shift+Enter / Alt+Enter / Ctrl+J", "new line in the prompt", "prompt"),
-    ("Esc", "stop the reply (keeps the partial text); else back to the prompt", "anywhere"),
-    ("Ctrl+N", "new chat (frees its KV blocks; prefix-cached blocks stay cached)", "anywhere"),
-    ("Ctrl+S", "export this chat as Markdown", "anywhere"),
-    ("Ctrl+R", "inspect the last reply's tokens", "anywhere"),
-    ("←/→ h/l · Home/End", "pick a token of the focused reply (mouse: click it)", "reply"),
-    ("↑/↓ k/j", "previous / next reply", "reply"),
-    ("F5 / F6", "temperature −0.1 / +0.1", "anywhere"),
-    ("F7 / F8", "top-p −0.05 / +0.05", "anywhere"),
-    ("F2", "next inspector panel (tabbed layout)", "anywhere"),
-    ("F3", "switch layout: tabs / all panels", "anywhere"),
-    ("F4", "focus the controls", "anywhere"),
-    ("Tab / Shift+Tab", "move focus", "anywhere"),
-    ("Ctrl+P", "command palette (every action)", "anywhere"),
-    ("F1 / ?", "this help", "anywhere"),
-    ("Ctrl+Q", "quit", "anywhere"),
-)
+KEY_NAMES = {
+    "escape": "Esc",
+    "question_mark": "?",
+    "left": "←",
+    "right": "→",
+    "up": "↑",
+    "down": "↓",
+}
 
 
-def keys_table() -> Table:
+def key_label(key: str) -> str:
+    """A key as the help shows it: ctrl+n -> Ctrl+N, escape -> Esc, f5 -> F5, h -> h."""
+    *mods, name = key.split("+")
+    if name in KEY_NAMES:
+        name = KEY_NAMES[name]
+    elif len(name) > 1:
+        name = name.capitalize()
+    elif mods:
+        name = name.upper()
+    return "+".join([*(m.capitalize() for m in mods), name])
+
+
+def key_rows(bindings: Iterable[BindingType]) -> list[tuple[str, str]]:
+    """(keys, what they do) of each binding that has a description, its tooltip if it has one;
+    the keys of one action and description share a row."""
+    rows: dict[tuple[str, str], list[str]] = {}
+    for b in Binding.make_bindings(bindings):
+        if b.description:
+            keys = rows.setdefault((b.action, b.tooltip or b.description), [])
+            keys.append(b.key_display or key_label(b.key))
+    return [(" / ".join(keys), does) for (_, does), keys in rows.items()]
+
+
+def keys_table(sections: Iterable[tuple[str, Iterable[BindingType]]]) -> Table:
+    """Every key of every (where, bindings) section."""
     table = Table(
         box=None, show_header=True, header_style="bold #8a8a8a", expand=True, pad_edge=False
     )
     table.add_column("key", style="bold #5fafff", no_wrap=True)
     table.add_column("does")
     table.add_column("where", style="dim", no_wrap=True)
-    for keys, does, where in KEYS:
-        table.add_row(keys, does, where)
+    for where, bindings in sections:
+        for keys, does in key_rows(bindings):
+            table.add_row(keys, does, where)
     return table
 
 
 class HelpScreen(ModalScreen[None]):
-    """Every key of the app; Esc, q or F1 closes it."""
+    """Every key of the app, read from the bindings; Esc, q or F1 closes it."""
 
     BINDINGS = [Binding("escape,q,f1,question_mark", "dismiss", "Close")]
+
+    def __init__(self, sections: Iterable[tuple[str, Iterable[BindingType]]]) -> None:
+        """sections: (where the keys work, their bindings)."""
+        super().__init__()
+        self.sections = sections
 
     def compose(self) -> ComposeResult:
         with VerticalScroll(id="help-box") as box:
             box.border_title = "pagechat keys"
             box.border_subtitle = "Esc closes"
-            yield Static(keys_table())
+            yield Static(keys_table(self.sections))
             yield Static(
                 Text.from_markup(
-                    "\n[dim]Panels render the engine's own records: the block map is the BlockManager's snapshot, the "
-                    "candidates are the sampler's record of each token, timings are the StepReports'. Controls apply "
-                    "to the reply in flight from its next token; the engine refuses invalid values with a reason.[/]"
+                    "\n[dim]Panels render the engine's own records: the block map is the "
+                    "allocator's, the candidates are the sampler's record of each token, timings "
+                    "are the StepReports'. Controls apply to the reply in flight from its next "
+                    "token; the engine refuses invalid values with a reason.[/]"
                 )
             )

@@ -33,6 +33,19 @@ MIN_ROOM = 4  # rows a streaming reply's body takes at least, however tall the m
 class PromptInput(TextArea):
     """Multi-line prompt: Enter sends, Shift+Enter / Alt+Enter / Ctrl+J insert a newline."""
 
+    # priority: a TextArea takes Enter as a newline before any ordinary binding sees it
+    BINDINGS = [
+        Binding("enter", "submit", "Send", show=False, priority=True, tooltip="send the prompt"),
+        Binding(
+            "shift+enter,alt+enter,ctrl+j",
+            "newline",
+            "New line",
+            show=False,
+            priority=True,
+            tooltip="new line in the prompt",
+        ),
+    ]
+
     class Submitted(TMessage):
         """The user pressed Enter on a prompt."""
 
@@ -40,18 +53,11 @@ class PromptInput(TextArea):
             super().__init__()
             self.text = text
 
-    async def _on_key(self, event: events.Key) -> None:
-        if event.key == "enter":
-            event.stop()
-            event.prevent_default()
-            self.post_message(self.Submitted(self.text))
-            return
-        if event.key in ("shift+enter", "alt+enter", "ctrl+j"):
-            event.stop()
-            event.prevent_default()
-            self.insert("\n")
-            return
-        await super()._on_key(event)
+    def action_submit(self) -> None:
+        self.post_message(self.Submitted(self.text))
+
+    def action_newline(self) -> None:
+        self.insert("\n")
 
 
 class UserMessage(Static):
@@ -99,12 +105,18 @@ class ReplyView(Vertical, can_focus=True):
     """An assistant reply: text while streaming, Markdown when finished, its tokens when focused."""
 
     BINDINGS = [
-        Binding("left,h", "move(-1)", "Prev token", show=False),
-        Binding("right,l", "move(1)", "Next token", show=False),
-        Binding("home", "move_to(0)", "First token", show=False),
-        Binding("end", "move_to(-1)", "Last token", show=False),
-        Binding("up,k", "sibling(-1)", "Prev reply", show=False),
-        Binding("down,j", "sibling(1)", "Next reply", show=False),
+        Binding(
+            "left,h",
+            "move(-1)",
+            "Prev token",
+            show=False,
+            tooltip="pick the previous token of the focused reply (mouse: click a token)",
+        ),
+        Binding("right,l", "move(1)", "Next token", show=False, tooltip="pick the next token"),
+        Binding("home", "move_to(0)", "First token", show=False, tooltip="pick the first token"),
+        Binding("end", "move_to(-1)", "Last token", show=False, tooltip="pick the last token"),
+        Binding("up,k", "sibling(-1)", "Prev reply", show=False, tooltip="previous reply"),
+        Binding("down,j", "sibling(1)", "Next reply", show=False, tooltip="next reply"),
     ]
 
     selected: reactive[int] = reactive(-1, init=False)
