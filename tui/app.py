@@ -30,12 +30,36 @@ from pagechat.tui.widgets.speculation import SpeculationPanel
 from pagechat.tui.widgets.timing import TimingPanel
 from textual import events, on
 from textual.app import App, SystemCommand
+from textual.theme import BUILTIN_THEMES
 from textual.binding import Binding, BindingType
 from textual.geometry import Size
 from textual.screen import Screen
 from textual.widget import AwaitMount
 from textual.widgets import Input, Tabs
 
+# The app's own colours, as theme variables ($pc-... in the .tcss; app.theme_variables in code).
+PALETTE = {
+    "pc-accent": "#5fafff",  # the badge, keys, the cursor, decode steps, weights, kept candidates
+    "pc-on-accent": "#1c1c1c",  # text on the accent
+    "pc-good": "#87d787",  # generating, chosen and kept candidates, accepted drafts, KV in use
+    "pc-bad": "#ff8787",  # errors, refusals, cut candidates, rejected drafts
+    "pc-warn": "#ffaf5f",  # a stopped reply, speculation off, prefill steps
+    "pc-note": "#ffd75f",  # bonus tokens, a folded block map
+    "pc-other": "#d787ff",  # mixed steps, memory nobody accounts for
+    "pc-cached": "#00af87",  # prefix-cached blocks
+    "pc-muted": "#8a8a8a",  # table headers, cut candidates
+    "pc-faint": "#585858",  # free blocks, the bars of cut candidates
+    "pc-glyph": "#d0d0d0",  # the block legend's marks
+    "pc-unowned": "#ffffff",  # a used block that no sequence owns
+    "pc-kv-free": "#2e5e2e",  # KV pool allocated but not in use
+    "pc-mem-free": "#3a3a3a",  # free memory
+    "pc-token-even": "#262b33",  # alternate token backgrounds make token boundaries visible
+    "pc-token-odd": "#1d2129",
+    "pc-cyan": "#5fd7d7",  # two more hues, so that eight sequences' blocks differ
+    "pc-lavender": "#afafff",
+}
+# Textual's dark theme with the palette: any other theme gets the palette as its defaults
+THEME = replace(BUILTIN_THEMES["textual-dark"], name="pagechat", variables=PALETTE)
 GRID_MIN = (150, 40)  # terminal size from which every panel is shown at once
 FPS = 20  # the UI renders the latest report at most this often
 UI_CPU_BUDGET = 0.03  # while decoding, the UI thread's share of one core (see within_budget)
@@ -146,6 +170,8 @@ class PagechatApp(App[None]):
     ) -> None:
         """`loop`: the engine's client, not started yet (the app starts it when mounted and closes it)."""
         super().__init__()
+        self.register_theme(THEME)
+        self.theme = THEME.name
         self.loop, info = loop, loop.info
         base = params or SamplingParams(temperature=0.7, top_p=0.95, max_tokens=512)
         self.session = ChatSession(chat or ChatRecord(model=info.model_dir), base)
@@ -174,6 +200,9 @@ class PagechatApp(App[None]):
         self._time_mark, self._cpu_mark = time.perf_counter(), time.thread_time()
 
     # -- layout -----------------------------------------------------------------------------------
+    def get_theme_variable_defaults(self) -> dict[str, str]:
+        return PALETTE
+
     def get_default_screen(self) -> MainScreen:
         return self.main
 
@@ -313,7 +342,7 @@ class PagechatApp(App[None]):
     def refresh_panels(self, everything: bool = False) -> None:
         """Render the visible panels from the session's latest report."""
         s = self.session
-        status = status_line(self.loop.info, s, self.frozen)
+        status = status_line(self.loop.info, s, self.frozen, self.theme_variables)
         self.main.query_one(StatusBar).show(status, layout=False)  # always one line
         snap = s.blocks
         if snap is not None and self.visible("blocks"):

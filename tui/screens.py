@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from pagechat.core.memory import EngineMemory
 from pagechat.core.params import SamplingParams
@@ -38,16 +38,19 @@ class StatusBar(Readout):
     """One line: model, dtype and device, chat id, and what the engine is doing."""
 
 
-def status_line(info: EngineInfo, session: ChatSession, frozen: bool) -> Text:
-    """The status bar's text; `frozen` hides the varying tok/s."""
-    t = Text().append(" pagechat ", "bold #1c1c1c on #5fafff")
+def status_line(
+    info: EngineInfo, session: ChatSession, frozen: bool, colours: Mapping[str, str]
+) -> Text:
+    """The status bar's text; `frozen` hides the varying tok/s; colours: the theme's variables."""
+    badge = f"bold {colours['pc-on-accent']} on {colours['pc-accent']}"
+    t = Text().append(" pagechat ", badge)
     t.append(f" {info.model_name} ", "bold").append(f"{info.precision} on {info.device}", "dim")
     turns = sum(1 for m in session.messages if m.role == "user")
     t.append(f" │ chat {session.record.id} · {turns} turn{'s' * (turns != 1)}", "dim")
     msg = session.streaming
     if msg is None:
         return t.append(" │ ", "dim").append("idle", "dim")
-    t.append(" │ ", "dim").append("● generating", "bold #87d787")
+    t.append(" │ ", "dim").append("● generating", f"bold {colours['pc-good']}")
     t.append(f" {len(msg.tokens)} tok", "dim")
     if msg.timing and msg.timing.decode_tok_s and not frozen:
         t.append(f" · {msg.timing.decode_tok_s:.1f} tok/s", "dim")
@@ -146,12 +149,13 @@ def key_rows(bindings: Iterable[BindingType]) -> list[tuple[str, str]]:
     return [(" / ".join(keys), does) for (_, does), keys in rows.items()]
 
 
-def keys_table(sections: Iterable[tuple[str, Iterable[BindingType]]]) -> Table:
-    """Every key of every (where, bindings) section."""
-    table = Table(
-        box=None, show_header=True, header_style="bold #8a8a8a", expand=True, pad_edge=False
-    )
-    table.add_column("key", style="bold #5fafff", no_wrap=True)
+def keys_table(
+    sections: Iterable[tuple[str, Iterable[BindingType]]], colours: Mapping[str, str]
+) -> Table:
+    """Every key of every (where, bindings) section; colours: the theme's variables."""
+    header = f"bold {colours['pc-muted']}"
+    table = Table(box=None, show_header=True, header_style=header, expand=True, pad_edge=False)
+    table.add_column("key", style=f"bold {colours['pc-accent']}", no_wrap=True)
     table.add_column("does")
     table.add_column("where", style="dim", no_wrap=True)
     for where, bindings in sections:
@@ -174,7 +178,7 @@ class HelpScreen(ModalScreen[None]):
         with VerticalScroll(id="help-box") as box:
             box.border_title = "pagechat keys"
             box.border_subtitle = "Esc closes"
-            yield Static(keys_table(self.sections))
+            yield Static(keys_table(self.sections, self.app.theme_variables))
             yield Static(
                 Text.from_markup(
                     "\n[dim]Panels render the engine's own records: the block map is the "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
+from collections.abc import Mapping
 
 from pagechat.core.blockmap import BlockInfo, BlockSnapshot
 from pagechat.tui.widgets.panel import Panel, Readout, short_bytes
@@ -16,27 +17,36 @@ from textual.geometry import Region, Size
 from textual.strip import Strip
 from textual.widget import Widget
 
-OWNER_COLOURS = (
-    "#5fafff",
-    "#ff8787",
-    "#87d787",
-    "#ffd75f",
-    "#d787ff",
-    "#5fd7d7",
-    "#ffaf5f",
-    "#afafff",
+OWNER_COLOURS = (  # theme variables, one per sequence in turn
+    "pc-accent",
+    "pc-bad",
+    "pc-good",
+    "pc-note",
+    "pc-other",
+    "pc-cyan",
+    "pc-warn",
+    "pc-lavender",
 )
 FILL = "▁▂▃▄▅▆▇█"  # partly filled last block: height = filled / block_size
 FULL, SHARED, CACHED, FREE = "█", "◆", "○", "·"
-STATE_STYLES = {"free": Style(color="#585858"), "cached": Style(color="#00af87", bold=True)}
 CELL_WIDTHS = (2, 1)  # a glyph and a gap when the pool fits that way, else glyphs side by side
 
 
 def owner_colour(seq_id: int) -> str:
+    """The theme variable of a sequence's colour."""
     return OWNER_COLOURS[seq_id % len(OWNER_COLOURS)]
 
 
-Cell = tuple[str, str]  # (glyph, style key: "free" | "cached" | an owner colour)
+def state_style(key: str, colours: Mapping[str, str]) -> Style:
+    """The style of a cell's colour key: free and cached blocks, or an owner's theme variable."""
+    if key == "free":
+        return Style(color=colours["pc-faint"])
+    if key == "cached":
+        return Style(color=colours["pc-cached"], bold=True)
+    return Style(color=colours[key])
+
+
+Cell = tuple[str, str]  # (glyph, colour: "free" | "cached" | an owner's theme variable)
 
 
 def block_cell(b: BlockInfo, block_size: int) -> Cell:
@@ -45,7 +55,7 @@ def block_cell(b: BlockInfo, block_size: int) -> Cell:
         return FREE, "free"
     if b.state == "cached":
         return CACHED, "cached"
-    colour = owner_colour(b.owners[0]) if b.owners else "#ffffff"
+    colour = owner_colour(b.owners[0]) if b.owners else "pc-unowned"
     if b.ref_count > 1:
         return SHARED, colour
     if b.filled < block_size:
@@ -59,7 +69,7 @@ def folded_cell(group: tuple[BlockInfo, ...], block_size: int) -> Cell:
     if not used:
         return (CACHED, "cached") if any(b.state == "cached" for b in group) else (FREE, "free")
     owners = Counter(o for b in used for o in b.owners[:1])
-    colour = owner_colour(owners.most_common(1)[0][0]) if owners else "#ffffff"
+    colour = owner_colour(owners.most_common(1)[0][0]) if owners else "pc-unowned"
     if any(b.ref_count > 1 for b in used):
         return SHARED, colour
     level = sum(b.filled for b in used) / (len(group) * block_size)
@@ -81,13 +91,21 @@ class BlockGrid(Widget):
         self._segments: dict[Cell, Segment] = {}
         self._next_build = 0.0  # big pools: rebuild at most every ~10x the build time
 
+    def on_mount(self) -> None:
+        self.app.theme_changed_signal.subscribe(self, self._repaint)
+
+    def _repaint(self, _theme) -> None:
+        """A new theme may colour the cells differently: forget the styled segments and rows."""
+        self._segments, self._rows = {}, [None] * len(self._rows)
+        self.refresh()
+
     def _segment(self, cell: Cell) -> Segment:
         seg = self._segments.get(cell)
         if seg is None:
             glyph, key = cell
             if self.cell_width == 1 and glyph == FULL:
                 glyph = "■"  # gapless cells: a smaller square keeps neighbouring full blocks apart
-            style = STATE_STYLES.get(key) or Style(color=key)
+            style = state_style(key, self.app.theme_variables)
             seg = self._segments[cell] = Segment(glyph + " " * (self.cell_width - 1), style)
         return seg
 
@@ -163,31 +181,31 @@ class BlockGrid(Widget):
         return strip
 
 
-def legend(snap: BlockSnapshot) -> Text:
+def legend(snap: BlockSnapshot, colours: Mapping[str, str]) -> Text:
     """What each mark means, and the colour of each sequence holding blocks."""
-    t = Text()
+    t, glyph_style = Text(), Style(color=colours["pc-glyph"])
     for glyph, label, style in (
-        (FULL, "full", Style(color="#d0d0d0")),
-        (FILL[3], "part", Style(color="#d0d0d0")),
-        (SHARED, "shared", Style(color="#d0d0d0")),
-        (CACHED, "cached", STATE_STYLES["cached"]),
-        (FREE, "free", STATE_STYLES["free"]),
+        (FULL, "full", glyph_style),
+        (FILL[3], "part", glyph_style),
+        (SHARED, "shared", glyph_style),
+        (CACHED, "cached", state_style("cached", colours)),
+        (FREE, "free", state_style("free", colours)),
     ):
         t.append(glyph, style).append(f" {label} ", "dim")
     owners = sorted({o for b in snap.blocks for o in b.owners})
     for o in owners[:4]:
-        t.append(" ■", Style(color=owner_colour(o))).append(f"seq {o}", "dim")
+        t.append(" ■", Style(color=colours[owner_colour(o)])).append(f"seq {o}", "dim")
     if len(owners) > 4:
         t.append(f" +{len(owners) - 4}", "dim")
     return t
 
 
-def header(snap: BlockSnapshot, block_bytes: int, fold: int) -> Text:
+def header(snap: BlockSnapshot, block_bytes: int, fold: int, colours: Mapping[str, str]) -> Text:
     """Totals from the snapshot: used/total, tokens, KV bytes, fragmentation, prefix hits."""
     n = len(snap.blocks)
     t = Text()
     t.append("used ", "dim").append(f"{snap.num_used}/{n}", "bold")
-    t.append(" · cached ", "dim").append(str(snap.num_cached), "bold #00af87")
+    t.append(" · cached ", "dim").append(str(snap.num_cached), f"bold {colours['pc-cached']}")
     t.append(" · free ", "dim").append(str(snap.num_free), "bold")
     t.append(" · shared ", "dim").append(str(snap.num_shared), "bold")
     t.append("\ntokens ", "dim").append(str(snap.tokens_stored), "bold")
@@ -201,7 +219,7 @@ def header(snap: BlockSnapshot, block_bytes: int, fold: int) -> Text:
         "dim",
     )
     if fold > 1:
-        t.append(f"\n1 cell = {fold} blocks (pool folded to fit)", "italic #ffd75f")
+        t.append(f"\n1 cell = {fold} blocks (pool folded to fit)", f"italic {colours['pc-note']}")
     return t
 
 
@@ -226,5 +244,8 @@ class BlocksPanel(Panel):
         grid.show(snap)
         if grid.snapshot is snap:
             self.snapshot = snap
-            self.set_text("#blocks-header", header(snap, self.block_bytes, grid.fold))
-            self.set_text("#blocks-legend", legend(snap))
+            self.set_text(
+                "#blocks-header",
+                header(snap, self.block_bytes, grid.fold, self.app.theme_variables),
+            )
+            self.set_text("#blocks-legend", legend(snap, self.app.theme_variables))

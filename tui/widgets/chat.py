@@ -25,7 +25,7 @@ def printable(text: str) -> str:
     return text.translate(CONTROL_PICTURES)
 
 
-TOKEN_SHADES = ("#262b33", "#1d2129")  # alternate backgrounds make token boundaries visible
+TOKEN_SHADES = ("pc-token-even", "pc-token-odd")  # theme variables: alternate backgrounds
 SPECIAL = ("<|", "<s>", "</s>")
 MIN_ROOM = 4  # rows a streaming reply's body takes at least, however tall the message above it
 
@@ -72,7 +72,7 @@ class TokenView(Static):
     """A reply's tokens as clickable spans on alternating shades; the selected token is reversed."""
 
     def show(self, message: Message, selected: int) -> None:
-        t = Text()
+        t, shades = Text(), [self.app.theme_variables[v] for v in TOKEN_SHADES]
         for i, tok in enumerate(message.tokens):
             text = tok.text
             special = text.startswith(SPECIAL) and text.endswith((">",))
@@ -82,9 +82,7 @@ class TokenView(Static):
                 else printable(text)
             )
             # meta, not an "@click" action: actions get link styling (underlines) on every token
-            style = Style(
-                bgcolor=TOKEN_SHADES[i % 2], dim=special, italic=special, meta={"token": i}
-            )
+            style = Style(bgcolor=shades[i % 2], dim=special, italic=special, meta={"token": i})
             if i == selected:
                 style += Style(reverse=True, bold=True)
             t.append(shown, style)
@@ -156,7 +154,8 @@ class ReplyView(Vertical, can_focus=True):
             body.styles.height = "auto"
         if m.streaming:
             text = (
-                Text(printable(m.content)) + Text().append("▌", "blink #5fafff")
+                Text(printable(m.content))
+                + Text().append("▌", f"blink {self.app.theme_variables['pc-accent']}")
                 if m.content
                 else Text().append("…", "dim")
             )
@@ -220,19 +219,20 @@ class ReplyView(Vertical, can_focus=True):
 
     def meta_text(self) -> Text:
         m, t = self.message, self.message.timing
+        colours = self.app.theme_variables
         parts = Text(style="dim")
         n = len(m.tokens) or (t.output_tokens if t else 0)
         parts.append(f"{n} tokens")
         if m.streaming:
-            parts.append(" · generating", "#87d787")
+            parts.append(" · generating", colours["pc-good"])
         elif m.finish_reason == "abort":
-            parts.append(" · stopped", "#ffaf5f")
+            parts.append(" · stopped", colours["pc-warn"])
         elif m.finish_reason:
             parts.append(f" · {m.finish_reason}")
         if t is not None and t.decode_tok_s and not self.app.frozen:
             parts.append(f" · {t.decode_tok_s:.1f} tok/s")
         if m.error:
-            parts.append(f"\n{m.error}", "bold #ff8787")
+            parts.append(f"\n{m.error}", f"bold {colours['pc-bad']}")
         if self.has_class("-inspect") and m.tokens:
             parts.append("  ←/→ pick a token · click one · Esc back", "italic")
         return parts

@@ -131,6 +131,11 @@ class ControlsPanel(Panel):
         """The refusal shown, or ''."""
         return str(self.query_one("#control-error", Readout).shown or "")
 
+    def show_error(self, message: str) -> None:
+        """A refusal, in the theme's colour for errors."""
+        colour = self.app.theme_variables["pc-bad"]
+        self.set_text("#control-error", Text().append(message, f"bold {colour}"))
+
     def _apply(self, inp: Input) -> None:
         field = next(f for f in FIELDS if inp.id == f"ctl-{f.name}")
         if inp.value.strip() == show_value(getattr(self.params, field.name)):
@@ -140,7 +145,7 @@ class ControlsPanel(Panel):
             params = parse_field(field, inp.value, self.params)
         except PagechatError as e:
             inp.add_class("-refused")
-            self.set_text("#control-error", Text().append(f"refused: {e}", "bold #ff8787"))
+            self.show_error(f"refused: {e}")
             return
         inp.remove_class("-refused")
         self.set_text("#control-error", "")
@@ -156,10 +161,7 @@ class ControlsPanel(Panel):
             k = 0
         if k < 1:  # the engine's own rule (Engine.set_speculation), refused here before it is sent
             self.query_one("#ctl-draft", Input).add_class("-refused")
-            self.set_text(
-                "#control-error",
-                Text().append(f"refused: draft length must be >= 1, got {text!r}", "bold #ff8787"),
-            )
+            self.show_error(f"refused: draft length must be >= 1, got {text!r}")
             return
         self.query_one("#ctl-draft", Input).remove_class("-refused")
         self.set_text("#control-error", "")

@@ -2,36 +2,38 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from pagechat.core.blockmap import BlockSnapshot
 from pagechat.core.memory import EngineMemory, Readings
 from pagechat.tui.widgets.panel import Panel, Readout, short_bytes
 from rich.text import Text
 from textual.app import ComposeResult
 
-BAR_COLOURS = {
-    "weights": "#5fafff",
-    "kv used": "#87d787",
-    "kv free": "#2e5e2e",
-    "other": "#d787ff",
-    "free": "#3a3a3a",
+BAR_COLOURS = {  # theme variables
+    "weights": "pc-accent",
+    "kv used": "pc-good",
+    "kv free": "pc-kv-free",
+    "other": "pc-other",
+    "free": "pc-mem-free",
 }
 
 
-def bar_legend() -> Text:
+def bar_legend(colours: Mapping[str, str]) -> Text:
     t = Text()
     for name, colour in BAR_COLOURS.items():
-        t.append("■", colour).append(f"{name} ", "dim")
+        t.append("■", colours[colour]).append(f"{name} ", "dim")
     return t
 
 
-def bar(parts: list[tuple[str, int]], total: int, width: int) -> Text:
+def bar(parts: list[tuple[str, int]], total: int, width: int, colours: Mapping[str, str]) -> Text:
     """A stacked bar of named byte counts over total."""
     t, used = Text(), 0
     for name, n in parts:
         cells = min(width - used, round(width * max(0, n) / total)) if total else 0
         used += cells
-        t.append("█" * cells, BAR_COLOURS.get(name, "white"))
-    return t.append("░" * (width - used), BAR_COLOURS["free"])
+        t.append("█" * cells, colours[BAR_COLOURS[name]])
+    return t.append("░" * (width - used), colours[BAR_COLOURS["free"]])
 
 
 class MemoryPanel(Panel):
@@ -83,8 +85,9 @@ class MemoryPanel(Panel):
         used = (snap.num_used if snap else 0) * i.block_bytes
         cached = (snap.num_cached if snap else 0) * i.block_bytes
         kv = Text().append("KV pool ", "dim").append(short_bytes(i.pool_bytes), "bold")
-        kv.append(" · used ", "dim").append(short_bytes(used), "bold #87d787")
-        kv.append(" · cached ", "dim").append(short_bytes(cached), "bold #00af87")
+        colours = self.app.theme_variables
+        kv.append(" · used ", "dim").append(short_bytes(used), f"bold {colours['pc-good']}")
+        kv.append(" · cached ", "dim").append(short_bytes(cached), f"bold {colours['pc-cached']}")
         kv.append(f"\n{i.num_blocks} blocks × {short_bytes(i.block_bytes)} ({i.dtype})", "dim")
         self.set_text("#memory-kv", kv)
         if readings is not None:
@@ -92,6 +95,7 @@ class MemoryPanel(Panel):
 
     def readings_text(self, r: Readings, width: int, kv_used: int) -> Text:
         i, w = self.info, self.info.weights.total
+        colours = self.app.theme_variables
         if self.app.frozen:
             return Text().append(f"{i.device.type} readings hidden (frozen numbers)", "dim")
         t = Text()
@@ -120,9 +124,9 @@ class MemoryPanel(Panel):
                 ("other", dev_used - w - i.pool_bytes),
             ]
             return (
-                t.append_text(bar(parts, r.device_total, width))
+                t.append_text(bar(parts, r.device_total, width, colours))
                 .append("\n")
-                .append_text(bar_legend())
+                .append_text(bar_legend(colours))
             )
         other = r.rss - w - i.pool_bytes
         t.append("activation peak ", "dim").append("not tracked on CPU", "italic dim")
@@ -142,9 +146,10 @@ class MemoryPanel(Panel):
                     ],
                     r.mem_total,
                     width - 14,
+                    colours,
                 )
             )
             t.append(f" of {short_bytes(r.mem_total)}", "dim").append("\n").append_text(
-                bar_legend()
+                bar_legend(colours)
             )
         return t

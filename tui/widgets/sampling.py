@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from pagechat.core.params import SamplingParams
 from pagechat.core.sampler import Candidate, SampleRecord
 from pagechat.tui.widgets.panel import Panel, Readout
@@ -32,19 +34,20 @@ def params_line(p: SamplingParams) -> Text:
     return t
 
 
-def candidate_row(c: Candidate, bar_width: int) -> Text:
+def candidate_row(c: Candidate, bar_width: int, colours: Mapping[str, str]) -> Text:
     """One candidate: mark, text, logit, prob, cumulative prob, bar, kept or cut-by."""
     mark = "▶" if c.chosen else " "
     status = "kept" if c.kept else f"cut {c.cut_by}" if c.cut_by else "cut"
-    style = "bold #87d787" if c.chosen else "" if c.kept else "#8a8a8a"
+    style = f"bold {colours['pc-good']}" if c.chosen else "" if c.kept else colours["pc-muted"]
     line = Text(
         f"{mark} {token_label(c.text):<12} {c.logit:>6.2f} {c.prob:>6.3f} {c.cum_prob:>6.3f} ",
         style=style,
     )
     if bar_width > 0:
         n = round(bar_width * c.prob)
-        line.append("█" * n + "·" * (bar_width - n), "#5fafff" if c.kept else "#585858").append(" ")
-    line.append(status, "#87d787" if c.kept else "#ff8787")
+        bar = colours["pc-accent" if c.kept else "pc-faint"]
+        line.append("█" * n + "·" * (bar_width - n), bar).append(" ")
+    line.append(status, colours["pc-good" if c.kept else "pc-bad"])
     return line
 
 
@@ -70,6 +73,7 @@ class SamplingPanel(Panel):
     def show(self, record: SampleRecord | None, where: str, current: SamplingParams) -> None:
         """Render `record` (newest or selected token, described by `where`) beside the current params."""
         self.record, self.where = record, where
+        colours = self.app.theme_variables
         width = self.content_size.width or 60
         bar = max(0, min(10, width - len(HEADER) - 12))
         title = Text().append(where or "no token sampled yet", "bold")
@@ -87,10 +91,11 @@ class SamplingPanel(Panel):
                 "#sampling-params", Text().append("in force ", "dim") + params_line(record.params)
             )
             table = Text().append(
-                HEADER + ("bar".ljust(bar) + " " if bar else "") + "filter", "bold #8a8a8a"
+                HEADER + ("bar".ljust(bar) + " " if bar else "") + "filter",
+                f"bold {colours['pc-muted']}",
             )
             for c in record.candidates:
-                table.append("\n").append_text(candidate_row(c, bar))
+                table.append("\n").append_text(candidate_row(c, bar, colours))
             if not record.candidates:
                 table.append("\n  no candidates recorded (num_candidates = 0)", "dim")
             self.set_text("#sampling-table", table)

@@ -2,32 +2,32 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from pagechat.tui.widgets.panel import Panel, Readout
 from pagechat.tui.widgets.sampling import token_label
 from rich.text import Text
 from textual.app import ComposeResult
 
-MARKS = {
-    "accepted": ("✓", "#87d787"),
-    "rejected": ("✗", "#ff8787"),
-    "bonus": ("+", "#ffd75f"),
-    "correction": ("→", "#5fafff"),
+MARKS = {  # (mark, theme variable of its colour)
+    "accepted": ("✓", "pc-good"),
+    "rejected": ("✗", "pc-bad"),
+    "bonus": ("+", "pc-note"),
+    "correction": ("→", "pc-accent"),
 }
 
 
-def step_line(d) -> Text:
+def step_line(d, colours: Mapping[str, str]) -> Text:
     """One verify step: each drafted token marked, then the target's own token (bonus or correction)."""
     t = Text()
     if not d.drafted:
         t.append("(no draft) ", "dim")
     for i, text in enumerate(d.drafted_text):
         mark, colour = MARKS["accepted" if i < d.accepted else "rejected"]
-        t.append(f"{mark}{token_label(text, 8)} ", colour)
+        t.append(f"{mark}{token_label(text, 8)} ", colours[colour])
     if len(d.emitted) > d.accepted:
         mark, colour = MARKS["bonus" if d.bonus else "correction"]
-        t.append(f"{mark}{token_label(d.emitted_text[-1], 8)}", colour)
+        t.append(f"{mark}{token_label(d.emitted_text[-1], 8)}", colours[colour])
     return t
 
 
@@ -58,10 +58,10 @@ def summary(records: Sequence, k: int) -> Text:
     return t
 
 
-def legend() -> Text:
+def legend(colours: Mapping[str, str]) -> Text:
     t = Text()
     for name, (mark, colour) in MARKS.items():
-        t.append(f"{mark}", colour).append(f"{name} ", "dim")
+        t.append(f"{mark}", colours[colour]).append(f"{name} ", "dim")
     return t
 
 
@@ -77,14 +77,17 @@ class SpeculationPanel(Panel):
 
     def show(self, on: bool, why: str, records: Sequence, k: int) -> None:
         """State line, figures over `records` (the engine's DraftRecords, newest last) and the recent steps."""
-        state = Text().append("on" if on else "off", "bold #87d787" if on else "bold #ffaf5f")
+        colours = self.app.theme_variables
+        state = Text().append(
+            "on" if on else "off", f"bold {colours['pc-good' if on else 'pc-warn']}"
+        )
         self.set_text("#spec-state", state.append(f"  {why}", "dim"))
         self.set_text("#spec-summary", summary(records, k))
-        lines = Text().append("recent steps  ", "dim").append_text(legend())
+        lines = Text().append("recent steps  ", "dim").append_text(legend(colours))
         rows = max(1, self.content_size.height - 7)
         recent = list(records)[-rows:]
         for d in recent:
-            lines.append("\n").append_text(step_line(d))
+            lines.append("\n").append_text(step_line(d, colours))
         if not recent:
             lines.append("\n  (none yet)", "dim")
         self.set_text("#spec-steps", lines)

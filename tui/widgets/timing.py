@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from pagechat.tui.session import ChatSession, TurnTiming
 from pagechat.tui.widgets.panel import Panel, Readout
@@ -10,7 +10,7 @@ from rich.style import Style
 from rich.text import Text
 from textual.app import ComposeResult
 
-KIND_COLOURS = {"prefill": "#ffaf5f", "decode": "#5fafff", "mixed": "#d787ff"}
+KIND_COLOURS = {"prefill": "pc-warn", "decode": "pc-accent", "mixed": "pc-other"}  # theme variables
 BARS = " ▁▂▃▄▅▆▇█"
 HIDDEN = "·"  # shown instead of a varying time when numbers are frozen (snapshot tests)
 
@@ -24,25 +24,25 @@ def scale_top(values: Sequence[float]) -> float:
     return min(ordered[-1], 2 * typical) or ordered[-1] or 1.0
 
 
-def sparkline(steps: Sequence[tuple[str, float]], width: int, height: int = 2) -> Text:
+def sparkline(
+    steps: Sequence[tuple[str, float]], width: int, colours: Mapping[str, str], height: int = 2
+) -> Text:
     """The last `width` steps as bars `height` rows tall, coloured by step kind; outliers above the scale are clipped."""
     steps = list(steps)[-width:]
     top = scale_top([s for _, s in steps])
-    rows = []
+    rows, colour = [], {kind: colours[v] for kind, v in KIND_COLOURS.items()}
     for r in range(height - 1, -1, -1):  # top row first
         line = Text()
         for kind, s in steps:
             level = round(min(s, top) / top * 8 * height)  # eighths of a row, over all rows
             part = min(8, max(0, level - 8 * r))
             clipped = s > top and r == height - 1
-            line.append(
-                "▲" if clipped else BARS[part] if part else " ", KIND_COLOURS.get(kind, "white")
-            )
+            line.append("▲" if clipped else BARS[part] if part else " ", colour.get(kind, "white"))
         rows.append(line)
     return Text("\n").join(rows)
 
 
-def split_bar(wall: dict[str, float], width: int) -> Text:
+def split_bar(wall: dict[str, float], width: int, colours: Mapping[str, str]) -> Text:
     """Wall time by step kind as one bar plus percentages."""
     total = sum(wall.values())
     t = Text().append("wall time by step kind\n", "dim")
@@ -52,10 +52,12 @@ def split_bar(wall: dict[str, float], width: int) -> Text:
     for kind, s in wall.items():
         n = round(width * s / total) if kind != "mixed" else width - used
         used += n
-        t.append("█" * n, KIND_COLOURS[kind])
+        t.append("█" * n, colours[KIND_COLOURS[kind]])
     t.append("\n")
     for kind, s in wall.items():
-        t.append("■", KIND_COLOURS[kind]).append(f"{kind} {100 * s / total:.0f}% {s:.2f}s ", "dim")
+        t.append("■", colours[KIND_COLOURS[kind]]).append(
+            f"{kind} {100 * s / total:.0f}% {s:.2f}s ", "dim"
+        )
     return t
 
 
@@ -76,7 +78,8 @@ COLUMNS = (
 )
 
 
-def turn_row(i: int, t: TurnTiming, frozen: bool, live: bool) -> Text:
+def turn_row(i: int, t: TurnTiming, frozen: bool, live: str | None) -> Text:
+    """One turn's figures; live: the row's style while its reply streams."""
     cells = [
         ("▶" if live else "") + str(i),
         _num(None if t.ttft_s is None else 1000 * t.ttft_s, ".0f", frozen),
@@ -88,7 +91,7 @@ def turn_row(i: int, t: TurnTiming, frozen: bool, live: bool) -> Text:
     ]
     return Text(
         " ".join(c.rjust(w) for c, (_, w) in zip(cells, COLUMNS)),
-        style="bold #87d787" if live else "",
+        style=live or "",
     )
 
 
@@ -106,11 +109,17 @@ class TimingPanel(Panel):
     def show(self, session: ChatSession) -> None:
         """Render the session's turns and step log."""
         width, frozen = max(10, self.content_size.width), self.app.frozen
+        colours = self.app.theme_variables
+        live = f"bold {colours['pc-good']}"
         turns = session.turns()
-        table = Text().append(" ".join(h.rjust(w) for h, w in COLUMNS), "bold #8a8a8a")
+        table = Text().append(
+            " ".join(h.rjust(w) for h, w in COLUMNS), f"bold {colours['pc-muted']}"
+        )
         rows = max(1, self.content_size.height - 7)
         for i, m in list(enumerate(turns, 1))[-rows:]:
-            table.append("\n").append_text(turn_row(i, m.timing, frozen, m.streaming))
+            table.append("\n").append_text(
+                turn_row(i, m.timing, frozen, live if m.streaming else None)
+            )
         if not turns:
             table.append("\n  no replies yet", "dim")
         self.set_text("#timing-table", table)
@@ -120,15 +129,17 @@ class TimingPanel(Panel):
         if steps:
             title.append(f" full bar {HIDDEN if frozen else f'{1000 * top:.0f}'} ms", "dim")
         for kind, colour in KIND_COLOURS.items():
-            title.append(" ■", Style(color=colour)).append(kind, "dim")
+            title.append(" ■", Style(color=colours[colour])).append(kind, "dim")
         self.set_text("#timing-spark-title", title)
         self.set_text(
             "#timing-spark",
-            sparkline(steps, width) if not frozen else Text(HIDDEN * min(width, len(steps)), "dim"),
+            sparkline(steps, width, colours)
+            if not frozen
+            else Text(HIDDEN * min(width, len(steps)), "dim"),
         )
         self.set_text(
             "#timing-split",
-            split_bar(session.wall, width)
+            split_bar(session.wall, width, colours)
             if not frozen
             else Text().append("wall-time split hidden (frozen numbers)", "dim"),
         )
