@@ -439,6 +439,9 @@ async def test_speculation_panel_shows_the_engines_draft_records(model_dir, tmp_
         text = str(app.query_one("#spec-summary").render())
         if seq.spec.drafted:
             assert f"acceptance {100 * seq.spec.acceptance_rate:.0f}%" in text
+        assert app.session.speculation() == seq.spec  # the engine's totals, not a recount
+        if seq.spec.emitted:
+            assert f"({seq.spec.steps} fwd, {seq.spec.emitted} tok)" in text
         assert str(app.query_one("#spec-state").render()).startswith("on")
         app.show_panel("controls")
         await pilot.pause()

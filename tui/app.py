@@ -30,10 +30,10 @@ from pagechat.tui.widgets.speculation import SpeculationPanel
 from pagechat.tui.widgets.timing import TimingPanel
 from textual import events, on
 from textual.app import App, SystemCommand
-from textual.theme import BUILTIN_THEMES
 from textual.binding import Binding, BindingType
 from textual.geometry import Size
 from textual.screen import Screen
+from textual.theme import BUILTIN_THEMES
 from textual.widget import AwaitMount
 from textual.widgets import Input, Tabs
 
@@ -353,7 +353,7 @@ class PagechatApp(App[None]):
             self.main.query_one(TimingPanel).show(s)
         if self.visible("speculation"):
             on, why, k = self.spec_state()
-            self.main.query_one(SpeculationPanel).show(on, why, s.drafts, k)
+            self.main.query_one(SpeculationPanel).show(on, why, s.speculation(), s.drafts, k)
         if self.visible("memory"):
             if everything:
                 self.refresh_memory()

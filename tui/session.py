@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from pagechat.core.blockmap import BlockSnapshot
 from pagechat.core.params import SamplingParams
-from pagechat.core.report import StepReport
+from pagechat.core.report import DraftRecord, SpecTotals, StepReport
 from pagechat.core.sampler import SampleRecord
 from pagechat.tui.history import ChatRecord, params_from_dict, params_to_dict
 from pagechat.tui.protocol import BlocksChanged, Event, Finished, FirstToken, Refused, Started
@@ -137,9 +137,10 @@ class ChatSession:
                 msg.timing = TurnTiming.from_dict(m["stats"])
             self.messages.append(msg)
         self.steps: deque[tuple[str, float]] = deque(maxlen=STEP_HISTORY)  # (kind, elapsed_s)
-        self.drafts: deque = deque(
-            maxlen=STEP_HISTORY
-        )  # the engine's DraftRecords (speculation), newest last
+        # the engine's DraftRecords (speculation), newest last
+        self.drafts: deque[DraftRecord] = deque(maxlen=STEP_HISTORY)
+        # each sequence's speculation totals after its latest verify step, as the engine summed them
+        self.spec_totals: dict[int, SpecTotals] = {}
         self.wall = {"prefill": 0.0, "decode": 0.0, "mixed": 0.0}  # step time by kind, this chat
         self.latest: StepReport | None = None
         self.blocks: BlockSnapshot | None = None  # the newest BlockManager snapshot the engine sent
@@ -171,6 +172,10 @@ class ChatSession:
             if m.content and not m.streaming and m.error is None:
                 msgs.append({"role": m.role, "content": m.content})
         return msgs
+
+    def speculation(self) -> SpecTotals:
+        """The speculation of every sequence of this chat, added up."""
+        return sum(self.spec_totals.values(), SpecTotals())
 
     def turns(self) -> list[Message]:
         """Assistant messages that have timing, oldest first."""
@@ -243,7 +248,9 @@ class ChatSession:
             return None
         self.steps.append((r.kind, r.elapsed_s))
         self.wall[r.kind] += r.elapsed_s
-        self.drafts.extend(getattr(r, "drafts", ()))  # absent before speculation existed
+        self.drafts.extend(r.drafts)
+        for d in r.drafts:
+            self.spec_totals[d.seq_id] = d.totals
         msg = self.streaming
         if msg is None or msg.request_id is None:
             return None

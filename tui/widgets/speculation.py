@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from pagechat.core.report import SpecTotals
 from pagechat.tui.widgets.panel import Panel, Readout
 from pagechat.tui.widgets.sampling import token_label
 from rich.text import Text
@@ -31,30 +32,24 @@ def step_line(d, colours: Mapping[str, str]) -> Text:
     return t
 
 
-def summary(records: Sequence, k: int) -> Text:
-    """Acceptance rate, mean accepted per step, per-position acceptance, target forwards per output token."""
-    steps = [d for d in records if d.drafted]
-    drafted = sum(len(d.drafted) for d in steps)
-    accepted = sum(d.accepted for d in steps)
-    emitted = sum(len(d.emitted) for d in records)
+def percent(rate: float | None) -> str:
+    return "—" if rate is None else f"{100 * rate:.0f}%"
+
+
+def summary(totals: SpecTotals, k: int) -> Text:
+    """Acceptance rate, mean accepted per step, per-position acceptance and target forwards per
+    output token, as the engine summed them (SpecTotals)."""
+    mean, per_token = totals.mean_accepted, totals.forwards_per_token
     t = Text()
-    t.append("acceptance ", "dim").append(
-        f"{100 * accepted / drafted:.0f}%" if drafted else "—", "bold"
-    )
-    t.append(" · mean accepted ", "dim").append(
-        f"{accepted / len(steps):.2f}" if steps else "—", "bold"
-    )
-    t.append("\nforwards/token ", "dim").append(
-        f"{len(records) / emitted:.2f}" if emitted else "—", "bold"
-    )
-    t.append(f" ({len(records)} fwd, {emitted} tok)" if emitted else "", "dim")
+    t.append("acceptance ", "dim").append(percent(totals.acceptance_rate), "bold")
+    t.append(" · mean accepted ", "dim").append("—" if mean is None else f"{mean:.2f}", "bold")
+    t.append("\nforwards/token ", "dim")
+    t.append("—" if per_token is None else f"{per_token:.2f}", "bold")
+    if totals.emitted:
+        t.append(f" ({totals.steps} fwd, {totals.emitted} tok)", "dim")
     t.append("\nper position", "dim")
     for pos in range(k):
-        tried = [d for d in steps if len(d.drafted) > pos]
-        rate = sum(1 for d in tried if d.accepted > pos) / len(tried) if tried else None
-        t.append(f" {pos + 1}:", "dim").append(
-            "—" if rate is None else f"{100 * rate:.0f}%", "bold"
-        )
+        t.append(f" {pos + 1}:", "dim").append(percent(totals.position_rate(pos)), "bold")
     return t
 
 
@@ -75,14 +70,15 @@ class SpeculationPanel(Panel):
         yield Readout(id="spec-summary")
         yield Readout(id="spec-steps")
 
-    def show(self, on: bool, why: str, records: Sequence, k: int) -> None:
-        """State line, figures over `records` (the engine's DraftRecords, newest last) and the recent steps."""
+    def show(self, on: bool, why: str, totals: SpecTotals, records: Sequence, k: int) -> None:
+        """State line, the chat's totals and the recent steps (`records`: the engine's
+        DraftRecords, newest last)."""
         colours = self.app.theme_variables
         state = Text().append(
             "on" if on else "off", f"bold {colours['pc-good' if on else 'pc-warn']}"
         )
         self.set_text("#spec-state", state.append(f"  {why}", "dim"))
-        self.set_text("#spec-summary", summary(records, k))
+        self.set_text("#spec-summary", summary(totals, k))
         lines = Text().append("recent steps  ", "dim").append_text(legend(colours))
         rows = max(1, self.content_size.height - 7)
         recent = list(records)[-rows:]
