@@ -97,12 +97,13 @@ def kv_bytes_per_token(spec: ModelSpec, dtype: torch.dtype) -> int:
 
 
 def fmt_bytes(n: float) -> str:
-    """1536 -> '1.50 KiB'."""
+    """Bytes with a binary unit and 3 significant digits: 1536 -> '1.5 KiB', 2097152 -> '2 MiB'."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+            break
         n /= 1024
-    return f"{n:.2f} TiB"
+    text = f"{n:.0f}" if unit == "B" or abs(n) >= 100 else f"{n:.3g}"
+    return f"{text} {unit}"
 
 
 @dataclass(frozen=True, slots=True)

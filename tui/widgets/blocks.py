@@ -8,7 +8,8 @@ from collections import Counter
 from collections.abc import Mapping
 
 from pagechat.core.blockmap import BlockInfo, BlockSnapshot
-from pagechat.tui.widgets.panel import Panel, Readout, short_bytes
+from pagechat.core.memory import fmt_bytes
+from pagechat.tui.widgets.panel import Panel, Readout
 from rich.segment import Segment
 from rich.style import Style
 from rich.text import Text
@@ -210,7 +211,7 @@ def header(snap: BlockSnapshot, block_bytes: int, fold: int, colours: Mapping[st
     t.append(" · shared ", "dim").append(str(snap.num_shared), "bold")
     t.append("\ntokens ", "dim").append(str(snap.tokens_stored), "bold")
     t.append(" · KV ", "dim").append(
-        f"{short_bytes(snap.num_used * block_bytes)}/{short_bytes(n * block_bytes)}", "bold"
+        f"{fmt_bytes(snap.num_used * block_bytes)}/{fmt_bytes(n * block_bytes)}", "bold"
     )
     t.append(" · frag ", "dim").append(f"{100 * snap.fragmentation:.1f}%", "bold")
     t.append("\nprefix hits ", "dim").append(f"{100 * snap.hit_rate:.0f}%", "bold")

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from pagechat.core.blockmap import BlockSnapshot
-from pagechat.core.memory import EngineMemory, Readings
-from pagechat.tui.widgets.panel import Panel, Readout, short_bytes
+from pagechat.core.memory import EngineMemory, Readings, fmt_bytes
+from pagechat.tui.widgets.panel import Panel, Readout
 from rich.text import Text
 from textual.app import ComposeResult
 
@@ -58,17 +58,15 @@ class MemoryPanel(Panel):
 
     def weights_text(self) -> Text:
         w = self.info.weights
-        t = Text().append("weights ", "dim").append(short_bytes(w.total), "bold")
+        t = Text().append("weights ", "dim").append(fmt_bytes(w.total), "bold")
         fmts: dict[str, int] = {}
         for r in w.rows:
             if r.bytes:
                 key = r.fmt if r.path in ("dense", "-") else f"{r.fmt} {r.path}"
                 fmts[key] = fmts.get(key, 0) + r.bytes
-        t.append(" · " + " · ".join(f"{k} {short_bytes(v)}" for k, v in fmts.items()), "dim")
+        t.append(" · " + " · ".join(f"{k} {fmt_bytes(v)}" for k, v in fmts.items()), "dim")
         names = {"embedding": "emb", "attention": "attn", "lm_head": "head"}
-        kinds = " · ".join(
-            f"{names.get(k, k)} {short_bytes(v)}" for k, v in w.by_kind().items() if v
-        )
+        kinds = " · ".join(f"{names.get(k, k)} {fmt_bytes(v)}" for k, v in w.by_kind().items() if v)
         return t.append("\n" + kinds, "dim")
 
     def capacity_text(self) -> Text:
@@ -84,11 +82,11 @@ class MemoryPanel(Panel):
         i, width = self.info, max(10, self.content_size.width)
         used = (snap.num_used if snap else 0) * i.block_bytes
         cached = (snap.num_cached if snap else 0) * i.block_bytes
-        kv = Text().append("KV pool ", "dim").append(short_bytes(i.pool_bytes), "bold")
+        kv = Text().append("KV pool ", "dim").append(fmt_bytes(i.pool_bytes), "bold")
         colours = self.app.theme_variables
-        kv.append(" · used ", "dim").append(short_bytes(used), f"bold {colours['pc-good']}")
-        kv.append(" · cached ", "dim").append(short_bytes(cached), f"bold {colours['pc-cached']}")
-        kv.append(f"\n{i.num_blocks} blocks × {short_bytes(i.block_bytes)} ({i.dtype})", "dim")
+        kv.append(" · used ", "dim").append(fmt_bytes(used), f"bold {colours['pc-good']}")
+        kv.append(" · cached ", "dim").append(fmt_bytes(cached), f"bold {colours['pc-cached']}")
+        kv.append(f"\n{i.num_blocks} blocks × {fmt_bytes(i.block_bytes)} ({i.dtype})", "dim")
         self.set_text("#memory-kv", kv)
         if readings is not None:
             self.set_text("#memory-device", self.readings_text(readings, width, used))
@@ -101,22 +99,22 @@ class MemoryPanel(Panel):
         t = Text()
         if r.device_total is not None:
             t.append("activation peak ", "dim").append(
-                short_bytes(max(0, r.peak - w - i.pool_bytes)), "bold"
+                fmt_bytes(max(0, r.peak - w - i.pool_bytes)), "bold"
             )
             t.append(" (peak − weights − KV)", "dim")
-            t.append("\ntorch ", "dim").append(short_bytes(r.allocated), "bold").append(
+            t.append("\ntorch ", "dim").append(fmt_bytes(r.allocated), "bold").append(
                 " allocated · ", "dim"
             )
-            t.append(short_bytes(r.reserved), "bold").append(" reserved", "dim")
+            t.append(fmt_bytes(r.reserved), "bold").append(" reserved", "dim")
             t.append("\nother ", "dim").append(
-                short_bytes(max(0, r.reserved - w - i.pool_bytes)), "bold"
+                fmt_bytes(max(0, r.reserved - w - i.pool_bytes)), "bold"
             )
             t.append(" (reserved − weights − KV)", "dim")
             dev_used = r.device_total - r.device_free
             t.append(f"\n{i.device} ", "dim").append(
-                f"{short_bytes(dev_used)} / {short_bytes(r.device_total)}", "bold"
+                f"{fmt_bytes(dev_used)} / {fmt_bytes(r.device_total)}", "bold"
             )
-            t.append(f" used · {short_bytes(r.device_free)} free\n", "dim")
+            t.append(f" used · {fmt_bytes(r.device_free)} free\n", "dim")
             parts = [
                 ("weights", w),
                 ("kv used", kv_used),
@@ -130,8 +128,8 @@ class MemoryPanel(Panel):
             )
         other = r.rss - w - i.pool_bytes
         t.append("activation peak ", "dim").append("not tracked on CPU", "italic dim")
-        t.append("\nengine RSS ", "dim").append(short_bytes(r.rss), "bold")
-        t.append(" · other ", "dim").append(short_bytes(max(0, other)), "bold").append(
+        t.append("\nengine RSS ", "dim").append(fmt_bytes(r.rss), "bold")
+        t.append(" · other ", "dim").append(fmt_bytes(max(0, other)), "bold").append(
             " (RSS − weights − KV)", "dim"
         )
         if r.mem_total:
@@ -149,7 +147,7 @@ class MemoryPanel(Panel):
                     colours,
                 )
             )
-            t.append(f" of {short_bytes(r.mem_total)}", "dim").append("\n").append_text(
+            t.append(f" of {fmt_bytes(r.mem_total)}", "dim").append("\n").append_text(
                 bar_legend(colours)
             )
         return t

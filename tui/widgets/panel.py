@@ -7,16 +7,6 @@ from textual.containers import Vertical
 from textual.widgets import Static
 
 
-def short_bytes(n: float) -> str:
-    """Bytes with a binary unit and 3 significant digits: 1536 -> '1.5 KiB', 2097152 -> '2 MiB'."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            break
-        n /= 1024
-    text = f"{n:.0f}" if unit == "B" or abs(n) >= 100 else f"{n:.3g}"
-    return f"{text} {unit}"
-
-
 class Readout(Static):
     """A Static that remembers the text it shows and repaints only when given different text."""
 
