@@ -1,4 +1,5 @@
-"""The app driven with real key presses (Textual Pilot) on a tiny random model: every panel shows the engine's records."""
+"""The app driven with real key presses (Textual Pilot) on a tiny random model: every panel
+shows the engine's records."""
 
 from __future__ import annotations
 
@@ -80,7 +81,8 @@ async def test_prompt_streams_a_reply(model_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(ReplyView, "update_view", recording_update)
     app = make_app(model_dir, tmp_path, replace(LONG, max_tokens=60))
     async with app.run_test(size=SIZE) as pilot:
-        app.loop.pause()  # then step the engine a few tokens at a time, so every stage is seen on screen
+        # then step the engine a few tokens at a time, so every stage is seen on screen
+        app.loop.pause()
         await type_prompt(pilot, "hello there")
         for _ in range(3):
             app.loop.advance(5)
@@ -261,7 +263,7 @@ async def test_escape_stops_the_reply_and_keeps_its_text(model_dir, tmp_path):
 
 
 async def test_the_app_on_an_engine_process(model_dir, tmp_path):
-    """What `pagechat run` uses: the reply, the block map and the memory readings come from the child process."""
+    """What `pagechat run` uses: reply, block map and memory readings from the child process."""
     config = EngineConfig(device="cpu", dtype="float32", kv_blocks=64)
     greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     engine = Engine(model_dir, config)  # the oracle: the same engine run in this process

@@ -1,7 +1,9 @@
-"""Snapshot tests (pytest-textual-snapshot): the main screen after one reply at a fixed seed on the tiny model.
+"""Snapshot tests (pytest-textual-snapshot): the main screen after one reply at a fixed seed on the
+tiny model.
 
 Numbers that vary between runs (times, tok/s, RSS) are frozen to a placeholder in these screens.
-Update the stored SVGs with `pytest tests/test_app_snapshot.py --snapshot-update` after a deliberate change.
+Update the stored SVGs with `pytest tests/test_app_snapshot.py --snapshot-update` after a deliberate
+change.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ def snapshot_app(tmp_path, layout: str) -> PagechatApp:
 
 
 async def chat_then_hold(pilot) -> None:
-    """One finished turn, then a second reply held after exactly 20 engine steps (mid-stream, blocks in use)."""
+    """One finished turn, then a second reply held after exactly 20 engine steps (mid-stream,
+    blocks in use)."""
     pilot.app.query_one(PromptInput).cursor_blink = False
     await type_prompt(pilot, "hello blocks")
     await wait_reply_done(pilot)

@@ -1,4 +1,4 @@
-"""PagechatApp: chat with a local model through the engine while inspector panels render its records live."""
+"""PagechatApp: chat with a local model while inspector panels render the engine's records."""
 
 from __future__ import annotations
 
@@ -168,7 +168,7 @@ class PagechatApp(App[None]):
         layout: str = "auto",
         autosave: bool = True,
     ) -> None:
-        """`loop`: the engine's client, not started yet (the app starts it when mounted and closes it)."""
+        """`loop`: the engine's client, not started yet (the app starts and closes it)."""
         super().__init__()
         self.register_theme(THEME)
         self.theme = THEME.name
@@ -199,7 +199,7 @@ class PagechatApp(App[None]):
         self._render_due = False
         self._time_mark, self._cpu_mark = time.perf_counter(), time.thread_time()
 
-    # -- layout -----------------------------------------------------------------------------------
+    # -- layout ------------------------------------------------------------------------------------
     def get_theme_variable_defaults(self) -> dict[str, str]:
         return PALETTE
 
@@ -250,17 +250,20 @@ class PagechatApp(App[None]):
 
     @on(Tabs.TabActivated, "#panel-tabs")
     def _tab(self, event: Tabs.TabActivated) -> None:
-        """A tab clicked. Keys switch panels too, and each switch posts this event: one that arrives after a
-        later switch (keys pressed in a burst) names a tab no longer active and is not a request."""
+        """A tab clicked.
+
+        Keys switch panels too, and each switch posts this event: one that arrives after a later
+        switch (keys pressed in a burst) names a tab no longer active and is not a request.
+        """
         if event.tab.id and event.tab.id == event.tabs.active != self.active_panel:
             self.show_panel(event.tab.id)
 
     def visible(self, key: str) -> bool:
         return self.grid_layout() or key == self.active_panel
 
-    # -- the render loop ----------------------------------------------------------------------------
+    # -- the render loop ---------------------------------------------------------------------------
     def pump(self, force: bool = False) -> None:
-        """Drain the engine's events into the session, then render once if the UI's CPU budget allows (runs at FPS)."""
+        """Drain the engine's events into the session, then render if the CPU budget allows."""
         events = self.loop.events
         if not self.is_running or not self.main.is_attached:
             return
@@ -301,10 +304,12 @@ class PagechatApp(App[None]):
         self.refresh_panels()
 
     def _tick(self) -> None:
-        """Pump, then sleep until the next frame; while decoding, as long as the last frame's CPU cost over the budget.
+        """Pump, then sleep until the next frame; while decoding, for the last frame's CPU cost
+        over the budget.
 
-        Waking the UI thread takes a core from the engine's thread pool (and, with a ThreadedEngine, the GIL)
-        even when nothing is drawn, so a frame that cannot be afforded is not woken up for either.
+        Waking the UI thread takes a core from the engine's thread pool (and, with a ThreadedEngine,
+        the GIL) even when nothing is drawn, so a frame that cannot be afforded is not woken up for
+        either.
         """
         self.pump()
         delay = 1 / FPS
@@ -325,11 +330,13 @@ class PagechatApp(App[None]):
         return bool(self.loop.events) or self._render_due
 
     def within_budget(self) -> bool:
-        """While a reply streams, draw only if the UI thread used at most UI_CPU_BUDGET of the time since the last draw.
+        """While a reply streams, draw only if the UI thread used at most UI_CPU_BUDGET of the
+        time since the last draw.
 
-        Rendering takes CPU from the engine: it preempts one of the engine's torch threads (each parallel op
-        waits for the slowest), and with a ThreadedEngine it also holds the GIL the engine needs between torch
-        calls. Capping the UI's share of CPU caps what it can take from decoding, whatever a frame costs here.
+        Rendering takes CPU from the engine: it preempts one of the engine's torch threads (each
+        parallel op waits for the slowest), and with a ThreadedEngine it also holds the GIL the
+        engine needs between torch calls. Capping the UI's share of CPU caps what it can take from
+        decoding, whatever a frame costs here.
         """
         if self.session.streaming is None:
             return True
@@ -391,7 +398,7 @@ class PagechatApp(App[None]):
         rec = self.session.latest_sample
         panel.show(rec, "newest token" if rec else "", self.session.params)
 
-    # -- chat actions ---------------------------------------------------------------------------------
+    # -- chat actions ------------------------------------------------------------------------------
     @on(PromptInput.Submitted)
     def send(self, event: PromptInput.Submitted) -> None:
         """Send the prompt as the next user turn."""
@@ -415,11 +422,11 @@ class PagechatApp(App[None]):
         self.run_worker(self._release_when_drawn(mounts), group="send")
 
     async def _release_when_drawn(self, mounts: list[AwaitMount]) -> None:
-        """Let the engine start the reply once the new turn is mounted, laid out and scrolled into view.
+        """Let the engine start the reply once the new turn is mounted, laid out and in view.
 
-        That is 30-80 ms of Python on the UI thread; run while the engine decodes, it would take a core from
-        the engine's first decode steps (and, with a ThreadedEngine, the GIL). Run first, it delays the first
-        token by less.
+        That is tens of milliseconds of Python on the UI thread; run while the engine decodes, it
+        would take a core from the engine's first decode steps (and, with a ThreadedEngine, the
+        GIL). Run first, it delays the first token by less.
         """
         try:
             for mounted in mounts:
@@ -433,7 +440,7 @@ class PagechatApp(App[None]):
         return replace(self.session.params)
 
     def action_stop(self) -> None:
-        """Esc: stop the reply in flight; otherwise unpin the selected token and go back to the prompt."""
+        """Esc: stop the reply in flight; else unpin the selected token, back to the prompt."""
         if self.session.streaming is not None:
             self.loop.stop()
             return
@@ -443,7 +450,7 @@ class PagechatApp(App[None]):
         self.main.prompt.focus()
 
     def action_new_chat(self) -> None:
-        """Ctrl+N: abort the reply in flight, save this chat, start an empty one (same system prompt and settings)."""
+        """Ctrl+N: abort the reply, save this chat, start an empty one (same system, settings)."""
         self.loop.stop()
         self.pump_now()
         self.save()
@@ -460,7 +467,7 @@ class PagechatApp(App[None]):
         self.notify(f"new chat {self.session.record.id}", timeout=3)
 
     def pump_now(self, timeout: float = 2.0) -> None:
-        """Wait briefly for the engine to apply the commands posted so far, then drain its events."""
+        """Wait briefly for the engine to apply the commands posted so far; drain its events."""
         self.loop.sync(timeout)
         self.pump(force=True)
 
@@ -510,7 +517,7 @@ class PagechatApp(App[None]):
     def _system_changed(self, event: Input.Changed) -> None:
         self.session.system = event.value
 
-    # -- controls -----------------------------------------------------------------------------------
+    # -- controls ----------------------------------------------------------------------------------
     @on(ControlsPanel.Changed)
     def _controls_changed(self, event: ControlsPanel.Changed) -> None:
         self.set_params(event.params, from_controls=True)
@@ -549,7 +556,7 @@ class PagechatApp(App[None]):
             value = round(min(1.0, max(0.05, p.top_p + delta)), 2)
         self.set_params(replace(p, **{name: value}))
 
-    # -- panels and help ----------------------------------------------------------------------------
+    # -- panels and help ---------------------------------------------------------------------------
     def action_next_panel(self) -> None:
         keys = [k for k, _ in PANELS]
         self.show_panel(keys[(keys.index(self.active_panel) + 1) % len(keys)])

@@ -1,4 +1,5 @@
-"""Saved chats: JSON files under $XDG_DATA_HOME/pagechat/chats, written atomically; Markdown export; `pagechat history`."""
+"""Saved chats: JSON files under $XDG_DATA_HOME/pagechat/chats, written atomically; Markdown
+export; `pagechat history`."""
 
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def now_iso() -> str:
 
 
 def params_to_dict(p: SamplingParams) -> dict:
-    """The sampling settings a chat keeps (stop strings and candidate counts are app policy, not saved)."""
+    """The sampling settings a chat keeps (stop strings and candidate counts are app policy)."""
     return {k: getattr(p, k) for k in PARAM_FIELDS}
 
 
@@ -115,7 +116,8 @@ class ChatRecord:
 
 
 def write_atomic(path: Path, text: str) -> None:
-    """Write text to path via a temporary file in the same directory and a rename: a crash leaves old or new, never half."""
+    """Write text to path via a temporary file beside it and a rename: a crash leaves old or new,
+    never half."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -148,7 +150,8 @@ class ChatStore:
         return self.path(chat.id)
 
     def load(self, chat_id: str) -> ChatRecord:
-        """A saved chat by id (or unique id prefix); PagechatError naming what to run when it is missing."""
+        """A saved chat by id (or unique id prefix); a missing one is a PagechatError saying what
+        to run."""
         path = self.path(chat_id)
         if not path.is_file():
             matches = (
@@ -177,7 +180,8 @@ class ChatStore:
 
 
 def export_markdown(chat: ChatRecord, directory: Path | None = None) -> Path:
-    """Write the chat as Markdown into directory (default: the current one, else the data dir); return the path."""
+    """Write the chat as Markdown into directory (default: the current one, else the data dir);
+    returns the path."""
     name = f"pagechat-{chat.id}.md"
     for d in [directory] if directory else [Path.cwd(), data_dir() / "exports"]:
         try:

@@ -1,4 +1,5 @@
-"""`pagechat run`: find the model (or the demo), start the engine's process under a progress bar, open the app."""
+"""`pagechat run`: find the model (or the demo), start the engine's process under a progress
+bar, open the app."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ def weights_bytes(model_dir: Path) -> int:
 
 
 def start_engine(model_dir: Path, config: EngineConfig):
-    """Start the engine's process and wait, under a rich progress bar, until it has loaded the model."""
+    """Start the engine's process; wait under a progress bar until it has loaded the model."""
     from pagechat.core.memory import fmt_bytes
     from pagechat.tui.engine_process import EngineProcess
     from rich.console import Console
@@ -89,8 +90,9 @@ def run_app(
     finally:
         client.close()
     if app.session.messages:
+        chat_id = app.session.record.id
         print(
-            f"chat saved as {app.session.record.id} (pagechat run {path} --resume {app.session.record.id})",
+            f"chat saved as {chat_id} (pagechat run {path} --resume {chat_id})",
             file=sys.stderr,
         )
     return 0

@@ -1,4 +1,4 @@
-"""ChatSession: one conversation as the app holds it, built only from the engine's events (no recomputation)."""
+"""ChatSession: one conversation as the app holds it, built from the engine's events alone."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ class TurnTiming:
 
     @property
     def wall_decode_tok_s(self) -> float:
-        """Tokens after the first over the wall time after the first: includes everything between steps."""
+        """Tokens after the first over the wall time after the first (all between steps too)."""
         if (
             self.total_s is None
             or self.ttft_s is None
@@ -123,7 +123,7 @@ class Message:
 
 
 class ChatSession:
-    """Messages, replies in flight and per-step timing of one chat; applies engine events in order."""
+    """Messages, replies in flight and step timing of one chat; applies engine events in order."""
 
     def __init__(self, record: ChatRecord, params: SamplingParams) -> None:
         self.record = record
@@ -147,7 +147,7 @@ class ChatSession:
         self.latest_sample: SampleRecord | None = None
         self._next_ticket = 0
 
-    # -- what the UI asks ------------------------------------------------------------------------
+    # -- what the UI asks --------------------------------------------------------------------------
     @property
     def system(self) -> str:
         return self.record.system
@@ -163,12 +163,14 @@ class ChatSession:
         return last if last is not None and last.streaming else None
 
     def conversation(self) -> list[dict]:
-        """Role/content messages for the chat template: system prompt, then every non-empty message."""
+        """Role/content messages for the chat template: the system prompt, then each non-empty
+        message."""
         msgs = [{"role": "system", "content": self.system}] if self.system.strip() else []
         for i, m in enumerate(self.messages):
             after = self.messages[i + 1] if i + 1 < len(self.messages) else None
             if after is not None and after.error is not None:
-                continue  # the engine refused this turn: leave it out, or every later turn fails the same way
+                # the engine refused this turn: leave it out, or every later turn fails the same way
+                continue
             if m.content and not m.streaming and m.error is None:
                 msgs.append({"role": m.role, "content": m.content})
         return msgs
@@ -181,9 +183,9 @@ class ChatSession:
         """Assistant messages that have timing, oldest first."""
         return [m for m in self.messages if m.role == "assistant" and m.timing is not None]
 
-    # -- changes from the UI ---------------------------------------------------------------------
+    # -- changes from the UI -----------------------------------------------------------------------
     def add_user(self, text: str) -> Message:
-        """Append the user's message and an empty assistant reply waiting for the engine; returns the reply."""
+        """Append the user's message and an empty reply for the engine; returns the reply."""
         self.messages.append(Message("user", text))
         self._next_ticket += 1
         reply = Message(
@@ -193,12 +195,12 @@ class ChatSession:
         return reply
 
     def to_record(self) -> ChatRecord:
-        """The persisted form: finished messages only (the reply in flight is the one thing a crash loses)."""
+        """The persisted form: finished messages (a crash loses the reply in flight alone)."""
         self.record.params = params_to_dict(self.params)
         self.record.messages = [m.as_dict() for m in self.messages if not m.streaming]
         return self.record
 
-    # -- engine events ---------------------------------------------------------------------------
+    # -- engine events -----------------------------------------------------------------------------
     def _by_ticket(self, ticket: int | None) -> Message | None:
         return next(
             (m for m in reversed(self.messages) if m.ticket == ticket and ticket is not None), None

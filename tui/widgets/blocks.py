@@ -1,4 +1,4 @@
-"""KV blocks panel: one cell per physical block from the BlockManager's own snapshot, drawn line by line."""
+"""KV blocks panel: one cell per physical block of the engine's block map, drawn line by line."""
 
 from __future__ import annotations
 
@@ -115,7 +115,8 @@ class BlockGrid(Widget):
         return max(1, self.size.width // self.cell_width)
 
     def fit(self, num_blocks: int) -> tuple[int, int]:
-        """(cell width, blocks per cell): the widest cells that hold the pool unfolded, else folded narrow cells."""
+        """(cell width, blocks per cell): the widest cells that hold the pool unfolded, else
+        folded narrow cells."""
         rows = max(1, self.size.height)
         for w in CELL_WIDTHS:
             if max(1, self.size.width // w) * rows >= num_blocks:
@@ -216,7 +217,8 @@ def header(snap: BlockSnapshot, block_bytes: int, fold: int, colours: Mapping[st
     t.append(" · frag ", "dim").append(f"{100 * snap.fragmentation:.1f}%", "bold")
     t.append("\nprefix hits ", "dim").append(f"{100 * snap.hit_rate:.0f}%", "bold")
     t.append(
-        f" ({snap.prefix_hit_tokens}/{snap.prefix_queried_tokens} tok) · {snap.block_size} tok/block",
+        f" ({snap.prefix_hit_tokens}/{snap.prefix_queried_tokens} tok)"
+        f" · {snap.block_size} tok/block",
         "dim",
     )
     if fold > 1:

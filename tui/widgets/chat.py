@@ -1,4 +1,5 @@
-"""Chat column: system prompt, the message log (streamed replies, Markdown when finished, token picking) and the prompt."""
+"""Chat column: system prompt, the message log (streamed replies, Markdown when finished, token
+picking), the prompt."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ CONTROL_PICTURES = {c: 0x2400 + c for c in range(32) if c not in (9, 10)} | {127
 
 
 def printable(text: str) -> str:
-    """Control characters (random models emit them) as their Unicode pictures, so terminals and SVGs stay sane."""
+    """Control characters (random models emit them) as their Unicode pictures, which terminals
+    and SVGs draw."""
     return text.translate(CONTROL_PICTURES)
 
 
@@ -143,7 +145,8 @@ class ReplyView(Vertical, can_focus=True):
         self.update_view()
 
     def update_view(self) -> AwaitComplete | None:
-        """Show the message as it is now; returns the Markdown's mount when the finished text was (re)rendered."""
+        """Show the message as it is now; returns the Markdown's mount when the finished text is
+        rendered anew."""
         m = self.message
         body = self.query_one(".reply-body", Static)
         md = self.query_one(".reply-markdown", Markdown)
@@ -170,13 +173,14 @@ class ReplyView(Vertical, can_focus=True):
         return mounted
 
     def fit(self, body: Static, text: Text) -> Text:
-        """The streaming text cut to its tail, in a body that takes the room below the prompt from the start.
+        """The streaming text cut to its tail, in a body that takes the room below the prompt from
+        the start.
 
-        A height change or a scroll makes Textual lay out the whole screen (30-90 ms at 120x36 on the 2-core
-        machine, more in a long chat) and a frame re-renders the whole body; both take CPU the engine's
-        threads could use. So the body gets its final height once, when the reply is
-        mounted: the chat's visible height less the message above it, which stays in view; then it shows
-        the reply's tail (the whole reply, as Markdown, when done).
+        A height change or a scroll makes Textual lay out the whole screen (longer the longer the
+        chat) and a frame re-renders the whole body; both take CPU the engine's threads could use.
+        So the body gets its final height once, when the reply is mounted: the chat's visible height
+        less the message above it, which stays in view; then it shows the reply's tail (the whole
+        reply, as Markdown, when done).
         """
         width = body.content_size.width or max(10, self.content_size.width)
         if not self._reserved or self._room_for != self.parent.size.height:
@@ -193,10 +197,11 @@ class ReplyView(Vertical, can_focus=True):
         return text
 
     def room(self) -> int:
-        """Rows below the message this reply answers when the chat is scrolled to its end (at least MIN_ROOM).
+        """Rows below the message this reply answers when the chat is scrolled to its end (at least
+        MIN_ROOM).
 
-        Measured from the message's styles and text, not its laid-out size: the two are mounted together,
-        before any layout, and the body's height is set in the same layout pass.
+        Measured from the message's styles and text, not its laid-out size: the two are mounted
+        together, before any layout, and the body's height is set in the same layout pass.
         """
         log = self.parent
         rows = (
@@ -237,7 +242,7 @@ class ReplyView(Vertical, can_focus=True):
             parts.append("  ←/→ pick a token · click one · Esc back", "italic")
         return parts
 
-    # -- token selection ------------------------------------------------------------------------
+    # -- token selection ---------------------------------------------------------------------------
     def select(self, index: int) -> None:
         """Select token `index` (negative counts from the end) and announce it."""
         n = len(self.message.tokens)
@@ -284,7 +289,7 @@ class ChatLog(VerticalScroll):
         return self.max_scroll_y - self.scroll_y <= 2
 
     def follow(self) -> None:
-        """Scroll to the end, only when not there already: a scroll re-lays out and repaints the whole screen."""
+        """Scroll to the end unless there: a scroll lays out and repaints the whole screen."""
         if self.scroll_y < self.max_scroll_y:
             self.scroll_end(animate=False)
 
@@ -305,7 +310,8 @@ class ChatLog(VerticalScroll):
             follow = self.near_bottom()
             mounted = view.update_view()
             if follow and mounted is not None:
-                # the finished reply's Markdown (taller than the streaming tail) mounts its blocks later
+                # the finished reply's Markdown (taller than its streaming tail) mounts its blocks
+                # later
                 self.run_worker(self._follow_when(mounted))
             elif follow:
                 self.call_after_refresh(self.follow)

@@ -1,4 +1,5 @@
-"""Controls panel: sampling settings editable while a reply streams; the engine's validation decides what is refused."""
+"""Controls panel: sampling settings editable while a reply streams; the engine's validation
+decides what is refused."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ FIELDS = (
 
 
 def parse_field(field: Field, text: str, params: SamplingParams) -> SamplingParams:
-    """params with field set from text, checked by SamplingParams.validate(); PagechatError says why not."""
+    """params with field set from text, checked by SamplingParams.validate() (PagechatError)."""
     text = text.strip()
     if not text and field.optional:
         value = None
@@ -55,7 +56,7 @@ def show_value(value) -> str:
 
 
 class ControlsPanel(Panel):
-    """One input per setting; Enter or leaving a field applies it, a refused value keeps the old one."""
+    """One input per setting; Enter or leaving a field applies it; a refusal keeps the old value."""
 
     TITLE = "Controls"
 

@@ -1,4 +1,5 @@
-"""Memory panel: weights by format, KV pool allocated vs used, device / process readings, and capacity."""
+"""Memory panel: weights by format, KV pool allocated vs used, device or process readings,
+capacity."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def bar(parts: list[tuple[str, int]], total: int, width: int, colours: Mapping[s
 
 
 class MemoryPanel(Panel):
-    """Where the bytes are, from the weights report, the pool tensor and the device's own readings."""
+    """Where the bytes are: the weights report, the pool tensor and the device's own readings."""
 
     TITLE = "Memory"
 
@@ -78,7 +79,7 @@ class MemoryPanel(Panel):
         return t.append(str(i.seqs_that_fit(2048)), "bold").append(" of 2k", "dim")
 
     def show(self, snap: BlockSnapshot | None, readings: Readings | None = None) -> None:
-        """Refresh the KV line from the block snapshot, and the device / process readings when given."""
+        """Refresh the KV line from the block snapshot, and the readings when given."""
         i, width = self.info, max(10, self.content_size.width)
         used = (snap.num_used if snap else 0) * i.block_bytes
         cached = (snap.num_cached if snap else 0) * i.block_bytes

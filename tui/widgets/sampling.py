@@ -1,4 +1,5 @@
-"""Sampling panel: the sampler's recorded candidates for the newest or a selected token, and the params in force."""
+"""Sampling panel: the sampler's recorded candidates for the newest or a selected token, and
+the params in force."""
 
 from __future__ import annotations
 
@@ -71,7 +72,7 @@ class SamplingPanel(Panel):
         yield Readout(id="sampling-current")
 
     def show(self, record: SampleRecord | None, where: str, current: SamplingParams) -> None:
-        """Render `record` (newest or selected token, described by `where`) beside the current params."""
+        """Render `record` (the token `where` describes) beside the current params."""
         self.record, self.where = record, where
         colours = self.app.theme_variables
         width = self.content_size.width or 60

@@ -1,4 +1,5 @@
-"""Speculation panel: the engine's DraftRecords — drafted tokens accepted / rejected, the bonus token — and acceptance figures."""
+"""Speculation panel: the engine's DraftRecords — drafted tokens accepted / rejected, the bonus
+token — and acceptance figures."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ MARKS = {  # (mark, theme variable of its colour)
 
 
 def step_line(d, colours: Mapping[str, str]) -> Text:
-    """One verify step: each drafted token marked, then the target's own token (bonus or correction)."""
+    """One verify step: each drafted token marked, then the target's own (bonus or correction)."""
     t = Text()
     if not d.drafted:
         t.append("(no draft) ", "dim")

@@ -1,4 +1,5 @@
-"""Timing panel: per-turn TTFT / prefill / decode figures, a per-step latency sparkline, and the wall-time split."""
+"""Timing panel: per-turn TTFT / prefill / decode figures, a per-step latency sparkline, and
+the wall-time split."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ HIDDEN = "·"  # shown instead of a varying time when numbers are frozen (snapsh
 
 
 def scale_top(values: Sequence[float]) -> float:
-    """The bar height's full scale: the max, unless a few outliers (a long prefill) would flatten every other bar."""
+    """The bars' full scale: the max, unless a few outliers (a long prefill) would flatten the
+    rest."""
     if not values:
         return 1.0
     ordered = sorted(values)
@@ -27,7 +29,8 @@ def scale_top(values: Sequence[float]) -> float:
 def sparkline(
     steps: Sequence[tuple[str, float]], width: int, colours: Mapping[str, str], height: int = 2
 ) -> Text:
-    """The last `width` steps as bars `height` rows tall, coloured by step kind; outliers above the scale are clipped."""
+    """The last `width` steps as bars `height` rows tall, coloured by step kind; outliers are
+    clipped."""
     steps = list(steps)[-width:]
     top = scale_top([s for _, s in steps])
     rows, colour = [], {kind: colours[v] for kind, v in KIND_COLOURS.items()}
