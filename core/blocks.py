@@ -30,7 +30,9 @@ class BlockEvent:
     replaced by the fresh `block`), "released" (seq_id dropped `block`, others still hold it),
     "freed" / "cached" (seq_id dropped the block's last reference; a cached block keeps `tokens`
     tokens for the prefix cache), "evicted" (a cached block reclaimed), "resized" (seq_id now
-    reserves `tokens` slots), "lookup" (an admission looked `queried` tokens up, `tokens` hit).
+    reserves `tokens` slots), "lookup" (an admission looked `queried` tokens up, `tokens` hit),
+    "swapped_out" / "swapped_in" (seq_id's `tokens` tokens of KV left for the host pool, before
+    its blocks are dropped / came back, into the blocks allocated next).
     """
 
     kind: str
@@ -211,6 +213,30 @@ class BlockManager:
         # block can only ever be hit together with the prefix blocks before it.
         for b in reversed(table):
             self._release(b, seq_id)
+
+    # ---- swap --------------------------------------------------------------------------------
+
+    def swap_out(self, seq_id: int, token_ids: list[int], num_computed: int) -> list[int]:
+        """Drop the sequence as free() does; return the blocks holding its first num_computed
+        tokens' KV, which the caller copies out before anything writes them."""
+        saved = self._tables[seq_id][: self.blocks_needed(num_computed)]
+        self._emit(BlockEvent("swapped_out", seq_id, tokens=num_computed))
+        self.free(seq_id, token_ids, num_computed)
+        return saved
+
+    def can_swap_in(self, num_tokens: int) -> bool:
+        return self.blocks_needed(num_tokens) <= self.num_free_blocks()
+
+    def swap_in(self, seq_id: int, num_tokens: int) -> list[int]:
+        """A fresh table for a swapped-out sequence's num_tokens computed tokens; the caller
+        copies their KV in."""
+        if seq_id in self._tables or not self.can_swap_in(num_tokens):
+            raise ValueError(f"cannot swap sequence {seq_id} in")
+        table = [self._pop_free(seq_id) for _ in range(self.blocks_needed(num_tokens))]
+        self._tables[seq_id], self._hashes[seq_id] = table, []
+        self._emit(BlockEvent("swapped_in", seq_id, tokens=num_tokens))
+        self._resize(seq_id, num_tokens)
+        return table
 
     # ---- prefix cache ------------------------------------------------------------------------
 

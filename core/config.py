@@ -35,6 +35,10 @@ class EngineConfig:
     kv_memory: int | None = None  # bytes for the KV pool; default: see kv.default_kv_bytes
     max_batch_tokens: int = 2048  # tokens computed per step (prefill chunks + decodes)
     max_seqs: int = 64
+    preempt: str = "recompute"  # recompute | swap (a preempted sequence's KV waits in host memory)
+    swap_blocks: int | None = (
+        None  # host pool size in blocks with --preempt swap; None: as the KV pool
+    )
     prefix_cache: bool = True
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     draft: str | None = None  # draft model directory for speculative decoding
@@ -60,6 +64,8 @@ class EngineConfig:
             raise PagechatError(
                 f"--quant must be {', '.join(modes[:-1])} or {modes[-1]}, got {self.quant!r}"
             )
+        if self.preempt not in ("recompute", "swap"):
+            raise PagechatError(f"--preempt must be recompute or swap, got {self.preempt!r}")
         if self.draft and self.ngram:
             raise PagechatError("choose one proposer: --draft DIR or --ngram, not both")
         for name, value in (
@@ -69,6 +75,7 @@ class EngineConfig:
             ("--max-seqs", self.max_seqs),
             ("--kv-blocks", 1 if self.kv_blocks is None else self.kv_blocks),
             ("--kv-memory", 1 if self.kv_memory is None else self.kv_memory),
+            ("--swap-blocks", 1 if self.swap_blocks is None else self.swap_blocks),
         ):
             if value < 1:
                 raise PagechatError(f"{name} must be >= 1, got {value}")

@@ -17,7 +17,7 @@ from pagechat.core.config import EngineConfig
 from pagechat.core.detok import update_text
 from pagechat.core.errors import PagechatError, check_text
 from pagechat.core.graphs import TRACE_SUPPORTED
-from pagechat.core.kv import allocate_pool, copy_blocks, pool_blocks
+from pagechat.core.kv import allocate_pool, block_bytes, copy_blocks, pool_blocks
 from pagechat.core.loader import (
     DTYPES,
     ModelSpec,
@@ -29,12 +29,13 @@ from pagechat.core.loader import (
 from pagechat.core.model import DecoderModel
 from pagechat.core.params import SamplingParams
 from pagechat.core.quantization import QuantPlan, resolve_quant
-from pagechat.core.report import DraftRecord, StepReport, TokenOutput
+from pagechat.core.report import DraftRecord, StepReport, SwapRecord, TokenOutput
 from pagechat.core.runner import ModelRunner
 from pagechat.core.sampler import Sampler, SampleRecord, SampleRow, target_probs
-from pagechat.core.scheduler import Batch, ScheduledSeq, Scheduler
+from pagechat.core.scheduler import Batch, ScheduledSeq, Scheduler, SwapPlan
 from pagechat.core.sequence import SamplingState, Sequence, Status
 from pagechat.core.spec import DraftModelProposer, NgramProposer, verify
+from pagechat.core.swap import HostBlocks, copy_between, host_pool
 
 
 def resolve_device(name: str) -> torch.device:
@@ -126,6 +127,7 @@ class _StepWork:
     drafts: list[DraftRecord] = field(default_factory=list)
     prefill: int = 0
     decode: int = 0
+    swaps: list[SwapRecord] = field(default_factory=list)
 
 
 def _row(seq: Sequence, history: list[int]) -> SampleRow:
@@ -151,7 +153,8 @@ class Engine:
             num_blocks, cfg.block_size, cfg.prefix_cache, (self._block_events.append,)
         )
         self.block_map = BlockMap.watching(self.blocks)
-        self.scheduler = Scheduler(self.blocks, cfg.max_batch_tokens, cfg.max_seqs)
+        host = self._host_pool(cfg, num_blocks)
+        self.scheduler = Scheduler(self.blocks, cfg.max_batch_tokens, cfg.max_seqs, host)
         self.runner = ModelRunner(
             self.model, self.pool, self.blocks, self.device, self._graphs(self.quant)
         )
@@ -162,18 +165,22 @@ class Engine:
         self.eos_ids = frozenset(eos)
         self.proposer = self._proposer(cfg, num_blocks)
         self.speculate, self.num_draft = self.proposer is not None, cfg.num_draft
-        if self.proposer is not None:
-            self.runner.warm_up(
-                2
-            )  # verification steps take the causal-mask trace: made now, not in the first reply
-        self._q: dict[
-            int, torch.Tensor | None
-        ] = {}  # draft distributions between _draft and _verify
+        if self.proposer is not None:  # verification steps take the causal-mask trace: made now
+            self.runner.warm_up(2)
+        self._q: dict[int, torch.Tensor | None] = {}  # draft distributions, _draft to _verify
         self.requests: dict[int, Sequence] = {}
         self._beams: dict[int, BeamGroup] = {}  # request id -> its beam search
         self._beam_of: dict[int, BeamGroup] = {}  # running beam's seq id -> its beam search
         self._next_id = 0
         self._steps = 0
+
+    def _host_pool(self, cfg: EngineConfig, num_blocks: int) -> HostBlocks | None:
+        """With --preempt swap, the host pool preempted sequences' KV waits in."""
+        if cfg.preempt != "swap":
+            return None
+        host = HostBlocks(cfg.swap_blocks or num_blocks)
+        self.host_pool = host_pool(self.pool, host.num_blocks)
+        return host
 
     def _proposer(self, cfg: EngineConfig, num_blocks: int):
         """The speculative proposer the config asks for, or None."""
@@ -315,8 +322,8 @@ class Engine:
         """One step in named phases: schedule, draft, forward, sample or verify, append, report."""
         t0 = time.perf_counter()
         self._steps += 1
-        batch = self._schedule()
-        work = _StepWork(outputs=[self._failed(seq) for seq in batch.failed])
+        batch, swaps = self._schedule()
+        work = _StepWork([self._failed(seq) for seq in batch.failed], swaps=swaps)
         if batch.items:
             self._draft([it for it in batch.items if it.lookahead])
             logits = self._forward(batch.items)
@@ -328,12 +335,28 @@ class Engine:
             self.proposer.release_missing({s.seq_id for s in self.scheduler.running})
         return self._report(batch, work, time.perf_counter() - t0)
 
-    def _schedule(self) -> Batch:
-        """The scheduler's batch, with its copy-on-write block copies done in the pool."""
+    def _schedule(self) -> tuple[Batch, list[SwapRecord]]:
+        """The scheduler's batch, with its block copies done: swaps out (before anything writes
+        the blocks they free), copy-on-write, swaps in."""
         k = self.num_draft if self.proposer is not None and self.speculate else 0
         batch = self.scheduler.schedule(lookahead=k)
+        swaps = [self._swap(p) for p in batch.swaps if p.direction == "out"]
         copy_blocks(self.pool, batch.copies)
-        return batch
+        swaps += [self._swap(p) for p in batch.swaps if p.direction == "in"]
+        return batch, swaps
+
+    def _swap(self, plan: SwapPlan) -> SwapRecord:
+        """Copy one sequence's blocks between the KV pool and the host pool, timed."""
+        t0 = time.perf_counter()
+        src, dst = (
+            (self.pool, self.host_pool) if plan.direction == "out" else (self.host_pool, self.pool)
+        )
+        copy_between(src, dst, plan.pairs)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        size = len(plan.pairs) * block_bytes(self.spec, self.blocks.block_size, self.dtype)
+        seconds = time.perf_counter() - t0
+        return SwapRecord(plan.seq.seq_id, plan.direction, len(plan.pairs), size, seconds)
 
     def _forward(self, items: list[ScheduledSeq]) -> list[torch.Tensor]:
         """One forward pass over the flat batch; per item the logits of its sampled positions."""
@@ -419,6 +442,7 @@ class Engine:
             preempted=tuple(s.seq_id for s in batch.preempted),
             drafts=tuple(work.drafts),
             cow_copies=len(batch.copies),
+            swaps=tuple(work.swaps),
         )
 
     def _fork(self, it: ScheduledSeq) -> list[Sequence]:

@@ -87,6 +87,17 @@ class SpecTotals:
 
 
 @dataclass(frozen=True, slots=True)
+class SwapRecord:
+    """One sequence's KV copied out to the host pool (preempted) or back in (resumed)."""
+
+    seq_id: int
+    direction: str  # "out" | "in"
+    blocks: int
+    bytes: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
 class BeamResult:
     """One finished hypothesis of a beam search: its generated tokens, text and score."""
 
@@ -135,3 +146,4 @@ class StepReport:
     block_events: tuple[BlockEvent, ...] = ()  # the allocator's changes since the last report
     drafts: tuple[DraftRecord, ...] = ()
     cow_copies: int = 0  # blocks copied because a shared partial block was written (forked samples)
+    swaps: tuple[SwapRecord, ...] = ()  # KV copied to or from the host pool in this step

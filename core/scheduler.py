@@ -1,5 +1,5 @@
 """Continuous batching under a per-step token budget, with chunked prefill and preemption by
-recompute."""
+recompute or by swapping to a host pool."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from pagechat.core.blocks import BlockManager
 from pagechat.core.sequence import Sequence, Status
+from pagechat.core.swap import HostBlocks
 
 
 @dataclass(slots=True)
@@ -28,6 +29,16 @@ class ScheduledSeq:
         return self.start + self.count == len(self.seq.token_ids)
 
 
+@dataclass(frozen=True, slots=True)
+class SwapPlan:
+    """One sequence's KV to copy: out (device block, host block) or in (host block, device
+    block)."""
+
+    seq: Sequence
+    direction: str  # "out" | "in"
+    pairs: list[tuple[int, int]]
+
+
 @dataclass(slots=True)
 class Batch:
     """What one engine step runs, and what the scheduler did to make room for it."""
@@ -35,6 +46,7 @@ class Batch:
     items: list[ScheduledSeq] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write block pairs
     preempted: list[Sequence] = field(default_factory=list)
+    swaps: list[SwapPlan] = field(default_factory=list)  # copies out before any copy in
     failed: list[Sequence] = field(default_factory=list)  # can never fit the pool; error set
     prefix_hit_tokens: int = 0  # prompt tokens that admissions found in the prefix cache
 
@@ -43,18 +55,26 @@ class Scheduler:
     """Admits waiting sequences and advances running ones, oldest first, within the step's
     limits."""
 
-    def __init__(self, blocks: BlockManager, max_batch_tokens: int, max_seqs: int) -> None:
+    def __init__(
+        self,
+        blocks: BlockManager,
+        max_batch_tokens: int,
+        max_seqs: int,
+        host: HostBlocks | None = None,
+    ) -> None:
         self.blocks = blocks
         self.max_batch_tokens = max_batch_tokens
         self.max_seqs = max_seqs
+        self.host = host  # preempt by swapping into this host pool; None: by recompute
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.swapped: deque[Sequence] = deque()  # oldest first, resumed before any admission
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     def schedule(self, lookahead: int = 0) -> Batch:
         """Pick this step's chunks: running sequences first (decodes, unfinished prefills), then new
@@ -62,10 +82,31 @@ class Scheduler:
         where blocks allow without preempting anyone."""
         batch = Batch()
         budget = self._continue_running(batch, self.max_batch_tokens, lookahead)
-        # Admit new work only when nothing had to be preempted: memory is tight otherwise.
+        # Resume or admit only when nothing had to be preempted: memory is tight otherwise.
         if not batch.preempted:
-            self._admit_waiting(batch, budget)
+            budget = self._swap_in(batch, budget)
+            if not self.swapped:
+                self._admit_waiting(batch, budget)
         return batch
+
+    def _swap_in(self, batch: Batch, budget: int) -> int:
+        """Resume swapped-out sequences, oldest first, while blocks and limits allow; the budget
+        left."""
+        while self.swapped and budget > 0 and len(self.running) < self.max_seqs:
+            seq = self.swapped[0]
+            if not self.blocks.can_swap_in(len(seq.token_ids)):
+                break
+            self.swapped.popleft()
+            table = self.blocks.swap_in(seq.seq_id, seq.num_computed)
+            host = self.host.give_back(seq.seq_id)
+            batch.swaps.append(SwapPlan(seq, "in", list(zip(host, table))))
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            self._make_room(seq, batch)  # cannot fail: room for all its tokens was checked
+            count = min(len(seq.token_ids) - seq.num_computed, budget)
+            batch.items.append(ScheduledSeq(seq, seq.num_computed, count))
+            budget -= count
+        return budget
 
     def _continue_running(self, batch: Batch, budget: int, lookahead: int) -> int:
         """Schedule every running sequence the budget allows, oldest first; the budget left."""
@@ -132,21 +173,38 @@ class Scheduler:
                 )
                 return False
             victim = self.running[-1]
-            self.preempt(victim)
-            batch.preempted.append(victim)
+            self.preempt(victim, batch)
             if victim is seq:
                 return False
         batch.copies += self.blocks.append(seq.seq_id, missing)
         return True
 
-    def preempt(self, seq: Sequence) -> None:
-        """Free seq's blocks and put it at the front of the queue; it is recomputed when
-        readmitted."""
+    def preempt(self, seq: Sequence, batch: Batch) -> None:
+        """Free seq's blocks: its KV goes to the host pool when swapping can hold it (resumed
+        first), else it goes to the front of the queue and is recomputed when readmitted."""
         self.running.remove(seq)
+        seq.num_preemptions += 1
+        batch.preempted.append(seq)
+        if self._can_swap(seq):
+            device = self.blocks.swap_out(seq.seq_id, seq.token_ids, seq.num_computed)
+            host = self.host.take(seq.seq_id, len(device))
+            batch.swaps.append(SwapPlan(seq, "out", list(zip(device, host))))
+            seq.status = Status.SWAPPED
+            self.swapped.appendleft(seq)
+            return
         self.blocks.free(seq.seq_id, seq.token_ids, seq.num_computed)
         seq.status, seq.num_computed = Status.WAITING, 0
-        seq.num_preemptions += 1
         self.waiting.appendleft(seq)
+
+    def _can_swap(self, seq: Sequence) -> bool:
+        """Swapping is on, the host pool has room, and seq is no beam (beams are re-picked
+        together, so a beam is recomputed)."""
+        return (
+            self.host is not None
+            and seq.num_computed > 0
+            and seq.sampling.params.beam_width == 1
+            and self.host.num_free() >= self.blocks.blocks_needed(seq.num_computed)
+        )
 
     def detach(self, seq: Sequence) -> None:
         """Take a running sequence out of the batch and free its blocks without finishing it (a
@@ -161,6 +219,9 @@ class Scheduler:
             self.blocks.free(seq.seq_id, seq.token_ids, seq.num_computed)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        elif seq in self.swapped:
+            self.swapped.remove(seq)
+            self.host.give_back(seq.seq_id)
         seq.status = Status.FINISHED
 
     def _fail(self, seq: Sequence, batch: Batch, message: str) -> None:

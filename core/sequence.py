@@ -13,6 +13,7 @@ from pagechat.core.report import BeamResult, SpecTotals
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"  # preempted with its KV blocks copied to the host pool
     FINISHED = "finished"
 
 
