@@ -1,0 +1,96 @@
+"""`pagechat bench-serve` against a real `pagechat serve` process over 127.0.0.1: every request
+is counted, token counts match what was asked, and a server that is not there is one line."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from conftest import cli
+from pagechat.tools.bench_serve import RequestResult, percentiles, summarise
+
+MAIN = "from pagechat.tui.cli import main; main()"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama):
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", MAIN, "serve", str(tiny_llama), "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):  # bounded: 60 s for torch's import and the model's load
+            if proc.poll() is not None:
+                raise RuntimeError(proc.stderr.read().decode())
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_every_request_is_counted(server, tiny_llama, capsys):
+    code, out, err = cli(
+        [
+            "bench-serve",
+            server,
+            "--requests",
+            "6",
+            "--concurrency",
+            "1,3",
+            "--prompt-words",
+            "12",
+            "--output-tokens",
+            "5",
+            "--json",
+        ],
+        capsys,
+    )
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["load"]["model"] == tiny_llama.name  # the first model /v1/models lists
+    for level, conc in zip(data["levels"], (1, 3)):
+        assert level["concurrency"] == conc and level["completed"] == 6 and level["failed"] == 0
+        assert round(level["output_tok_s"] * level["duration_s"]) == 6 * 5
+        assert level["ttft_ms"]["p50"] <= level["e2e_ms"]["p50"]
+        assert level["itl_ms"] and level["tpot_ms"]["p50"] > 0
+
+
+def test_a_missing_server_is_one_line(capsys):
+    url = f"http://127.0.0.1:{free_port()}"
+    code, _, err = cli(["bench-serve", url, "--requests", "1"], capsys)
+    assert code == 2 and err.count("\n") == 1
+    assert err.startswith(f"error: cannot list the models of {url} (GET /v1/models)")
+
+
+def test_percentiles_are_nearest_rank():
+    values = [i / 1000 for i in range(1, 101)]  # 1..100 ms
+    assert percentiles(values) == pytest.approx({"mean": 50.5, "p50": 50, "p90": 90, "p99": 99})
+    assert percentiles([]) == {}
+
+
+def test_failed_requests_are_counted_not_timed():
+    ok = RequestResult(ok=True, prompt_tokens=3, output_tokens=4, ttft=0.1, latency=0.4)
+    bad = RequestResult(ok=False, error="HTTP 400: nope")
+    report = summarise([ok, bad], concurrency=2, duration=2.0)
+    assert (report.completed, report.failed, report.first_error) == (1, 1, "HTTP 400: nope")
+    assert report.output_tok_s == 2.0 and report.total_tok_s == 3.5
+    assert report.tpot_ms["p50"] == pytest.approx(100.0)
