@@ -416,7 +416,7 @@ class PagechatApp(App[None]):
         prompt.clear()
         prompt.cursor_blink = False  # each blink repaints the screen: none while the engine decodes
         self.pinned = None
-        self.loop.send(reply.ticket, conversation, self.request_params(), hold=True)
+        self.loop.send(reply.ticket, conversation, self.session.params, hold=True)
         self.save()
         self.refresh_panels()
         self.run_worker(self._release_when_drawn(mounts), group="send")
@@ -431,13 +431,10 @@ class PagechatApp(App[None]):
         try:
             for mounted in mounts:
                 await mounted
-            await self.screen.wait_for_refresh()  # the layout with the new widgets
-            await self.screen.wait_for_refresh()  # the scroll to them
+            await self.main.wait_for_refresh()  # the layout with the new widgets
+            await self.main.wait_for_refresh()  # the scroll to them
         finally:
             self.loop.release()
-
-    def request_params(self) -> SamplingParams:
-        return replace(self.session.params)
 
     def action_stop(self) -> None:
         """Esc: stop the reply in flight; else unpin the selected token, back to the prompt."""

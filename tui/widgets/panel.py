@@ -44,7 +44,6 @@ class Panel(Vertical):
     """A titled inspector panel of Readouts."""
 
     TITLE = ""
-    KEY = ""  # the panel's tab id
 
     def on_mount(self) -> None:
         self.border_title = self.TITLE
