@@ -424,9 +424,9 @@ class PagechatApp(App[None]):
     async def _release_when_drawn(self, mounts: list[AwaitMount]) -> None:
         """Let the engine start the reply once the new turn is mounted, laid out and in view.
 
-        That is tens of milliseconds of Python on the UI thread; run while the engine decodes, it
-        would take a core from the engine's first decode steps (and, with a ThreadedEngine, the
-        GIL). Run first, it delays the first token by less.
+        That is Python on the UI thread; run while the engine decodes, it would take a core from
+        the engine's first decode steps (and, with a ThreadedEngine, the GIL). Run first, it delays
+        the first token by less.
         """
         try:
             for mounted in mounts:
