@@ -20,6 +20,7 @@ class RunStats:
         self.peak_blocks = 0
         self._spec: dict[int, SpecTotals] = {}  # each sequence's, from its newest DraftRecord
         self.block_events: Counter[str] = Counter()  # the allocator's events, by kind
+        self.swaps: Counter[str] = Counter()  # swap copies: blocks and bytes out and in
 
     def add(self, r: StepReport) -> None:
         self.steps += 1
@@ -29,6 +30,8 @@ class RunStats:
         self.preemptions += len(r.preempted)
         self.peak_blocks = max(self.peak_blocks, r.blocks.num_used)
         self.block_events.update(e.kind for e in r.block_events)
+        for s in r.swaps:
+            self.swaps.update({f"blocks_{s.direction}": s.blocks, f"bytes_{s.direction}": s.bytes})
         for d in r.drafts:
             self._spec[d.seq_id] = d.totals
         if r.kind == "decode":
@@ -61,6 +64,7 @@ class RunStats:
             "prefix_hit_tokens": self.hit_tokens,
             "preemptions": self.preemptions,
             "block_events": dict(sorted(self.block_events.items())),
+            "swaps": dict(sorted(self.swaps.items())),
             "steps": self.steps,
             "wall_s": round(self.wall_s, 4),
             "dtype": dtype_name(e.dtype),

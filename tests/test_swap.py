@@ -3,6 +3,8 @@ greedy and seeded; every swap is recorded with its blocks and bytes; both pools 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from pagechat.core.config import EngineConfig
 from pagechat.core.engine import Engine
@@ -73,6 +75,19 @@ def test_a_swapped_request_can_be_aborted(tiny_llama):
     assert all(engine.requests[i].finished for i in ids)
     assert engine.scheduler.host.num_free() == engine.scheduler.host.num_blocks
     assert engine.block_map.snapshot().num_used == 0
+
+
+def test_generate_json_counts_swaps(tiny_llama, capsys):
+    from conftest import cli
+
+    args = ["-p", "hello", "-p", "hello there", "-p", "a b c", "--max-tokens", "12"]
+    tight = ["--kv-blocks", "4", "--block-size", "4", "--ignore-eos", "--preempt", "swap"]
+    code, out, err = cli(["generate", str(tiny_llama), *args, *tight, "--json"], capsys)
+    assert code == 0, err
+    stats = json.loads(out)["stats"]
+    swaps, events = stats["swaps"], stats["block_events"]
+    assert swaps["blocks_out"] == swaps["blocks_in"] > 0 and stats["preemptions"] > 0
+    assert events["swapped_out"] == events["swapped_in"] > 0
 
 
 def test_bad_preempt_mode():

@@ -21,7 +21,9 @@ from pagechat.tui.options import (
     Ngram,
     NumDraft,
     OptionalModelDir,
+    Preempt,
     Quant,
+    SwapBlocks,
     engine_config,
 )
 
@@ -136,6 +138,8 @@ def generate(
     block_size: BlockSize = 16,
     kv_blocks: KvBlocks = None,
     kv_memory: KvMemory = None,
+    preempt: Preempt = "recompute",
+    swap_blocks: SwapBlocks = None,
     max_batch_tokens: Annotated[
         int, typer.Option(help="tokens computed per step (longer prompts are chunked)")
     ] = 2048,
@@ -183,6 +187,8 @@ def generate(
         kv_memory=kv_memory,
         block_size=block_size,
         kv_blocks=kv_blocks,
+        preempt=preempt,
+        swap_blocks=swap_blocks,
         max_batch_tokens=max_batch_tokens,
         max_seqs=max_seqs,
         prefix_cache=prefix_cache,
@@ -325,6 +331,8 @@ def run(
     block_size: BlockSize = 16,
     kv_blocks: KvBlocks = None,
     kv_memory: KvMemory = None,
+    preempt: Preempt = "recompute",
+    swap_blocks: SwapBlocks = None,
     eager: Eager = False,
 ) -> None:
     """Chat with a local model in the terminal app, with live KV-block, timing, sampling and
@@ -342,6 +350,8 @@ def run(
         kv_memory=kv_memory,
         block_size=block_size,
         kv_blocks=kv_blocks,
+        preempt=preempt,
+        swap_blocks=swap_blocks,
     )
     overrides = dict(
         temperature=temperature,
@@ -419,6 +429,61 @@ def bench(
     if spec_prompt is not None and not spec_prompt.strip():
         raise PagechatError("--spec-prompt is empty")
     bench_command(model_or_demo(model_dir, quant), config, rounds, vs_hf, as_json, spec_prompt)
+
+
+@app.command("bench-kv")
+def bench_kv(
+    model_dir: OptionalModelDir = None,
+    prompt_tokens: Annotated[int, typer.Option(help="prompt length of the sharing runs")] = 1024,
+    new_tokens: Annotated[int, typer.Option(help="tokens each answer generates")] = 32,
+    samples: Annotated[int, typer.Option(help="n of the samples run")] = 8,
+    beams: Annotated[int, typer.Option(help="width of the beam-search run")] = 4,
+    contexts: Annotated[
+        str, typer.Option(help="comma-separated sequence lengths of the preemption-cost runs")
+    ] = "256,512,1024",
+    rounds: Annotated[int, typer.Option(help="repetitions per length (the median counts)")] = 3,
+    quant: Quant = None,
+    dtype: Dtype = "auto",
+    device: Device = "auto",
+    as_json: Annotated[
+        bool, typer.Option("--json", help="print one JSON object instead of the tables")
+    ] = False,
+) -> None:
+    """What block sharing saves (n samples and beams vs separate requests, peak KV blocks) and
+    what preemption costs (swap to host memory and back vs recompute, per context length)."""
+    from pagechat.tools.demo import model_or_demo
+    from pagechat.tui.bench_kv_cmd import bench_kv_command
+
+    try:
+        lengths = [int(x) for x in contexts.split(",")]
+    except ValueError:
+        lengths = []
+    if not lengths or min(lengths) < 1:
+        raise PagechatError(
+            f"--contexts must be integers >= 1 separated by commas, got {contexts!r}"
+        )
+    for name, value in (
+        ("--prompt-tokens", prompt_tokens),
+        ("--new-tokens", new_tokens),
+        ("--samples", samples),
+        ("--beams", beams),
+        ("--rounds", rounds),
+    ):
+        if value < 1:
+            raise PagechatError(f"{name} must be >= 1, got {value}")
+    config = engine_config(
+        device=device, dtype=dtype, quant=quant, draft=None, ngram=False, num_draft=4, eager=False
+    )
+    bench_kv_command(
+        model_or_demo(model_dir, quant),
+        config,
+        prompt_tokens,
+        new_tokens,
+        (samples, beams),
+        lengths,
+        rounds,
+        as_json,
+    )
 
 
 @app.command("bench-serve")
@@ -524,6 +589,8 @@ def serve(
     block_size: BlockSize = 16,
     kv_blocks: KvBlocks = None,
     kv_memory: KvMemory = None,
+    preempt: Preempt = "recompute",
+    swap_blocks: SwapBlocks = None,
     max_batch_tokens: Annotated[
         int, typer.Option(help="tokens computed per step (longer prompts are chunked)")
     ] = 2048,
@@ -549,6 +616,8 @@ def serve(
         kv_memory=kv_memory,
         block_size=block_size,
         kv_blocks=kv_blocks,
+        preempt=preempt,
+        swap_blocks=swap_blocks,
         max_batch_tokens=max_batch_tokens,
         max_seqs=max_seqs,
     )

@@ -56,6 +56,16 @@ Quant = Annotated[
 BlockSize = Annotated[int, typer.Option(help="tokens per KV block")]
 KvBlocks = Annotated[int | None, typer.Option(help="KV pool size in blocks")]
 KvMemory = Annotated[str | None, typer.Option(help="KV pool budget, e.g. 2GiB")]
+Preempt = Annotated[
+    str,
+    typer.Option(
+        help="when the KV pool is full: recompute (free the newest sequence's blocks, recompute "
+        "them later) | swap (copy them to a host pool and back)"
+    ),
+]
+SwapBlocks = Annotated[
+    int | None, typer.Option(help="host pool size in blocks with --preempt swap (default: as KV)")
+]
 
 
 def engine_config(
