@@ -176,23 +176,7 @@ def generate(
         length_penalty=length_penalty,
         early_stopping=early_stopping_value(early_stopping),
     ).validate()
-    config = engine_config(
-        device=device,
-        dtype=dtype,
-        quant=quant,
-        draft=draft,
-        ngram=ngram,
-        num_draft=num_draft,
-        eager=eager,
-        kv_memory=kv_memory,
-        block_size=block_size,
-        kv_blocks=kv_blocks,
-        preempt=preempt,
-        swap_blocks=swap_blocks,
-        max_batch_tokens=max_batch_tokens,
-        max_seqs=max_seqs,
-        prefix_cache=prefix_cache,
-    )
+    config = engine_config(locals())
     code = run_generate(
         model_or_demo(model_dir, quant),
         prompt,
@@ -339,20 +323,7 @@ def run(
     memory panels."""
     from pagechat.tui.launch import run_app
 
-    config = engine_config(
-        device=device,
-        dtype=dtype,
-        quant=quant,
-        draft=draft,
-        ngram=ngram,
-        num_draft=num_draft,
-        eager=eager,
-        kv_memory=kv_memory,
-        block_size=block_size,
-        kv_blocks=kv_blocks,
-        preempt=preempt,
-        swap_blocks=swap_blocks,
-    )
+    config = engine_config(locals())
     overrides = dict(
         temperature=temperature,
         top_p=top_p,
@@ -413,15 +384,7 @@ def bench(
 
     if rounds < 1:
         raise PagechatError(f"--rounds must be >= 1, got {rounds}")
-    config = engine_config(
-        device=device,
-        dtype=dtype,
-        quant=quant,
-        draft=draft,
-        ngram=ngram,
-        num_draft=num_draft,
-        eager=eager,
-    )
+    config = engine_config(locals())
     if spec_prompt is not None and not (draft or ngram):
         raise PagechatError(
             "--spec-prompt needs --draft DIR or --ngram (it is the speculation round's prompt)"
@@ -471,9 +434,7 @@ def bench_kv(
     ):
         if value < 1:
             raise PagechatError(f"{name} must be >= 1, got {value}")
-    config = engine_config(
-        device=device, dtype=dtype, quant=quant, draft=None, ngram=False, num_draft=4, eager=False
-    )
+    config = engine_config(locals())
     bench_kv_command(
         model_or_demo(model_dir, quant),
         config,
@@ -605,22 +566,7 @@ def serve(
 
     if not 0 <= port <= 65535:
         raise PagechatError(f"--port must be in 0..65535, got {port}")
-    config = engine_config(
-        device=device,
-        dtype=dtype,
-        quant=quant,
-        draft=draft,
-        ngram=ngram,
-        num_draft=num_draft,
-        eager=eager,
-        kv_memory=kv_memory,
-        block_size=block_size,
-        kv_blocks=kv_blocks,
-        preempt=preempt,
-        swap_blocks=swap_blocks,
-        max_batch_tokens=max_batch_tokens,
-        max_seqs=max_seqs,
-    )
+    config = engine_config(locals())
     settings = ServerSettings(host, port, api_key or None, served_model_name)
     serve_model(model_or_demo(model_dir, quant), config, settings)
 

@@ -68,31 +68,31 @@ SwapBlocks = Annotated[
 ]
 
 
-def engine_config(
-    *,
-    device: str,
-    dtype: str,
-    quant: str | None,
-    draft: Path | None,
-    ngram: bool,
-    num_draft: int,
-    eager: bool,
-    kv_memory: str | None = None,
-    **rest: int | bool | None,
-) -> EngineConfig:
-    """The validated EngineConfig of a command's options: `demo` names the shipped draft,
-    --kv-memory is parsed, --eager turns traced graphs off; options a command does not have
-    keep EngineConfig's defaults."""
+ENGINE_OPTIONS = (  # command options that are EngineConfig fields of the same name
+    "device",
+    "dtype",
+    "quant",
+    "ngram",
+    "num_draft",
+    "block_size",
+    "kv_blocks",
+    "max_batch_tokens",
+    "max_seqs",
+    "prefix_cache",
+    "preempt",
+    "swap_blocks",
+)
+
+
+def engine_config(options: dict) -> EngineConfig:
+    """The validated EngineConfig of a command's options (its locals()): `demo` names the
+    shipped draft, --kv-memory is parsed, --eager turns traced graphs off; options a command
+    does not have keep EngineConfig's defaults."""
     from pagechat.tools.demo import draft_or_demo
 
-    return EngineConfig(
-        device=device,
-        dtype=dtype,
-        quant=quant,
-        draft=draft_or_demo(draft),
-        ngram=ngram,
-        num_draft=num_draft,
-        graphs=not eager,
-        kv_memory=parse_bytes(kv_memory) if kv_memory else None,
-        **rest,
-    ).validate()
+    fields = {name: options[name] for name in ENGINE_OPTIONS if name in options}
+    fields["draft"] = draft_or_demo(options.get("draft"))
+    if options.get("kv_memory"):
+        fields["kv_memory"] = parse_bytes(options["kv_memory"])
+    fields["graphs"] = not options.get("eager", False)
+    return EngineConfig(**fields).validate()
