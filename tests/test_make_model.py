@@ -167,3 +167,13 @@ def test_small_has_the_smollm2_135m_shape(arch):
     n_params = sum(p.numel() for p in model.parameters())
     extra = {"qwen2": 30 * (576 + 2 * 192), "qwen3": 30 * 2 * 64}.get(arch, 0)  # bias / q,k norm
     assert n_params == 134_515_008 + extra
+
+
+def test_half_billion_shape_is_qwen2_05b():
+    """The 0.5b size has Qwen2-0.5B's shape: its published parameter count, 494,032,768 (tied
+    embeddings, q/k/v biases), counted on the meta device without making the weights."""
+    config = model_config("qwen2", "0.5b", 151936)
+    with torch.device("meta"):
+        model = transformers.Qwen2ForCausalLM(config)
+    assert sum(p.numel() for p in model.parameters()) == 494_032_768
+    assert config.max_position_embeddings == 32768 and config.tie_word_embeddings

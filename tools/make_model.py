@@ -33,7 +33,7 @@ ARCHS = {  # arch -> (config class, model class)
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
 }
-SIZES = ("tiny", "small")
+SIZES = ("tiny", "small", "0.5b")
 TINY_VOCAB = 1024
 SMALL_TOKENIZER_VOCAB = 8192
 
@@ -215,6 +215,21 @@ def model_config(arch: str, size: str, vocab_size: int | None = None):
             rope_theta=10000.0,
             tie_word_embeddings=True,
             rms_norm_eps=1e-5,
+            initializer_range=0.02,
+        )
+    elif size == "0.5b":  # Qwen2-0.5B shape
+        shape = dict(
+            vocab_size=151936,
+            hidden_size=896,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            head_dim=64,
+            intermediate_size=4864,
+            max_position_embeddings=32768,
+            rope_theta=1000000.0,
+            tie_word_embeddings=True,
+            rms_norm_eps=1e-6,
             initializer_range=0.02,
         )
     else:  # wide init (0.1) gives clear argmax gaps for greedy comparisons between implementations

@@ -68,7 +68,11 @@ def make_model_cmd(
     out_dir: Annotated[Path, typer.Argument(help="new directory for the checkpoint")],
     arch: Annotated[str, typer.Option(help="llama | mistral | qwen2 | qwen3")] = "llama",
     size: Annotated[
-        str, typer.Option(help="tiny (runs in well under a second) | small (SmolLM2-135M shape)")
+        str,
+        typer.Option(
+            help="tiny (runs in well under a second) | small (SmolLM2-135M shape) | "
+            "0.5b (Qwen2-0.5B shape)"
+        ),
     ] = "tiny",
     seed: Annotated[int, typer.Option(help="weights are identical for the same seed")] = 0,
 ) -> None:
@@ -280,8 +284,16 @@ def bench_quant(
 def run(
     model_dir: OptionalModelDir = None,
     resume: Annotated[
-        str | None, typer.Option(help="continue a saved chat (id from `pagechat history`)")
+        str | None,
+        typer.Option(
+            help="continue a saved chat (id from `pagechat history`), on its own model unless "
+            "MODEL_DIR names another"
+        ),
     ] = None,
+    strict: Annotated[
+        bool,
+        typer.Option(help="with --resume: refuse a MODEL_DIR other than the chat's own model"),
+    ] = False,
     save: Annotated[
         Path | None,
         typer.Option(help="also write the chat as JSON to this path after every turn"),
@@ -335,7 +347,14 @@ def run(
     )
     raise typer.Exit(
         run_app(
-            model_dir, config, overrides, resume=resume, save=save, system=system, layout=layout
+            model_dir,
+            config,
+            overrides,
+            resume=resume,
+            save=save,
+            system=system,
+            layout=layout,
+            strict=strict,
         )
     )
 
