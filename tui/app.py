@@ -10,6 +10,7 @@ from pathlib import Path
 from pagechat.core.errors import PagechatError
 from pagechat.core.params import SamplingParams
 from pagechat.tui.client import EngineClient
+from pagechat.tui.export_screen import ExportScreen
 from pagechat.tui.heap import settle_heap
 from pagechat.tui.history import ChatRecord, ChatStore, export_markdown
 from pagechat.tui.protocol import (
@@ -20,7 +21,7 @@ from pagechat.tui.protocol import (
     SpeculationSet,
 )
 from pagechat.tui.screens import PANELS, HelpScreen, MainScreen, StatusBar, status_line
-from pagechat.tui.session import ChatSession, Message
+from pagechat.tui.session import ChatSession, Message, engine_facts
 from pagechat.tui.widgets.blocks import BlocksPanel
 from pagechat.tui.widgets.chat import PromptInput, ReplyView
 from pagechat.tui.widgets.controls import ControlsPanel
@@ -89,6 +90,14 @@ class PagechatApp(App[None]):
         ),
         Binding(
             "ctrl+s", "export", "Export .md", priority=True, tooltip="export this chat as Markdown"
+        ),
+        Binding(
+            "ctrl+o",
+            "export_to",
+            "Export to…",
+            show=False,
+            priority=True,
+            tooltip="write the chat to a path you type (JSON, or Markdown for .md)",
         ),
         Binding(
             "ctrl+r", "inspect", "Tokens", priority=True, tooltip="inspect the last reply's tokens"
@@ -167,14 +176,19 @@ class PagechatApp(App[None]):
         frozen: bool = False,
         layout: str = "auto",
         autosave: bool = True,
+        facts: dict | None = None,
+        notices: tuple[str, ...] = (),
     ) -> None:
-        """`loop`: the engine's client, not started yet (the app starts and closes it)."""
+        """`loop`: the engine's client, not started yet (the app starts and closes it); `facts`:
+        engine_facts() each reply records; `notices`: warnings shown once the app is up."""
         super().__init__()
         self.register_theme(THEME)
         self.theme = THEME.name
         self.loop, info = loop, loop.info
         base = params or SamplingParams(temperature=0.7, top_p=0.95, max_tokens=512)
-        self.session = ChatSession(chat or ChatRecord(model=info.model_dir), base)
+        facts = facts or engine_facts(info)
+        self.session = ChatSession(chat or ChatRecord(model=info.model_dir), base, facts)
+        self.notices = notices
         self.store = store or ChatStore()
         self.save_path = save_path
         self.autosave = autosave
@@ -219,6 +233,8 @@ class PagechatApp(App[None]):
         self.main.prompt.focus()
         self.refresh_panels(everything=True)
         self.call_after_refresh(settle_heap, True)
+        for text in self.notices:
+            self.notify(text, title="warning", severity="warning", timeout=15, markup=False)
 
     def on_unmount(self) -> None:
         self.loop.close()
@@ -452,10 +468,10 @@ class PagechatApp(App[None]):
         self.pump_now()
         self.save()
         old = self.session
-        self.session = ChatSession(
-            ChatRecord(model=self.loop.info.model_dir, system=old.system), old.params
-        )
-        self.session.latest, self.session.blocks = old.latest, old.blocks
+        if old.save_error and not old.saved and old.rescued is None:  # nowhere but in memory
+            self.notify("export this chat first (Ctrl+O): it could not be saved", severity="error")
+            return
+        self.session = old.next_chat(self.loop.info.model_dir)
         self.pinned = None
         self.main.chat_log.clear()
         self.main.prompt.focus()
@@ -477,6 +493,18 @@ class PagechatApp(App[None]):
             return
         self.notify(f"exported to {path}", title="export", timeout=6)
 
+    def action_export_to(self) -> None:
+        """Ctrl+O: write the chat to a path the user types (the way out when autosave fails)."""
+        chat = self.session.to_record()
+        default = Path.cwd() / f"pagechat-{chat.id}.json"
+        why = self.session.save_error
+
+        def done(path: Path | None) -> None:
+            if path is not None:
+                self.notify(f"chat written to {path}", title="export", timeout=6, markup=False)
+
+        self.push_screen(ExportScreen(chat, default, why), done)
+
     def action_inspect(self) -> None:
         """Ctrl+R: focus the last reply to pick its tokens."""
         reply = self.main.chat_log.last_reply()
@@ -494,13 +522,15 @@ class PagechatApp(App[None]):
         self.show_sampling()
 
     def save(self) -> None:
-        """Autosave the chat (finished messages); a crash loses at most the reply in flight."""
+        """Autosave the chat (finished messages); a crash loses at most the reply in flight. A
+        failing save is said as it is, once, with the way to export the chat."""
         if not self.autosave or not self.session.messages:
             return
-        try:
-            self.store.save(self.session.to_record(), self.save_path)
-        except OSError as e:
-            self.notify(f"cannot save the chat: {e}", severity="error")
+        note = self.session.save(self.store, self.save_path)
+        if note is not None:
+            self.notify(
+                note.text, title="autosave", severity=note.severity, timeout=30, markup=False
+            )
 
     @on(Input.Submitted, "#system-prompt")
     def _system_submitted(self, event: Input.Submitted) -> None:
@@ -588,6 +618,11 @@ class PagechatApp(App[None]):
         )
         yield SystemCommand(
             "Export Markdown", "Write this chat as a Markdown file (Ctrl+S)", self.action_export
+        )
+        yield SystemCommand(
+            "Export chat to…",
+            "Write this chat to a path you type: JSON, or Markdown for .md (Ctrl+O)",
+            self.action_export_to,
         )
         yield SystemCommand(
             "Inspect reply tokens", "Pick tokens of the last reply (Ctrl+R)", self.action_inspect

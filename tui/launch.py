@@ -1,5 +1,5 @@
-"""`pagechat run`: find the model (or the demo), start the engine's process under a progress
-bar, open the app."""
+"""`pagechat run`: find the model (the chat's own when resuming, or the demo), check where the
+chat will be saved, start the engine's process under a progress bar, open the app."""
 
 from __future__ import annotations
 
@@ -11,7 +11,14 @@ from pagechat.core.config import EngineConfig
 from pagechat.core.errors import PagechatError
 from pagechat.core.params import SamplingParams
 from pagechat.tools.demo import model_or_demo
-from pagechat.tui.history import ChatRecord, ChatStore
+from pagechat.tui.history import (
+    ChatRecord,
+    ChatStore,
+    check_save_path,
+    model_fingerprint,
+    params_from_dict,
+    rescue_chat,
+)
 
 DEFAULT_PARAMS = SamplingParams(temperature=0.7, top_p=0.95, max_tokens=512)
 
@@ -50,6 +57,51 @@ def start_engine(model_dir: Path, config: EngineConfig):
     return client
 
 
+def chat_model(
+    chat: ChatRecord | None, model_dir: Path | None, quant: str | None, strict: bool
+) -> tuple[Path, str | None]:
+    """(the model to run, a warning to show): the chat's own model when resuming without a
+    MODEL_DIR; another model than the chat's is said (or refused with `strict`)."""
+    if chat is None:
+        return model_or_demo(model_dir, quant), None
+    own, own_hash = chat.last_model()
+    if model_dir is None:
+        if not own:
+            return model_or_demo(None, quant), None
+        if not Path(own).is_dir():
+            raise PagechatError(
+                f"chat {chat.id} ran on {own}, which is not there any more; name a MODEL_DIR "
+                "to continue it on another model"
+            )
+        return Path(own), None
+    path = model_or_demo(model_dir, quant)
+    why = other_model(own, own_hash, path)
+    if why is None:
+        return path, None
+    if strict:
+        raise PagechatError(
+            f"chat {chat.id} {why}; run it without MODEL_DIR to use its own model, or without "
+            "--strict to go on with this one"
+        )
+    return path, f"chat {chat.id} {why}; its earlier replies keep the record of their model"
+
+
+def other_model(own: str, own_hash: str, path: Path) -> str | None:
+    """How `path` differs from the model a chat ran on, in words; None when it is the same."""
+    if not own:
+        return None
+    new_hash = model_fingerprint(path)
+    if own_hash and new_hash:
+        if own_hash == new_hash:
+            return None  # the same files, wherever they are now
+        if Path(own).resolve() == path.resolve():
+            return f"ran on {own} ({own_hash}), whose files have changed since ({new_hash})"
+        return f"ran on {own} ({own_hash}), not on {path} ({new_hash})"
+    if Path(own).resolve() == path.resolve():
+        return None
+    return f"ran on {own}, not on {path}"
+
+
 def run_app(
     model_dir: Path | None,
     config: EngineConfig,
@@ -59,40 +111,77 @@ def run_app(
     save: Path | None = None,
     system: str | None = None,
     layout: str = "auto",
+    strict: bool = False,
 ) -> int:
-    """Open the app on the model; returns the exit code."""
+    """Open the app on the model; returns the exit code. Everything that can be refused is checked
+    before the model loads."""
     if layout not in ("auto", "tabs", "grid"):
         raise PagechatError(f"--layout must be auto, tabs or grid, got {layout!r}")
-    path = model_or_demo(model_dir, config.quant)
     store = ChatStore()
-    chat = store.load(resume) if resume else ChatRecord(model=str(path))
+    resumed = store.load(resume) if resume is not None else None
+    path, warning = chat_model(resumed, model_dir, config.quant, strict)
+    if save is not None:
+        check_save_path(save)
+    chat = resumed or ChatRecord()
+    chat.model = str(path)  # the model it runs on now, which `--resume` alone opens next time
     if system is not None:
         chat.system = system
-    params = replace(
-        DEFAULT_PARAMS, **{k: v for k, v in overrides.items() if v is not None}
-    ).validate()
-    if resume and chat.params:
-        from pagechat.tui.history import params_from_dict
-
-        params = replace(
-            params_from_dict(chat.params, params),
-            **{k: v for k, v in overrides.items() if v is not None},
-        ).validate()
+    given = {k: v for k, v in overrides.items() if v is not None}
+    try:
+        params = replace(params_from_dict(chat.params, DEFAULT_PARAMS), **given).validate()
+    except PagechatError as e:
+        raise PagechatError(f"saved chat {chat.id}: {e}") from None
     chat.params = {}
+    notices = [warning] if warning else []
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
+    try:
+        store.check_writable()
+    except PagechatError as e:
+        notices.append(f"{e}: this chat will not be saved there; Ctrl+O writes it where you say")
+    return open_app(path, config, chat, params, store, save, layout, tuple(notices))
+
+
+def open_app(path, config, chat, params, store, save, layout, notices) -> int:
+    """Start the engine, run the app until it quits, and say where the chat went."""
+    from pagechat.tui.session import engine_facts
+
     client = start_engine(path, config)
     try:
         from pagechat.tui.app import PagechatApp
 
+        facts = engine_facts(client.info, config.draft)
         app = PagechatApp(
-            client, chat=chat, params=params, store=store, save_path=save, layout=layout
+            client,
+            chat=chat,
+            params=params,
+            store=store,
+            save_path=save,
+            layout=layout,
+            facts=facts,
+            notices=notices,
         )
         app.run()
     finally:
         client.close()
-    if app.session.messages:
-        chat_id = app.session.record.id
-        print(
-            f"chat saved as {chat_id} (pagechat run {path} --resume {chat_id})",
-            file=sys.stderr,
-        )
+    say_where_it_went(app.session, path)
     return 0
+
+
+def say_where_it_went(session, path: Path) -> None:
+    """The last line: where the chat is saved, or truthfully where it is not and where it went."""
+    if not session.messages:
+        return
+    chat_id = session.record.id
+    if session.save_error is not None:
+        print(session.save_error, file=sys.stderr)
+    if session.saved:
+        print(f"chat saved as {chat_id} (pagechat run --resume {chat_id})", file=sys.stderr)
+        return
+    record = session.to_record()
+    copy = rescue_chat(record)
+    if copy is not None:
+        print(f"the chat is in {copy}", file=sys.stderr)
+        return
+    print("no folder took a copy of the chat, so here it is:", file=sys.stderr)
+    print(record.to_json())

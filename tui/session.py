@@ -4,15 +4,61 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from pagechat.core.blockmap import BlockSnapshot
 from pagechat.core.params import SamplingParams
 from pagechat.core.report import DraftRecord, SpecTotals, StepReport
 from pagechat.core.sampler import SampleRecord
-from pagechat.tui.history import ChatRecord, params_from_dict, params_to_dict
-from pagechat.tui.protocol import BlocksChanged, Event, Finished, FirstToken, Refused, Started
+from pagechat.tui.history import (
+    ChatRecord,
+    ChatStore,
+    model_fingerprint,
+    params_from_dict,
+    params_to_dict,
+    rescue_chat,
+    write_atomic,
+)
+from pagechat.tui.protocol import (
+    BlocksChanged,
+    EngineInfo,
+    Event,
+    Finished,
+    FirstToken,
+    Refused,
+    SpeculationSet,
+    Started,
+)
 
 STEP_HISTORY = 512  # steps kept for the latency sparkline
+EXPORT_KEY = "Ctrl+O"  # the app's key for writing the chat to a path the user types
+
+
+def engine_facts(info: EngineInfo, draft: str | None = None) -> dict:
+    """What the loaded engine is, as each reply records it: model path and content hash,
+    precision, quantisation, device and the speculation proposer (with its draft model)."""
+    dtype, _, quant = info.precision.partition(" · ")
+    facts = {
+        "model": info.model_dir,
+        "model_hash": model_fingerprint(info.model_dir),
+        "precision": dtype,
+        "quant": quant or None,
+        "device": str(info.device),
+        "proposer": info.proposer,
+    }
+    if info.proposer:
+        facts["speculation"] = {"enabled": info.speculate, "num_draft": info.num_draft}
+    if draft:
+        facts |= {"draft": draft, "draft_hash": model_fingerprint(draft)}
+    return facts
+
+
+@dataclass(frozen=True, slots=True)
+class SaveNote:
+    """What the app tells the user when autosave starts failing or works again."""
+
+    text: str
+    severity: str  # information | error
 
 
 @dataclass(slots=True)
@@ -76,6 +122,7 @@ class TurnTiming:
             "ms_per_token": r(self.ms_per_token),
             "wall_decode_tok_s": r(self.wall_decode_tok_s),
             "output_tokens": self.output_tokens,
+            "total_ms": r(None if self.total_s is None else 1000 * self.total_s),
         }
 
     @classmethod
@@ -90,6 +137,8 @@ class TurnTiming:
         )
         if d.get("ttft_ms") is not None:
             t.ttft_s = d["ttft_ms"] / 1000
+        if d.get("total_ms") is not None:
+            t.total_s = d["total_ms"] / 1000
         if d.get("prefill_tok_s"):
             t.prefill_s = t.prefill_tokens / d["prefill_tok_s"]
         if d.get("decode_tok_s"):
@@ -110,6 +159,8 @@ class Message:
     ticket: int | None = None
     request_id: int | None = None
     streaming: bool = False
+    # model, precision, quantisation, speculation and sampling settings this reply was made with
+    produced_by: dict | None = None
 
     def as_dict(self) -> dict:
         d = {"role": self.role, "content": self.content}
@@ -119,19 +170,34 @@ class Message:
                 d["stats"] = self.timing.as_dict()
             if self.error:
                 d["error"] = self.error
+            if self.produced_by is not None:
+                d["produced_by"] = self.produced_by
         return d
 
 
 class ChatSession:
     """Messages, replies in flight and step timing of one chat; applies engine events in order."""
 
-    def __init__(self, record: ChatRecord, params: SamplingParams) -> None:
+    def __init__(
+        self, record: ChatRecord, params: SamplingParams, engine: dict | None = None
+    ) -> None:
+        """`engine`: engine_facts() of the engine that will make this chat's replies."""
         self.record = record
-        self.params = params_from_dict(record.params, params) if record.params else params
+        self._params = params_from_dict(record.params, params) if record.params else params
+        self.engine = engine or {}
+        spec = self.engine.get("speculation")  # as the engine loaded; SpeculationSet changes it
+        self.drafting = (spec["enabled"], spec["num_draft"]) if spec else None
+        self.save_error: str | None = None  # why the latest autosave failed; None once it works
+        self.saved = False  # the chats folder holds the latest autosave
+        self.rescued: Path | None = None  # where the chat went when its folder could not take it
         self.messages: list[Message] = []
         for m in record.messages:
             msg = Message(
-                m["role"], m["content"], finish_reason=m.get("finish_reason"), error=m.get("error")
+                m["role"],
+                m["content"],
+                finish_reason=m.get("finish_reason"),
+                error=m.get("error"),
+                produced_by=m.get("produced_by"),
             )
             if m.get("stats"):
                 msg.timing = TurnTiming.from_dict(m["stats"])
@@ -148,6 +214,17 @@ class ChatSession:
         self._next_ticket = 0
 
     # -- what the UI asks --------------------------------------------------------------------------
+    @property
+    def params(self) -> SamplingParams:
+        """The settings of the next request (and of the reply in flight from its next token)."""
+        return self._params
+
+    @params.setter
+    def params(self, p: SamplingParams) -> None:
+        if params_to_dict(p) != params_to_dict(self._params):
+            self._record_change(params=params_to_dict(p))
+        self._params = p
+
     @property
     def system(self) -> str:
         return self.record.system
@@ -189,16 +266,72 @@ class ChatSession:
         self.messages.append(Message("user", text))
         self._next_ticket += 1
         reply = Message(
-            "assistant", "", ticket=self._next_ticket, streaming=True, timing=TurnTiming()
+            "assistant",
+            "",
+            ticket=self._next_ticket,
+            streaming=True,
+            timing=TurnTiming(),
+            produced_by=self.producer(),
         )
         self.messages.append(reply)
         return reply
+
+    def producer(self) -> dict:
+        """What the next reply is made with: the engine's facts, speculation and sampling."""
+        made = dict(self.engine)
+        if self.drafting is not None:
+            made["speculation"] = {"enabled": self.drafting[0], "num_draft": self.drafting[1]}
+        made["params"] = params_to_dict(self.params)
+        return made
+
+    def next_chat(self, model: str) -> ChatSession:
+        """A new, empty chat on the same engine: same system prompt, settings and speculation; the
+        engine's latest records carry over to the panels."""
+        new = ChatSession(ChatRecord(model=model, system=self.system), self.params, self.engine)
+        new.drafting, new.latest, new.blocks = self.drafting, self.latest, self.blocks
+        return new
+
+    def _record_change(self, **change) -> None:
+        """Note a setting changed while a reply streams, and from which of its tokens."""
+        msg = self.streaming
+        if msg is not None and msg.produced_by is not None:
+            at = {"at_token": len(msg.tokens)}
+            msg.produced_by.setdefault("changes", []).append(at | change)
 
     def to_record(self) -> ChatRecord:
         """The persisted form: finished messages (a crash loses the reply in flight alone)."""
         self.record.params = params_to_dict(self.params)
         self.record.messages = [m.as_dict() for m in self.messages if not m.streaming]
         return self.record
+
+    def save(self, store: ChatStore, extra: Path | None = None) -> SaveNote | None:
+        """Autosave to the store (and `extra`, for --save). When the store cannot take it, a copy
+        goes to the current or temporary folder and the chat stays in memory. Returns a note when
+        saving starts failing, fails differently, or works again; else None."""
+        record = self.to_record()
+        before, errors, path = self.save_error, [], store.path(record.id)
+        try:
+            store.save(record)
+            self.saved = True
+        except OSError as e:
+            self.saved = False
+            self.rescued = rescue_chat(record)
+            kept = f"; a copy is in {self.rescued}" if self.rescued else ""
+            errors.append(f"chat NOT saved to {e.filename}: {e.strerror}{kept}")
+        if extra is not None:
+            try:
+                write_atomic(extra, record.to_json())
+            except OSError as e:
+                errors.append(f"chat NOT saved to --save {e.filename}: {e.strerror}")
+        self.save_error = "; ".join(errors) or None
+        if self.save_error == before:
+            return None
+        if self.save_error is None:
+            return SaveNote(f"chat saved again in {path}", "information")
+        return SaveNote(
+            f"{self.save_error}. It stays in memory: {EXPORT_KEY} writes it to a path you type",
+            "error",
+        )
 
     # -- engine events -----------------------------------------------------------------------------
     def _by_ticket(self, ticket: int | None) -> Message | None:
@@ -242,6 +375,10 @@ class ChatSession:
             return msg
         if isinstance(ev, BlocksChanged):
             self.blocks = ev.snapshot
+        if isinstance(ev, SpeculationSet):
+            if self.drafting != (ev.enabled, ev.num_draft):
+                self._record_change(speculation={"enabled": ev.enabled, "num_draft": ev.num_draft})
+            self.drafting = (ev.enabled, ev.num_draft)
         return None
 
     def _apply_report(self, r: StepReport) -> Message | None:

@@ -1,0 +1,407 @@
+"""Nothing the user wrote is lost: chat files written atomically and read defensively, chat ids
+that cannot leave the chats folder, save failures said truthfully (the app keeps the chat and
+offers to export it), faithful per-reply history, and a real kill -9 of `pagechat run`."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import pagechat.tui.launch as launch
+import pytest
+from conftest import cli
+from drive import advance, tiny_model_dir, type_prompt, wait_reply_done, wait_until
+from pagechat.core.config import EngineConfig
+from pagechat.core.engine import Engine
+from pagechat.core.params import SamplingParams
+from pagechat.tui.app import PagechatApp
+from pagechat.tui.client import ThreadedEngine
+from pagechat.tui.export_screen import ExportScreen
+from pagechat.tui.history import ChatRecord, ChatStore, model_fingerprint
+from pagechat.tui.session import ChatSession
+
+CHAT_ID = "20250101-120000-abcd"
+BAD_ID = "is not valid: ids are letters, digits, '-', '_' and '.' (`pagechat history` lists them)"
+DAMAGED = {  # file bytes -> what `history` and `--resume` say is wrong with them
+    "empty": (b"", "the file is empty"),
+    "blank": (b" \n\t", "the file is empty"),
+    "bad json": (
+        b'{"id": "x", "messages": [',
+        "not valid JSON (Expecting value at line 1, column 26)",
+    ),
+    "invalid utf-8": (
+        b'{"id": "x", "messages": []}\xff',
+        "not valid UTF-8 (byte 0xff at offset 27)",
+    ),
+    "a list": (b"[1, 2]", "not a pagechat chat (a JSON list, not an object)"),
+    "no messages": (b'{"id": "x"}', "not a pagechat chat (no list of messages)"),
+    "bad message": (
+        b'{"id": "x", "messages": [{"role": "user", "content": 3}]}',
+        "not a pagechat chat (message 1 has no text content)",
+    ),
+    "id leaving the folder": (
+        b'{"id": "../../etc/x", "messages": []}',
+        "not a pagechat chat (id '../../etc/x' is not a chat id)",
+    ),
+    "newer format": (
+        b'{"version": 9, "id": "x", "messages": []}',
+        "written by a newer pagechat (format 9; this one reads 1 to 2)",
+    ),
+    "deep nesting": (b"[" * 100_000, "not valid JSON (nested too deeply)"),
+}
+
+
+def good_chat(**kw) -> ChatRecord:
+    messages = [
+        {"role": "user", "content": "What is a KV block?"},
+        {"role": "assistant", "content": "Sixteen tokens.", "finish_reason": "stop"},
+    ]
+    return ChatRecord(**({"id": CHAT_ID, "model": "/m/tiny", "messages": messages} | kw))
+
+
+def assert_error(code, err: str, message: str) -> None:
+    """Exit code 2 and exactly one line on stderr: `error: message`; no traceback."""
+    assert (code, err) == (2, f"error: {message}\n")
+
+
+@pytest.fixture
+def chats(tmp_path, monkeypatch) -> ChatStore:
+    """An empty chats folder under a private XDG_DATA_HOME."""
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    store = ChatStore()
+    store.root.mkdir(parents=True)
+    return store
+
+
+@pytest.fixture
+def opened(monkeypatch) -> list[dict]:
+    """Stand in for starting the engine and the app: record what `run` would open them with."""
+    calls: list[dict] = []
+
+    def fake_open(path, config, chat, params, store, save, layout, notices) -> int:
+        calls.append(dict(path=path, chat=chat, params=params, save=save, notices=notices))
+        return 0
+
+    monkeypatch.setattr(launch, "open_app", fake_open)
+    return calls
+
+
+# -- damaged files ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("case", DAMAGED)
+def test_history_lists_a_damaged_file_as_unreadable_and_the_rest(case, chats, capsys):
+    data, why = DAMAGED[case]
+    chats.save(good_chat())
+    (chats.root / "broken.json").write_bytes(data)
+    code, out, err = cli(["history", "--json"], capsys)
+    assert code == 0 and [c["id"] for c in json.loads(out)] == [CHAT_ID]
+    assert err == f"unreadable chat file {chats.root / 'broken.json'}: {why} (skipped)\n"
+    code, out, err = cli(["history"], capsys)
+    assert code == 0 and CHAT_ID in out and "What is a KV block?" in out
+    assert err.count("\n") == 1 and "Traceback" not in out + err
+
+
+@pytest.mark.parametrize("case", DAMAGED)
+def test_resuming_a_damaged_chat_is_one_line(case, chats, capsys, opened):
+    data, why = DAMAGED[case]
+    (chats.root / "broken.json").write_bytes(data)
+    code, _, err = cli(["run", "--resume", "broken"], capsys)
+    assert_error(code, err, f"cannot read saved chat {chats.root / 'broken.json'}: {why}")
+    assert opened == []
+
+
+def test_a_file_that_cannot_be_read_is_listed_too(chats, capsys):
+    (chats.root / "folder.json").mkdir()
+    code, out, err = cli(["history", "--json"], capsys)
+    assert (code, out, err) == (
+        0,
+        "[]\n",
+        f"unreadable chat file {chats.root / 'folder.json'}: Is a directory (skipped)\n",
+    )
+
+
+# -- chat ids --------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "chat_id",
+    ["../x", "../../etc/passwd", "/etc/passwd", "", "a/b", ".hidden", "x*", "a b", "a\nb", "é"],
+)
+def test_a_chat_id_that_could_leave_the_chats_folder_is_refused(chat_id, chats, capsys, opened):
+    code, _, err = cli(["run", "--resume", chat_id], capsys)
+    assert_error(code, err, f"chat id {chat_id!r} {BAD_ID}")
+    assert opened == [] and list(chats.root.iterdir()) == []
+
+
+def test_an_unknown_or_ambiguous_id_says_what_to_run(chats, capsys, opened):
+    chats.save(good_chat())
+    chats.save(good_chat(id=CHAT_ID[:-1] + "e"))
+    code, _, err = cli(["run", "--resume", "2024"], capsys)
+    assert_error(
+        code,
+        err,
+        f"chat '2024' was not found in {chats.root}; `pagechat history` lists saved chats",
+    )
+    code, _, err = cli(["run", "--resume", "2025"], capsys)
+    assert_error(
+        code, err, f"chat '2025' is ambiguous in {chats.root}; `pagechat history` lists saved chats"
+    )
+
+
+# -- --save and the chats folder -------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "target,message",
+    [
+        ("/nonexistent-dir/chat.json", "folder /nonexistent-dir does not exist"),
+        ("/dev/null/chat.json", "/dev/null is not a folder"),
+        ("/proc/chat.json", "cannot write in /proc (No such file or directory)"),
+        ("/tmp", "is a folder; name a file such as /tmp/chat.json"),
+    ],
+)
+def test_save_to_a_place_that_cannot_be_written_is_refused_at_start(
+    target, message, chats, capsys, opened
+):
+    code, _, err = cli(["run", "--save", target], capsys)
+    assert_error(code, err, f"--save {target}: {message}")
+    assert opened == []
+
+
+def test_save_into_a_read_only_folder_is_refused_at_start(chats, capsys, opened, monkeypatch):
+    """Tests run as root, whom chmod does not stop: the folder says EROFS as a read-only mount
+    would."""
+    import tempfile
+
+    def read_only(*args, dir=None, **kw):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(tempfile, "mkstemp", read_only)
+    target = chats.root / "copy.json"
+    code, _, err = cli(["run", "--save", str(target)], capsys)
+    assert_error(
+        code, err, f"--save {target}: cannot write in {chats.root} (Read-only file system)"
+    )
+
+
+def test_a_chats_folder_that_cannot_be_written_is_said_when_the_app_opens(
+    tmp_path, monkeypatch, capsys, opened
+):
+    monkeypatch.setenv("XDG_DATA_HOME", "/dev/null/data")
+    code, _, err = cli(["run"], capsys)
+    assert (code, err) == (0, "")
+    assert opened[0]["notices"] == (
+        "cannot make /dev/null/data/pagechat/chats (Not a directory): this chat will not be "
+        "saved there; Ctrl+O writes it where you say",
+    )
+
+
+# -- which model a resumed chat runs on ------------------------------------------------------------
+@pytest.fixture
+def models(tmp_path) -> tuple[Path, Path]:
+    """Two checkpoints: the tiny llama, and a copy whose config differs."""
+    own = tiny_model_dir()
+    other = tmp_path / "other"
+    shutil.copytree(own, other)
+    cfg = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps(cfg | {"rms_norm_eps": 1e-5}))
+    return own, other
+
+
+def chat_made_on(model: Path) -> ChatRecord:
+    made = {"model": str(model), "model_hash": model_fingerprint(model), "precision": "float32"}
+    c = good_chat(model=str(model))
+    c.messages[1]["produced_by"] = made
+    return c
+
+
+def test_resume_without_a_model_opens_the_chats_own_model(models, chats, capsys, opened):
+    own, _ = models
+    chats.save(chat_made_on(own))
+    code, _, err = cli(["run", "--resume", CHAT_ID], capsys)
+    assert (code, err) == (0, "") and opened[0]["path"] == own and opened[0]["notices"] == ()
+    assert opened[0]["chat"].messages == chat_made_on(own).messages
+
+
+def test_resume_on_another_model_says_so_or_refuses_with_strict(models, chats, capsys, opened):
+    own, other = models
+    chats.save(chat_made_on(own))
+    said = (
+        f"chat {CHAT_ID} ran on {own} ({model_fingerprint(own)}), not on {other} "
+        f"({model_fingerprint(other)})"
+    )
+    code, _, err = cli(["run", str(other), "--resume", CHAT_ID], capsys)
+    warning = f"{said}; its earlier replies keep the record of their model"
+    assert (code, err) == (0, f"warning: {warning}\n") and opened[0]["notices"] == (warning,)
+    assert opened[0]["path"] == other and opened[0]["chat"].model == str(other)
+    code, _, err = cli(["run", str(other), "--resume", CHAT_ID, "--strict"], capsys)
+    assert_error(
+        code,
+        err,
+        f"{said}; run it without MODEL_DIR to use its own model, or without --strict to go on "
+        "with this one",
+    )
+    assert len(opened) == 1
+    code, _, err = cli(["run", str(own), "--resume", CHAT_ID, "--strict"], capsys)
+    assert (code, err) == (0, "") and len(opened) == 2  # its own model: nothing to say
+
+
+def test_resume_of_a_chat_whose_model_is_gone(chats, capsys, opened):
+    chats.save(good_chat(model="/gone/model"))
+    code, _, err = cli(["run", "--resume", CHAT_ID], capsys)
+    assert_error(
+        code,
+        err,
+        f"chat {CHAT_ID} ran on /gone/model, which is not there any more; name a MODEL_DIR to "
+        "continue it on another model",
+    )
+
+
+# -- writing ---------------------------------------------------------------------------------------
+def test_a_crash_between_write_and_rename_leaves_the_old_file(chats, monkeypatch):
+    chat = good_chat()
+    path = chats.save(chat)
+    old = path.read_bytes()
+    chat.messages.append({"role": "user", "content": "and then?"})
+
+    def crash(src, dst):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(OSError) as raised:
+        chats.save(chat)
+    assert (raised.value.filename, raised.value.strerror) == (str(path), "Read-only file system")
+    assert path.read_bytes() == old and [p.name for p in chats.root.iterdir()] == [path.name]
+
+
+def test_text_that_is_not_utf8_is_saved_and_read_back(chats):
+    chat = good_chat(system="sys \udcfe")
+    chat.messages[0]["content"] = "bytes \udcff\udcfe from a pasted file"
+    path = chats.save(chat)
+    path.read_bytes().decode("utf-8")  # the file itself is valid UTF-8
+    back = chats.load(CHAT_ID)
+    assert back.messages == chat.messages and back.system == "sys \udcfe"
+    assert "bytes \ufffd\ufffd from" in back.to_markdown()
+
+
+def test_a_session_whose_save_fails_says_so_keeps_a_copy_and_says_when_it_works_again(
+    chats, tmp_path, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    session = ChatSession(good_chat(), SamplingParams())
+    real = os.replace
+
+    def read_only(src, dst):
+        if Path(dst).parent == chats.root:
+            raise OSError(errno.EROFS, "Read-only file system")
+        real(src, dst)
+
+    monkeypatch.setattr(os, "replace", read_only)
+    note = session.save(chats)
+    copy = tmp_path / f"pagechat-{CHAT_ID}.json"
+    assert (note.severity, note.text) == (
+        "error",
+        f"chat NOT saved to {chats.path(CHAT_ID)}: Read-only file system; a copy is in {copy}. "
+        "It stays in memory: Ctrl+O writes it to a path you type",
+    )
+    assert json.loads(copy.read_text())["messages"] == good_chat().messages
+    assert session.save(chats) is None  # said once
+    monkeypatch.setattr(os, "replace", real)
+    note = session.save(chats)
+    assert (note.severity, note.text) == (
+        "information",
+        f"chat saved again in {chats.path(CHAT_ID)}",
+    )
+
+
+# -- the app ---------------------------------------------------------------------------------------
+SIZE = (120, 36)
+PARAMS = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=40, seed=7, ignore_eos=True)
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+def make_app(store: ChatStore, params: SamplingParams = PARAMS) -> PagechatApp:
+    engine = Engine(tiny_model_dir(), EngineConfig(device="cpu", dtype="float32"))
+    return PagechatApp(ThreadedEngine(engine), params=params, store=store, layout="tabs")
+
+
+def notes(app: PagechatApp) -> list[tuple[str, str]]:
+    return [(n.severity, n.message) for n in app._notifications]
+
+
+@pytest.mark.anyio
+async def test_the_app_says_a_save_failed_keeps_the_chat_and_exports_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    app = make_app(ChatStore(Path("/dev/null/chats")))
+    async with app.run_test(size=SIZE) as pilot:
+        await type_prompt(pilot, "hello")
+        await wait_reply_done(pilot)
+        chat_id = app.session.record.id
+        copy = tmp_path / f"pagechat-{chat_id}.json"
+        failed = (
+            f"chat NOT saved to /dev/null/chats/{chat_id}.json: Not a directory; a copy is in "
+            f"{copy}. It stays in memory: Ctrl+O writes it to a path you type"
+        )
+        assert notes(app) == [("error", failed)]  # said once, though saved at send and at finish
+        await type_prompt(pilot, "more")
+        await wait_reply_done(pilot)
+        assert notes(app) == [("error", failed)]
+        kept = [m.as_dict() for m in app.session.messages]
+        assert [m["role"] for m in kept] == ["user", "assistant", "user", "assistant"]
+        assert json.loads(copy.read_text())["messages"] == kept
+        await pilot.press("ctrl+o")
+        await wait_until(pilot, lambda: isinstance(app.screen, ExportScreen), 5, "the export box")
+        assert app.screen.query_one("#export-path").value == str(copy)
+        assert str(app.screen.query_one("#export-why").render()) == failed.split(". It")[0]
+        await pilot.press("ctrl+u", *"/dev/null/x.json", "enter")
+        error = app.screen.query_one("#export-error")
+        assert (
+            str(error.render())
+            == "cannot write /dev/null/x.json: Not a directory; try another path"
+        )
+        await pilot.press("ctrl+u", *"mine.json", "enter")
+        await wait_until(pilot, lambda: not isinstance(app.screen, ExportScreen), 5, "it to close")
+        assert notes(app)[-1] == ("information", f"chat written to {tmp_path / 'mine.json'}")
+        assert json.loads((tmp_path / "mine.json").read_text())["messages"] == kept
+
+
+@pytest.mark.anyio
+async def test_each_reply_records_what_produced_it(tmp_path):
+    store = ChatStore(tmp_path / "chats")
+    app = make_app(store)
+    async with app.run_test(size=SIZE) as pilot:
+        app.loop.pause()
+        await type_prompt(pilot, "hello")
+        await advance(pilot, 5)
+        at = len(app.session.messages[-1].tokens)
+        app.set_params(replace(PARAMS, temperature=0.2))
+        app.loop.resume()
+        await wait_reply_done(pilot)
+        await type_prompt(pilot, "again")
+        await wait_reply_done(pilot)
+    first, second = [m for m in store.load(app.session.record.id).messages if "stats" in m]
+    params = {
+        "temperature": 0.8,
+        "top_p": 0.9,
+        "top_k": 0,
+        "min_p": 0.0,
+        "repetition_penalty": 1.0,
+        "max_tokens": 40,
+        "seed": 7,
+        "ignore_eos": True,
+    }
+    engine = {
+        "model": str(tiny_model_dir()),
+        "model_hash": model_fingerprint(tiny_model_dir()),
+        "precision": "float32",
+        "quant": None,
+        "device": "cpu",
+        "proposer": None,
+    }
+    changed = [{"at_token": at, "params": params | {"temperature": 0.2}}]
+    assert first["produced_by"] == engine | {"params": params, "changes": changed}
+    assert second["produced_by"] == engine | {"params": params | {"temperature": 0.2}}
+    assert first["stats"]["output_tokens"] == 40 and first["stats"]["total_ms"] > 0
