@@ -493,6 +493,7 @@ class Engine:
         for c, reuse in plan:  # after the forks, which copy the parent's tokens as they were
             if reuse:
                 c.parent.token_ids.append(c.token)
+                self.scheduler.unpark(c.parent)
         kept = {b.seq_id for b in beams}
         for old in group.running:
             if old is group.root:

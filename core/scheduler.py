@@ -69,12 +69,15 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()  # oldest first, resumed before any admission
+        # Beams whose logits of this round are in and whose blocks were given up to let their
+        # siblings in: none of them needs computing until its beam search picks its next token.
+        self.parked: list[Sequence] = []
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)
+        return bool(self.waiting or self.running or self.swapped or self.parked)
 
     def schedule(self, lookahead: int = 0) -> Batch:
         """Pick this step's chunks: running sequences first (decodes, unfinished prefills), then new
@@ -146,6 +149,8 @@ class Scheduler:
                 )
                 continue
             if not self.blocks.can_allocate(seq.token_ids):
+                if self._park_idle(batch):
+                    continue
                 break
             self.waiting.popleft()
             hit = self.blocks.allocate(seq.seq_id, seq.token_ids)
@@ -156,6 +161,28 @@ class Scheduler:
             count = min(len(seq.token_ids) - hit, budget)
             batch.items.append(ScheduledSeq(seq, hit, count))
             budget -= count
+
+    def _park_idle(self, batch: Batch) -> bool:
+        """Free the newest running sequence that has nothing to compute (a beam whose logits wait
+        for its search's pick), so a waiting one can come in: without this, beams holding the pool
+        while their siblings wait would wait for each other forever. False when there is none."""
+        idle = [s for s in self.running if s.num_computed == len(s.token_ids)]
+        if not idle:
+            return False
+        seq = idle[-1]
+        self.running.remove(seq)
+        self.blocks.free(seq.seq_id, seq.token_ids, seq.num_computed)
+        seq.status, seq.num_computed = Status.WAITING, 0
+        seq.num_preemptions += 1
+        batch.preempted.append(seq)
+        self.parked.append(seq)
+        return True
+
+    def unpark(self, seq: Sequence) -> None:
+        """A parked beam got its next token: it waits, first in line, to be computed again."""
+        if seq in self.parked:
+            self.parked.remove(seq)
+            self.waiting.appendleft(seq)
 
     def _make_room(self, seq: Sequence, batch: Batch, extra: int = 0) -> bool:
         """Reserve slots for seq's new tokens (+ extra), preempting the newest sequences if blocks
@@ -209,6 +236,9 @@ class Scheduler:
     def detach(self, seq: Sequence) -> None:
         """Take a running sequence out of the batch and free its blocks without finishing it (a
         beam search's prompt, once its beams have forked from it)."""
+        if seq in self.parked:
+            self.parked.remove(seq)
+            return
         self.running.remove(seq)
         self.blocks.free(seq.seq_id, seq.token_ids, seq.num_computed)
 
@@ -222,6 +252,8 @@ class Scheduler:
         elif seq in self.swapped:
             self.swapped.remove(seq)
             self.host.give_back(seq.seq_id)
+        elif seq in self.parked:
+            self.parked.remove(seq)
         seq.status = Status.FINISHED
 
     def _fail(self, seq: Sequence, batch: Batch, message: str) -> None:
