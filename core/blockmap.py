@@ -123,6 +123,11 @@ class BlockMap:
         self._lengths[seq] = length
         self._touched.update(self._tables.get(seq, [])[min(old, length) // self.block_size :])
 
+    def held(self, seq: int) -> tuple[int, int]:
+        """(blocks the sequence holds, how many of them another sequence holds too)."""
+        table = self._tables.get(seq, ())
+        return len(table), sum(len(self._holders[b]) > 1 for b in table)
+
     def snapshot(self) -> BlockSnapshot:
         """The pool now; the same object until the next event, so polling is cheap."""
         if self._snap is None:

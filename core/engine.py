@@ -29,7 +29,14 @@ from pagechat.core.loader import (
 from pagechat.core.model import DecoderModel
 from pagechat.core.params import SamplingParams
 from pagechat.core.quantization import QuantPlan, resolve_quant
-from pagechat.core.report import DraftRecord, StepReport, SwapRecord, TokenOutput
+from pagechat.core.report import (
+    BatchItem,
+    DraftRecord,
+    SeqRecord,
+    StepReport,
+    SwapRecord,
+    TokenOutput,
+)
 from pagechat.core.runner import ModelRunner
 from pagechat.core.sampler import Sampler, SampleRecord, SampleRow, target_probs
 from pagechat.core.scheduler import Batch, ScheduledSeq, Scheduler, SwapPlan
@@ -128,6 +135,34 @@ class _StepWork:
     prefill: int = 0
     decode: int = 0
     swaps: list[SwapRecord] = field(default_factory=list)
+    ran: tuple[BatchItem, ...] = ()
+
+
+def _ran(items: list[ScheduledSeq]) -> tuple[BatchItem, ...]:
+    """What the scheduler gave each sequence, recorded before the step appends any token."""
+    return tuple(
+        BatchItem(
+            it.seq.seq_id,
+            "decode" if _decoding(it) else "prefill",
+            it.start,
+            it.count + len(it.draft),
+            len(it.seq.token_ids),
+            it.lookahead,
+        )
+        for it in items
+    )
+
+
+def _decoding(it: ScheduledSeq) -> bool:
+    """A decode: the chunk is the sequence's one newest sampled token (not a prompt's last)."""
+    return len(it.seq.token_ids) - it.start == 1 and it.seq.num_output_tokens > 0
+
+
+def _state(seq: Sequence) -> str:
+    """The scheduler's state of a sequence; a waiting one that was preempted says so."""
+    if seq.status is Status.WAITING and seq.num_preemptions:
+        return "preempted"
+    return seq.status.value
 
 
 def _row(seq: Sequence, history: list[int]) -> SampleRow:
@@ -326,6 +361,7 @@ class Engine:
         work = _StepWork([self._failed(seq) for seq in batch.failed], swaps=swaps)
         if batch.items:
             self._draft([it for it in batch.items if it.lookahead])
+            work.ran = _ran(batch.items)
             logits = self._forward(batch.items)
             plain = self._sample(batch.items, logits, work)
             self._verify_drafts(batch.items, logits, work)
@@ -400,7 +436,7 @@ class Engine:
         """Count the step's work, commit computed KV to the prefix cache, append emitted tokens."""
         for it in items:
             seq, new = it.seq, work.emitted.get(id(it), [])
-            is_decode = len(seq.token_ids) - it.start == 1 and seq.num_output_tokens > 0
+            is_decode = _decoding(it)
             work.decode += (len(new) or it.count) if is_decode else 0
             forked_prompt = seq.parent is not None and not seq.output_ids
             work.prefill += 0 if is_decode or forked_prompt else it.count
@@ -443,7 +479,46 @@ class Engine:
             drafts=tuple(work.drafts),
             cow_copies=len(batch.copies),
             swaps=tuple(work.swaps),
+            seqs=self.sequences(),
+            batch=work.ran,
+            token_budget=self.scheduler.max_batch_tokens,
         )
+
+    def sequences(self) -> tuple[SeqRecord, ...]:
+        """Every sequence the scheduler holds (running, swapped, waiting), then those that ended
+        since the last call (a beam dropped by its search ends with no reason and is left out)."""
+        s = self.scheduler
+        ended, s.ended = s.ended, []
+        live = [*s.running, *s.swapped, *s.waiting]
+        ended = [q for q in ended if q.finish_reason is not None and q not in live]
+        return tuple(self._record(seq) for seq in live + ended)
+
+    def _record(self, seq: Sequence) -> SeqRecord:
+        blocks, shared = self.block_map.held(seq.seq_id)
+        request, role, index = self._role(seq)
+        return SeqRecord(
+            seq.seq_id,
+            request,
+            role,
+            index,
+            _state(seq),
+            seq.num_prompt_tokens,
+            seq.num_output_tokens,
+            seq.num_computed,
+            blocks,
+            shared,
+            seq.num_preemptions,
+            seq.finish_reason,
+        )
+
+    def _role(self, seq: Sequence) -> tuple[int, str, int]:
+        """(the request it answers, what it is, its place): sample k of n, or a beam's rank."""
+        group = self._beam_of.get(seq.seq_id)
+        if group is not None and seq in group.running:
+            return group.root.seq_id, "beam", group.running.index(seq)
+        if seq.parent is not None:
+            return seq.parent, "sample", self.requests[seq.parent].children.index(seq.seq_id) + 1
+        return seq.seq_id, "sample" if seq.sampling.params.n > 1 else "request", 0
 
     def _fork(self, it: ScheduledSeq) -> list[Sequence]:
         """At the end of a prompt with n > 1, fork n - 1 samples that share its blocks

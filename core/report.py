@@ -98,6 +98,36 @@ class SwapRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class SeqRecord:
+    """One sequence as the scheduler holds it after a step, or as it ended since the last one."""
+
+    seq_id: int
+    request_id: int  # the request it answers: itself, or the one it was forked from
+    role: str  # "request" | "sample" | "beam"
+    index: int  # sample k (0: the request's own), or the beam's rank (0: the best running one)
+    state: str  # "waiting" | "running" | "preempted" | "swapped" | "finished"
+    prompt_tokens: int
+    output_tokens: int
+    computed: int  # tokens whose KV is in the pool
+    blocks: int  # KV blocks it holds (none while waiting or swapped out)
+    shared: int  # of those, blocks another sequence holds too
+    preemptions: int
+    finish_reason: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BatchItem:
+    """One sequence's share of a step, as the scheduler gave it."""
+
+    seq_id: int
+    kind: str  # "prefill" (a prompt chunk, or tokens recomputed after preemption) | "decode"
+    start: int  # the chunk is tokens [start, start + tokens) of the sequence's `total`
+    tokens: int
+    total: int
+    reserved: int = 0  # extra slots for speculative draft tokens
+
+
+@dataclass(frozen=True, slots=True)
 class BeamResult:
     """One finished hypothesis of a beam search: its generated tokens, text and score."""
 
@@ -147,3 +177,6 @@ class StepReport:
     drafts: tuple[DraftRecord, ...] = ()
     cow_copies: int = 0  # blocks copied because a shared partial block was written (forked samples)
     swaps: tuple[SwapRecord, ...] = ()  # KV copied to or from the host pool in this step
+    seqs: tuple[SeqRecord, ...] = ()  # every sequence after the step, and those that ended in it
+    batch: tuple[BatchItem, ...] = ()  # what the step ran, in the scheduler's order
+    token_budget: int = 0  # tokens a step may compute (max_batch_tokens)

@@ -72,6 +72,7 @@ class Scheduler:
         # Beams whose logits of this round are in and whose blocks were given up to let their
         # siblings in: none of them needs computing until its beam search picks its next token.
         self.parked: list[Sequence] = []
+        self.ended: list[Sequence] = []  # finished since the engine last listed its sequences
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -255,6 +256,7 @@ class Scheduler:
         elif seq in self.parked:
             self.parked.remove(seq)
         seq.status = Status.FINISHED
+        self.ended.append(seq)
 
     def _fail(self, seq: Sequence, batch: Batch, message: str) -> None:
         self.finish(seq)

@@ -9,16 +9,19 @@ from pathlib import Path
 
 from pagechat.core.errors import PagechatError
 from pagechat.core.params import SamplingParams
+from pagechat.core.report import StepReport
 from pagechat.tui.client import EngineClient
 from pagechat.tui.export_screen import ExportScreen
 from pagechat.tui.heap import settle_heap
 from pagechat.tui.history import ChatRecord, ChatStore, export_markdown
 from pagechat.tui.protocol import (
+    BlocksChanged,
     Finished,
     FirstToken,
     MemoryRead,
     Refused,
     SpeculationSet,
+    Started,
 )
 from pagechat.tui.screens import PANELS, HelpScreen, MainScreen, StatusBar, status_line
 from pagechat.tui.session import ChatSession, Message, engine_facts
@@ -27,6 +30,7 @@ from pagechat.tui.widgets.chat import PromptInput, ReplyView
 from pagechat.tui.widgets.controls import ControlsPanel
 from pagechat.tui.widgets.memory import MemoryPanel
 from pagechat.tui.widgets.sampling import SamplingPanel, token_label
+from pagechat.tui.widgets.scheduler import SchedulerLog, SchedulerPanel
 from pagechat.tui.widgets.speculation import SpeculationPanel
 from pagechat.tui.widgets.timing import TimingPanel
 from textual import events, on
@@ -154,6 +158,46 @@ class PagechatApp(App[None]):
         Binding(
             "f8", "nudge('top_p', 0.05)", "top-p+", show=False, priority=True, tooltip="top-p +0.05"
         ),
+        Binding(
+            "f9",
+            "cycle_answers('n')",
+            "Samples",
+            show=False,
+            priority=True,
+            tooltip="answers per prompt: 1, 2, 4 or 8 samples decoded together",
+        ),
+        Binding(
+            "f10",
+            "cycle_answers('beam_width')",
+            "Beams",
+            show=False,
+            priority=True,
+            tooltip="beam search: off, 2, 4 or 8 beams",
+        ),
+        Binding(
+            "alt+left",
+            "show_answer(-1)",
+            "Prev answer",
+            show=False,
+            priority=True,
+            tooltip="show the previous answer (samples or beams of the last reply)",
+        ),
+        Binding(
+            "alt+right",
+            "show_answer(1)",
+            "Next answer",
+            show=False,
+            priority=True,
+            tooltip="show the next answer",
+        ),
+        Binding(
+            "ctrl+t",
+            "keep_answer",
+            "Keep answer",
+            show=False,
+            priority=True,
+            tooltip="keep the answer shown: the chat goes on from it, the others' blocks are freed",
+        ),
         # declared here (as App would add it) so that the help lists it
         Binding(
             App.COMMAND_PALETTE_BINDING,
@@ -202,6 +246,7 @@ class PagechatApp(App[None]):
             info.num_draft,
         )  # as the engine has it (SpeculationSet events)
         self.readings = None  # the engine's latest MemoryRead
+        self.sched = SchedulerLog()  # the scheduler's records, engine-wide (not per chat)
         self.pinned: tuple[Message, int] | None = (
             None  # selected reply token shown in the sampling panel
         )
@@ -295,6 +340,7 @@ class PagechatApp(App[None]):
                 continue
             if isinstance(ev, SpeculationSet):
                 self.speculation = (ev.enabled, ev.num_draft)
+            self.note_scheduler(ev)
             msg = self.session.apply(ev)
             if msg is not None:
                 self._dirty[id(msg)] = msg
@@ -319,6 +365,15 @@ class PagechatApp(App[None]):
         self._dirty.clear()
         self.refresh_panels()
 
+    def note_scheduler(self, ev) -> None:
+        """Fold the scheduler's records of an event into the scheduler panel's log."""
+        if isinstance(ev, StepReport):
+            self.sched.apply(ev)
+        elif isinstance(ev, BlocksChanged):
+            self.sched.apply_seqs(ev.seqs)
+        elif isinstance(ev, Started):
+            self.sched.label(ev.request_id, "chat")
+
     def _tick(self) -> None:
         """Pump, then sleep until the next frame; while decoding, for the last frame's CPU cost
         over the budget.
@@ -330,8 +385,8 @@ class PagechatApp(App[None]):
         self.pump()
         delay = 1 / FPS
         streaming = self.session.streaming
-        if (
-            streaming is not None and streaming.tokens
+        if streaming is not None and (
+            streaming.tokens or any(a.tokens for a in streaming.samples)
         ):  # until its first token is drawn, a reply is polled at FPS
             used = time.thread_time() - self._cpu_mark
             delay = min(
@@ -377,6 +432,8 @@ class PagechatApp(App[None]):
         if self.visible("speculation"):
             on, why, k = self.spec_state()
             self.main.query_one(SpeculationPanel).show(on, why, s.speculation(), s.drafts, k)
+        if self.visible("sched"):
+            self.main.query_one(SchedulerPanel).show(self.sched)
         if self.visible("memory"):
             if everything:
                 self.refresh_memory()
@@ -424,6 +481,9 @@ class PagechatApp(App[None]):
         if self.session.streaming is not None:
             self.notify("a reply is still streaming: Esc stops it", severity="warning")
             return
+        last = self.answers_reply()
+        if last is not None and last.picked is None:  # the chat goes on from the answer shown
+            self.keep_answer(last)
         reply = self.session.add_user(text)
         conversation = self.session.conversation()
         log = self.main.chat_log
@@ -451,6 +511,43 @@ class PagechatApp(App[None]):
             await self.main.wait_for_refresh()  # the scroll to them
         finally:
             self.loop.release()
+
+    # -- several answers to a prompt --------------------------------------------------------------
+    def answers_reply(self) -> Message | None:
+        """The last reply, if it has several answers (samples or beams)."""
+        last = next((m for m in reversed(self.session.messages) if m.role == "assistant"), None)
+        return last if last is not None and last.samples else None
+
+    def action_cycle_answers(self, name: str) -> None:
+        """F9 / F10: the next number of samples (or beams) for the next prompt: 1, 2, 4, 8."""
+        p = self.session.params
+        value = {1: 2, 2: 4, 4: 8}.get(getattr(p, name), 1)
+        other = "beam_width" if name == "n" else "n"  # one or the other: the engine's rule
+        self.set_params(replace(p, **{name: value, other: 1}))
+
+    def action_show_answer(self, delta: int) -> None:
+        """Alt+←/→: show another answer of the last reply."""
+        m = self.answers_reply()
+        if m is None or m.picked is not None:
+            self.notify("no answers to choose from: F9 asks for several", severity="warning")
+            return
+        self.main.chat_log.views[id(m)].show((m.shown + delta) % len(m.samples))
+
+    def action_keep_answer(self) -> None:
+        """Ctrl+T: keep the answer shown; the others are aborted and their blocks freed."""
+        m = self.answers_reply()
+        if m is None or m.picked is not None:
+            self.notify("no answers to choose from: F9 asks for several", severity="warning")
+            return
+        self.keep_answer(m)
+        self.notify(f"kept answer {m.picked + 1} of {len(m.samples)}", timeout=3)
+
+    def keep_answer(self, m: Message) -> None:
+        others = m.pick(m.shown)
+        if others:
+            self.loop.abort(others)
+        self.main.chat_log.update(m)
+        self.save()
 
     def action_stop(self) -> None:
         """Esc: stop the reply in flight; else unpin the selected token, back to the prompt."""

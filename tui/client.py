@@ -16,6 +16,7 @@ from pagechat.core.engine import Engine
 from pagechat.core.params import SamplingParams
 from pagechat.tui.engine_loop import NOTHING, EngineLoop
 from pagechat.tui.protocol import (
+    Abort,
     Advance,
     Close,
     Command,
@@ -107,6 +108,10 @@ class EngineClient:
     def stop(self) -> None:
         """Abort the reply in flight, keeping what it generated."""
         self._put(Stop())
+
+    def abort(self, request_ids: list[int]) -> None:
+        """Abort these requests (samples not kept); their blocks are freed at once."""
+        self._put(Abort(tuple(request_ids)))
 
     def pause(self) -> None:
         """Stop stepping after the current step (commands are still applied); for tests and

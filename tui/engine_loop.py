@@ -15,6 +15,7 @@ from pagechat.core.engine import Engine
 from pagechat.core.errors import PagechatError
 from pagechat.core.memory import read_memory
 from pagechat.tui.protocol import (
+    Abort,
     Advance,
     BlocksChanged,
     Close,
@@ -68,6 +69,7 @@ class EngineLoop:
             Send: self._send,
             UpdateParams: self._update,
             Stop: lambda _: self._abort_active(),
+            Abort: lambda cmd: self._abort(cmd.request_ids),
             Pause: lambda _: self._set_paused(True),
             Resume: lambda _: self._set_paused(False),
             Advance: self._advance,
@@ -88,7 +90,7 @@ class EngineLoop:
             snap = self.engine.block_map.snapshot()
             if snap is not self._snapshot:  # commands freed or took blocks: let the app see it now
                 self._snapshot = snap
-                self.port.emit(BlocksChanged(snap))
+                self.port.emit(BlocksChanged(snap, self.engine.sequences()))
             if self.engine.has_unfinished() and not self._paused:
                 self._step()
 
@@ -136,12 +138,24 @@ class EngineLoop:
 
     def _update(self, cmd: UpdateParams) -> None:
         rid, at, params = self.active, 0, cmd.params
-        if rid is not None and not self.engine.requests[rid].finished:
+        if rid is not None and not self._done(rid):
             seq = self.engine.requests[rid]
-            # keep the request's own limits that the controls do not own
+            # keep what the request was started as (its answers, its limits), which no later
+            # setting can change
             own = seq.sampling.params
-            params = replace(params, stop=own.stop, ignore_eos=own.ignore_eos)
-            self.engine.update_params(rid, params)
+            params = replace(
+                params,
+                stop=own.stop,
+                ignore_eos=own.ignore_eos,
+                n=own.n,
+                beam_width=own.beam_width,
+                length_penalty=own.length_penalty,
+                early_stopping=own.early_stopping,
+            )
+            for j, i in enumerate([rid, *seq.children]):  # every sample, each on its own seed
+                if not self.engine.requests[i].finished:
+                    seed = None if params.seed is None else params.seed + j
+                    self.engine.update_params(i, replace(params, seed=seed))
             at = seq.num_output_tokens
         else:
             params.validate()
@@ -161,10 +175,22 @@ class EngineLoop:
 
     # -- stepping ----------------------------------------------------------------------------------
     def _abort_active(self) -> None:
+        """Abort the reply in flight: its request and the samples forked from it."""
         rid = self.active
-        if rid is not None and not self.engine.requests[rid].finished:
-            self.engine.abort(rid)
-            self._finish(rid)
+        if rid is not None:
+            self._abort((rid, *self.engine.requests[rid].children))
+
+    def _abort(self, request_ids) -> None:
+        """Abort these requests (samples included), keeping what they generated."""
+        for rid in request_ids:
+            if not self.engine.requests[rid].finished:
+                self.engine.abort(rid)
+                self._finish(rid)
+
+    def _done(self, rid: int) -> bool:
+        """A request and every sample forked from it have finished."""
+        seq = self.engine.requests[rid]
+        return seq.finished and all(self.engine.requests[c].finished for c in seq.children)
 
     def _finish(self, rid: int) -> None:
         seq = self.engine.requests[rid]
@@ -179,9 +205,10 @@ class EngineLoop:
                 seq.num_cached_tokens,
                 ttft,
                 total,
+                seq.beams,
             )
         )
-        if rid == self.active:
+        if self.active is not None and self._done(self.active):
             self.active = None
 
     def _step(self) -> None:

@@ -76,7 +76,7 @@ def pack(events: list, sent: BlockSnapshot) -> tuple[tuple[list, Delta | None], 
         if isinstance(ev, StepReport):
             snap, ev = ev.blocks, replace(ev, blocks=None)
         elif isinstance(ev, BlocksChanged):
-            snap, ev = ev.snapshot, BlocksChanged(None)
+            snap, ev = ev.snapshot, replace(ev, snapshot=None)
         out.append(ev)
     return (out, None if snap is sent else blocks_delta(sent, snap)), snap
 
@@ -91,7 +91,7 @@ def unpack(batch: tuple[list, Delta | None], held: BlockSnapshot) -> tuple[list,
         if isinstance(ev, StepReport):
             ev = replace(ev, blocks=snap)
         elif isinstance(ev, BlocksChanged):
-            ev = BlocksChanged(snap)
+            ev = replace(ev, snapshot=snap)
         out.append(ev)
     return out, snap
 

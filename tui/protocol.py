@@ -15,7 +15,7 @@ from pagechat.core.blockmap import BlockSnapshot
 from pagechat.core.engine import Engine
 from pagechat.core.memory import EngineMemory, Readings
 from pagechat.core.params import SamplingParams
-from pagechat.core.report import StepReport
+from pagechat.core.report import BeamResult, SeqRecord, StepReport
 
 # -- commands: app -> engine -----------------------------------------------------------------------
 
@@ -39,6 +39,13 @@ class UpdateParams:
 @dataclass(frozen=True, slots=True)
 class Stop:
     """Abort the reply in flight, keeping what it generated."""
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    """Abort these requests (the samples a user did not keep), keeping what they generated."""
+
+    request_ids: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +86,9 @@ class Close:
     """Abort what runs and end the loop."""
 
 
-Command = Send | UpdateParams | Stop | Pause | Resume | Advance | SetSpeculation | Sync | Close
+Command = (
+    Send | UpdateParams | Stop | Abort | Pause | Resume | Advance | SetSpeculation | Sync | Close
+)
 
 # -- events: engine -> app -------------------------------------------------------------------------
 
@@ -112,6 +121,7 @@ class Finished:
     cached_tokens: int
     ttft_s: float | None
     total_s: float
+    beams: tuple[BeamResult, ...] = ()  # a beam search's hypotheses, best first
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,9 +134,11 @@ class Refused:
 
 @dataclass(frozen=True, slots=True)
 class BlocksChanged:
-    """The pool changed outside a step (an abort freed blocks): the block map's new snapshot."""
+    """The pool changed outside a step (an abort freed blocks): the block map's new snapshot, and
+    the scheduler's sequences as they are now."""
 
     snapshot: BlockSnapshot
+    seqs: tuple[SeqRecord, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

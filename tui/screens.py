@@ -14,6 +14,7 @@ from pagechat.tui.widgets.controls import ControlsPanel
 from pagechat.tui.widgets.memory import MemoryPanel
 from pagechat.tui.widgets.panel import Panel, Readout
 from pagechat.tui.widgets.sampling import SamplingPanel
+from pagechat.tui.widgets.scheduler import SchedulerPanel
 from pagechat.tui.widgets.speculation import SpeculationPanel
 from pagechat.tui.widgets.timing import TimingPanel
 from rich.table import Table
@@ -31,6 +32,7 @@ PANELS = (
     ("controls", "Controls"),
     ("memory", "Memory"),
     ("speculation", "Spec"),
+    ("sched", "Scheduler"),
 )
 
 
@@ -83,6 +85,7 @@ class MainScreen(Screen):
                 yield Tabs(*(Tab(label, id=key) for key, label in PANELS), id="panel-tabs")
                 with Container(id="panels"):
                     yield BlocksPanel(self.memory.block_bytes, id="blocks")
+                    yield SchedulerPanel(id="sched")
                     yield SamplingPanel(id="sampling")
                     yield TimingPanel(id="timing")
                     yield ControlsPanel(self.params, self.spec, id="controls")

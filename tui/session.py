@@ -161,6 +161,28 @@ class Message:
     streaming: bool = False
     # model, precision, quantisation, speculation and sampling settings this reply was made with
     produced_by: dict | None = None
+    # n > 1 samples or a beam search: one message per answer; this one takes the kept one's text
+    samples: list[Message] = field(default_factory=list)
+    picked: int | None = None  # the answer kept (the conversation goes on from it)
+    shown: int = 0  # the answer on screen
+
+    def by_seq(self) -> dict[int, Message]:
+        """This reply's answers by sequence id (the reply itself when it has one answer)."""
+        if not self.samples:
+            return {} if self.request_id is None else {self.request_id: self}
+        return {m.request_id: m for m in self.samples if m.request_id is not None}
+
+    def pick(self, k: int) -> list[int]:
+        """Keep answer k: its text becomes this reply's; returns the sequences of the others
+        still running (the caller aborts them)."""
+        kept = self.samples[k]
+        self.picked = self.shown = k
+        self.content, self.tokens, self.error = kept.content, kept.tokens, kept.error
+        self.finish_reason = kept.finish_reason
+        if self.timing is not None and kept.timing is not None:
+            self.timing.output_tokens = kept.timing.output_tokens
+        others = [m for m in self.samples if m is not kept and m.streaming]
+        return [m.request_id for m in others if m.request_id is not None]
 
     def as_dict(self) -> dict:
         d = {"role": self.role, "content": self.content}
@@ -172,7 +194,20 @@ class Message:
                 d["error"] = self.error
             if self.produced_by is not None:
                 d["produced_by"] = self.produced_by
+            if self.samples:  # the kept answer is the content; the others are not saved
+                kept = self.shown if self.picked is None else self.picked
+                d["content"] = self.samples[kept].content
+                d["answers"] = {"of": len(self.samples), "kept": self.picked}
         return d
+
+
+def _end(m: Message, ev: Finished) -> None:
+    """A message's answer ended, with the engine's reason and timestamps."""
+    m.streaming = False
+    m.finish_reason, m.error = ev.reason, ev.error
+    t = m.timing = m.timing or TurnTiming()
+    t.ttft_s, t.total_s = t.ttft_s or ev.ttft_s, ev.total_s
+    t.output_tokens, t.cached_tokens = ev.output_tokens, ev.cached_tokens
 
 
 class ChatSession:
@@ -273,6 +308,9 @@ class ChatSession:
             timing=TurnTiming(),
             produced_by=self.producer(),
         )
+        answers = max(self.params.n, self.params.beam_width)
+        if answers > 1:  # the answers stream apart; the reply takes the one the user keeps
+            reply.samples = [Message("assistant", "", streaming=True) for _ in range(answers)]
         self.messages.append(reply)
         return reply
 
@@ -344,6 +382,14 @@ class ChatSession:
             (m for m in reversed(self.messages) if m.request_id == rid and rid is not None), None
         )
 
+    def _answer(self, rid: int) -> tuple[Message | None, Message | None]:
+        """(the reply, the answer of sequence rid): the reply itself, or one of its samples."""
+        for m in reversed(self.messages):
+            answer = m.by_seq().get(rid)
+            if answer is not None:
+                return m, answer
+        return None, None
+
     def apply(self, ev: Event) -> Message | None:
         """Apply one engine event; returns the message it changed, if any."""
         if isinstance(ev, StepReport):
@@ -353,21 +399,16 @@ class ChatSession:
             if msg is not None:
                 msg.request_id = ev.request_id
                 msg.timing.prompt_tokens = ev.prompt_tokens
+                if msg.samples:
+                    msg.samples[0].request_id = ev.request_id
             return msg
         if isinstance(ev, FirstToken):
-            msg = self._by_request(ev.request_id)
-            if msg is not None:
+            msg, _ = self._answer(ev.request_id)
+            if msg is not None and msg.timing.ttft_s is None:
                 msg.timing.ttft_s = ev.ttft_s
             return msg
         if isinstance(ev, Finished):
-            msg = self._by_request(ev.request_id)
-            if msg is not None:
-                msg.streaming = False
-                msg.finish_reason, msg.error = ev.reason, ev.error
-                t = msg.timing
-                t.ttft_s, t.total_s = ev.ttft_s, ev.total_s
-                t.output_tokens, t.cached_tokens = ev.output_tokens, ev.cached_tokens
-            return msg
+            return self._finished(ev)
         if isinstance(ev, Refused):
             msg = self._by_ticket(ev.ticket)
             if msg is not None:
@@ -381,6 +422,33 @@ class ChatSession:
             self.drafting = (ev.enabled, ev.num_draft)
         return None
 
+    def _finished(self, ev: Finished) -> Message | None:
+        """An answer ended; the reply ends with its last answer. A beam search's answers are its
+        hypotheses, known only now."""
+        msg, answer = self._answer(ev.request_id)
+        if msg is None:
+            return None
+        _end(answer, ev)
+        if ev.beams:
+            del msg.samples[len(ev.beams) :]
+            for m, beam in zip(msg.samples, ev.beams):
+                m.content, m.streaming = beam.text, False
+                m.finish_reason = f"score {beam.score:.3f}"
+        if msg is not answer and not any(a.streaming for a in msg.samples):
+            _end(msg, ev)
+        if msg.samples and msg.picked is None:
+            msg.finish_reason = None  # not ended until an answer is kept
+        elif msg.picked is not None and msg.samples[msg.picked] is answer:
+            msg.pick(msg.picked)
+        return msg
+
+    def _name_answers(self, msg: Message, seqs) -> None:
+        """Give each sample (or beam) of the reply its sequence, from the scheduler's records."""
+        for rec in seqs:
+            if rec.request_id == msg.request_id and rec.role == "sample" and rec.index:
+                if rec.index < len(msg.samples) and msg.samples[rec.index].request_id is None:
+                    msg.samples[rec.index].request_id = rec.seq_id
+
     def _apply_report(self, r: StepReport) -> Message | None:
         self.latest, self.blocks = r, r.blocks
         if r.kind == "idle":
@@ -393,20 +461,34 @@ class ChatSession:
         msg = self.streaming
         if msg is None or msg.request_id is None:
             return None
-        t = msg.timing
-        if r.kind == "decode":
-            t.decode_tokens += r.decode_tokens
-            t.decode_s += r.elapsed_s
-        else:
-            t.prefill_tokens += r.prefill_tokens
-            t.prefill_s += r.elapsed_s
-        rid = msg.request_id
+        if msg.samples:
+            self._name_answers(msg, r.seqs)
+        answers = msg.by_seq()
+        self._count_work(msg.timing, r, answers)
         for s in r.samples:
-            if s.seq_id == rid:
-                chosen = next((c.text for c in s.candidates if c.chosen), None)
-                msg.tokens.append(ReplyToken(s.token_id, chosen if chosen is not None else "", s))
+            answer = answers.get(s.seq_id)
+            if answer is not None:
+                chosen = next((c.text for c in s.candidates if c.chosen), "")
+                answer.tokens.append(ReplyToken(s.token_id, chosen, s))
                 self.latest_sample = s
         for out in r.outputs:
-            if out.request_id == rid:
-                msg.content += out.text_delta
+            answer = answers.get(out.request_id)
+            if answer is not None:
+                answer.content += out.text_delta
         return msg
+
+    @staticmethod
+    def _count_work(t: TurnTiming, r: StepReport, answers: dict[int, Message]) -> None:
+        """The reply's own tokens of the step (other requests may share it: background load),
+        and the step's time as prefill or decode time by what the reply's sequences did."""
+        mine = [b for b in r.batch if b.seq_id in answers]
+        if r.batch and not mine:
+            return
+        decode = sum(b.tokens for b in mine if b.kind == "decode") if mine else r.decode_tokens
+        prefill = sum(b.tokens for b in mine if b.kind == "prefill") if mine else r.prefill_tokens
+        if not prefill:
+            t.decode_tokens += decode
+            t.decode_s += r.elapsed_s
+        else:
+            t.prefill_tokens += prefill
+            t.prefill_s += r.elapsed_s

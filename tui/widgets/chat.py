@@ -4,6 +4,7 @@ picking), the prompt."""
 from __future__ import annotations
 
 from pagechat.tui.session import Message
+from pagechat.tui.widgets.blocks import owner_colour
 from pagechat.tui.widgets.panel import Readout
 from pagechat.tui.widgets.sampling import token_label
 from rich.style import Style
@@ -15,7 +16,7 @@ from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
 from textual.message import Message as TMessage
 from textual.reactive import reactive
-from textual.widget import AwaitMount
+from textual.widget import AwaitMount, Widget
 from textual.widgets import Markdown, Static, TextArea
 
 CONTROL_PICTURES = {c: 0x2400 + c for c in range(32) if c not in (9, 10)} | {127: 0x2421}
@@ -183,8 +184,8 @@ class ReplyView(Vertical, can_focus=True):
         reply, as Markdown, when done).
         """
         width = body.content_size.width or max(10, self.content_size.width)
-        if not self._reserved or self._room_for != self.parent.size.height:
-            self._room_for = self.parent.size.height
+        if not self._reserved or self._room_for != self.log.size.height:
+            self._room_for = self.log.size.height
             self._reserved = self.room()
             body.styles.height = self._reserved
         lines = text.wrap(self.app.console, width)
@@ -203,14 +204,15 @@ class ReplyView(Vertical, can_focus=True):
         Measured from the message's styles and text, not its laid-out size: the two are mounted
         together, before any layout, and the body's height is set in the same layout pass.
         """
-        log = self.parent
+        log = self.log
         rows = (
             log.scrollable_content_region.height
             - self.styles.margin.height
             - self.styles.gutter.height
+            - self.header_rows()
         )
         siblings = log.children
-        i = siblings.index(self)
+        i = siblings.index(self.item)
         if i > 0:
             above = siblings[i - 1]
             st = above.styles
@@ -221,6 +223,20 @@ class ReplyView(Vertical, can_focus=True):
                 + st.margin.height
             )
         return max(MIN_ROOM, rows)
+
+    @property
+    def log(self) -> ChatLog:
+        """The chat log this reply is in."""
+        return self.parent
+
+    @property
+    def item(self) -> Widget:
+        """The log's child that holds this reply."""
+        return self
+
+    def header_rows(self) -> int:
+        """Rows drawn above this reply's body within its item."""
+        return 0
 
     def meta_text(self) -> Text:
         m, t = self.message, self.message.timing
@@ -261,7 +277,7 @@ class ReplyView(Vertical, can_focus=True):
         self.select(index)
 
     def action_sibling(self, delta: int) -> None:
-        replies = list(self.parent.query(ReplyView)) if self.parent else []
+        replies = self.log.replies()
         i = replies.index(self) + delta
         if 0 <= i < len(replies):
             replies[i].focus()
@@ -278,12 +294,90 @@ class ReplyView(Vertical, can_focus=True):
         self.update_view()
 
 
+class AnswerView(ReplyView):
+    """One of several answers to a prompt, inside its AnswersView."""
+
+    @property
+    def log(self) -> ChatLog:
+        return self.parent.parent
+
+    @property
+    def item(self) -> Widget:
+        return self.parent
+
+    def header_rows(self) -> int:
+        header = self.parent.query_one(".answers-head", Readout)
+        lines = header.shown.plain.count("\n") + 1 if header.shown else 1
+        return lines + self.parent.styles.gutter.height
+
+
+class AnswersView(Vertical):
+    """n answers to one prompt (samples, or a beam search's hypotheses): a line per answer with
+    its state and newest text, and the answer shown below; once one is kept, that one alone."""
+
+    def __init__(self, message: Message) -> None:
+        super().__init__(classes="answers")
+        self.message = message
+
+    def compose(self) -> ComposeResult:
+        yield Readout(classes="answers-head")
+        for i, answer in enumerate(self.message.samples):
+            view = AnswerView(answer)
+            view.display = i == self.message.shown
+            yield view
+
+    def on_mount(self) -> None:
+        self.query_one(".answers-head", Readout).show(self.head())
+
+    def shown_view(self) -> AnswerView:
+        return list(self.query(AnswerView))[self.message.shown]
+
+    def update_view(self) -> AwaitComplete | None:
+        """Show the answers as they are now; returns the shown one's Markdown mount, if any."""
+        self.query_one(".answers-head", Readout).show(self.head())
+        return self.shown_view().update_view()
+
+    def show(self, k: int) -> None:
+        """Put answer k on screen."""
+        self.message.shown = k
+        for i, view in enumerate(self.query(AnswerView)):
+            view.display = i == k
+        self.update_view()
+
+    def head(self) -> Text:
+        """The title line, then a line per answer (only the title once one is kept)."""
+        m, colours = self.message, self.app.theme_variables
+        n = len(m.samples)
+        t = Text(style="dim")
+        if m.picked is not None:
+            t.append(f"✓ kept answer {m.picked + 1} of {n}", f"bold {colours['pc-good']}")
+            return t.append(" · the others' KV blocks were freed")
+        t.append(f"{n} answers", "bold").append(" · Alt+←/→ show one · Ctrl+T keeps it")
+        width = max(20, (self.query_one(".answers-head").content_size.width or 60) - 21)
+        for i, a in enumerate(m.samples):
+            t.append("\n").append_text(self.answer_line(i, a, width, colours))
+        return t
+
+    def answer_line(self, i: int, a: Message, width: int, colours) -> Text:
+        """▶ on the shown one, its number in its sequence's block colour, state, tokens, tail."""
+        m = self.message
+        t = Text().append("▶" if i == m.shown else " ", f"bold {colours['pc-accent']}")
+        colour = colours[owner_colour(a.request_id)] if a.request_id is not None else None
+        t.append(f"{i + 1:>2} ", f"bold {colour}" if colour else "bold")
+        state = "●" if a.streaming else (a.finish_reason or "done")
+        t.append(f"{state:<11.11}", colours["pc-good"] if a.streaming else "dim")
+        t.append(f"{len(a.tokens) or '':>4} ", "dim")
+        tail = " ".join(printable(a.content).split())
+        tail = ("…" + tail[-(width - 1) :]) if len(tail) > width else tail
+        return t.append(tail or "…", "" if i == m.shown else "dim")
+
+
 class ChatLog(VerticalScroll):
     """The messages; follows new text only while the user is at (or within 2 rows of) the bottom."""
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.views: dict[int, UserMessage | ReplyView] = {}  # id(message) -> widget
+        self.views: dict[int, UserMessage | ReplyView | AnswersView] = {}  # id(message) -> widget
 
     def near_bottom(self) -> bool:
         return self.max_scroll_y - self.scroll_y <= 2
@@ -296,7 +390,12 @@ class ChatLog(VerticalScroll):
     def add(self, message: Message) -> AwaitMount:
         """Mount a widget for a new message."""
         follow = self.near_bottom()
-        view = ReplyView(message) if message.role == "assistant" else UserMessage(message)
+        if message.samples:
+            view = AnswersView(message)
+        elif message.role == "assistant":
+            view = ReplyView(message)
+        else:
+            view = UserMessage(message)
         self.views[id(message)] = view
         mounted = self.mount(view)
         if follow:
@@ -306,7 +405,7 @@ class ChatLog(VerticalScroll):
     def update(self, message: Message) -> None:
         """Repaint a message that changed."""
         view = self.views.get(id(message))
-        if isinstance(view, ReplyView):
+        if isinstance(view, ReplyView | AnswersView):
             follow = self.near_bottom()
             mounted = view.update_view()
             if follow and mounted is not None:
@@ -324,8 +423,12 @@ class ChatLog(VerticalScroll):
         self.views.clear()
         self.remove_children()
 
+    def replies(self) -> list[ReplyView]:
+        """The replies on screen, oldest first (of several answers, the one shown)."""
+        return [r for r in self.query(ReplyView) if r.display]
+
     def last_reply(self) -> ReplyView | None:
-        replies = list(self.query(ReplyView))
+        replies = self.replies()
         return replies[-1] if replies else None
 
 

@@ -25,6 +25,7 @@ class Field:
     kind: type  # float or int
     optional: bool = False  # blank means None (seed: random)
     hint: str = ""
+    most: int | None = None  # the app's own limit (answers shown side by side), beyond the engine's
 
 
 FIELDS = (
@@ -34,6 +35,8 @@ FIELDS = (
     Field("min_p", "min-p", float, hint="[0, 1]"),
     Field("max_tokens", "max new tokens", int),
     Field("seed", "seed", int, optional=True, hint="blank = random"),
+    Field("n", "samples", int, hint="1-8 answers (F9)", most=8),
+    Field("beam_width", "beams", int, hint="1 = off (F10)", most=8),
 )
 
 
@@ -48,6 +51,8 @@ def parse_field(field: Field, text: str, params: SamplingParams) -> SamplingPara
         except ValueError:
             kind = "a whole number" if field.kind is int else "a number"
             raise PagechatError(f"{field.label} must be {kind}, got {text!r}") from None
+    if field.most is not None and value > field.most:
+        raise PagechatError(f"{field.label} must be at most {field.most}, got {value}")
     return replace(params, **{field.name: value}).validate()
 
 
@@ -104,7 +109,7 @@ class ControlsPanel(Panel):
                 disabled=not self.spec_available,
                 tooltip=None if self.spec_available else "start with --draft DIR or --ngram",
             )
-            yield Label("draft length", classes="control-hint")
+            yield Label("draft length", classes="control-hint", id="ctl-draft-label")
             yield Input(
                 str(self.num_draft),
                 id="ctl-draft",
@@ -115,7 +120,10 @@ class ControlsPanel(Panel):
             )
         yield Readout(id="control-error")
         yield Static(
-            Text().append("F5/F6 temperature −/+ · F7/F8 top-p −/+ · Enter applies", "dim"),
+            Text().append(
+                "F5/F6 temperature −/+ · F7/F8 top-p −/+ · F9 samples · F10 beams · Enter applies",
+                "dim",
+            ),
             id="control-help",
         )
 

@@ -1,0 +1,155 @@
+"""Many sequences in the app, driven with real key presses (Textual Pilot) on a tiny random model:
+several answers to one prompt and keeping one, beams, background load, and the scheduler panel."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from drive import advance, tiny_model_dir, type_prompt, wait_reply_done, wait_until
+from pagechat.core.config import EngineConfig
+from pagechat.core.engine import Engine
+from pagechat.core.params import SamplingParams
+from pagechat.tui.app import PagechatApp
+from pagechat.tui.client import ThreadedEngine
+from pagechat.tui.history import ChatStore
+from pagechat.tui.widgets.chat import AnswersView, AnswerView, ChatLog
+from pagechat.tui.widgets.controls import ControlsPanel
+from pagechat.tui.widgets.scheduler import SchedulerPanel
+from textual.widgets import Input
+
+pytestmark = pytest.mark.anyio
+SIZE = (120, 36)
+PARAMS = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=24, seed=5, ignore_eos=True)
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    return tiny_model_dir()
+
+
+def make_app(model_dir, tmp_path, params: SamplingParams = PARAMS, **config) -> PagechatApp:
+    engine = Engine(model_dir, EngineConfig(device="cpu", dtype="float32", **config))
+    return PagechatApp(
+        ThreadedEngine(engine), params=params, store=ChatStore(tmp_path / "chats"), layout="tabs"
+    )
+
+
+def answers_view(app: PagechatApp) -> AnswersView:
+    return app.query_one(ChatLog).views[id(app.session.messages[-1])]
+
+
+async def test_n_samples_decode_together_and_the_kept_one_goes_on(model_dir, tmp_path):
+    app = make_app(model_dir, tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("f9", "f9")  # 1 -> 2 -> 4 samples
+        assert app.session.params.n == 4
+        assert app.query_one("#ctl-n", Input).value == "4"
+        await type_prompt(pilot, "tell me")
+        await wait_reply_done(pilot)
+        engine = app.loop.engine
+        reply = app.session.messages[-1]
+        seqs = [engine.requests[reply.request_id]]
+        seqs += [engine.requests[c] for c in seqs[0].children]
+        assert len(reply.samples) == 4 and len(seqs) == 4
+        assert [a.content for a in reply.samples] == [s.text for s in seqs]
+        assert [[t.token_id for t in a.tokens] for a in reply.samples] == [
+            s.output_ids for s in seqs
+        ]
+        assert len({a.content for a in reply.samples}) > 1  # four different answers
+        # the four decoded together: every decode step ran all of them
+        view = answers_view(app)
+        head = str(view.query_one(".answers-head").render())
+        assert head.startswith("4 answers") and head.count("length") == 4
+        await pilot.press("alt+right", "alt+right")
+        assert reply.shown == 2 and [v.display for v in view.query(AnswerView)] == [
+            False,
+            False,
+            True,
+            False,
+        ]
+        await pilot.press("ctrl+t")
+        assert reply.picked == 2 and reply.content == seqs[2].text
+        assert "kept answer 3 of 4" in str(view.query_one(".answers-head").render())
+        # the chat goes on from the kept answer, and the saved chat keeps it alone
+        assert app.session.conversation()[-1] == {"role": "assistant", "content": seqs[2].text}
+        saved = app.store.load(app.session.record.id).messages[-1]
+        assert saved["content"] == seqs[2].text and saved["answers"] == {"of": 4, "kept": 2}
+
+
+async def test_keeping_a_sample_mid_reply_frees_the_others_at_once(model_dir, tmp_path):
+    app = make_app(model_dir, tmp_path, replace(PARAMS, n=4, max_tokens=60))
+    async with app.run_test(size=SIZE) as pilot:
+        app.loop.pause()
+        await type_prompt(pilot, "tell me more")
+        await advance(pilot, 6)
+        reply, engine = app.session.messages[-1], app.loop.engine
+        ids = [a.request_id for a in reply.samples]
+        assert None not in ids and all(a.streaming and a.tokens for a in reply.samples)
+        await pilot.press("alt+left", "ctrl+t")  # the last answer
+        app.loop.sync()
+        assert [engine.requests[i].finished for i in ids] == [True, True, True, False]
+        assert [engine.block_map.held(i)[0] > 0 for i in ids] == [False, False, False, True]
+        await wait_until(pilot, lambda: not app.render_pending, 10, "the aborts to be drawn")
+        assert [a.finish_reason for a in reply.samples[:3]] == ["abort"] * 3
+        assert reply.streaming  # the kept answer goes on
+        app.loop.resume()
+        await wait_reply_done(pilot)
+        kept = engine.requests[ids[3]]
+        assert reply.content == kept.text and kept.num_output_tokens == 60
+        assert reply.finish_reason == "length"
+
+
+async def test_sending_again_keeps_the_answer_shown(model_dir, tmp_path):
+    app = make_app(model_dir, tmp_path, replace(PARAMS, n=2))
+    async with app.run_test(size=SIZE) as pilot:
+        await type_prompt(pilot, "one")
+        await wait_reply_done(pilot)
+        first = app.session.messages[-1]
+        await pilot.press("alt+right")
+        await type_prompt(pilot, "two")
+        assert first.picked == 1 and first.content == first.samples[1].content
+        await wait_reply_done(pilot)
+        conv = app.session.conversation()  # the second reply has no kept answer yet
+        assert conv[-2:] == [{"role": "assistant", "content": first.content}, conv[-1]]
+
+
+async def test_a_samples_value_above_eight_is_refused(model_dir, tmp_path):
+    app = make_app(model_dir, tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        app.action_focus_controls()
+        field = app.query_one("#ctl-n", Input)
+        field.focus()
+        field.value = "9"
+        await pilot.press("enter")
+        assert "samples must be at most 8" in app.query_one(ControlsPanel).error
+        assert app.session.params.n == 1
+
+
+async def test_the_scheduler_panel_lists_every_sample(model_dir, tmp_path):
+    app = make_app(model_dir, tmp_path, replace(PARAMS, n=3, max_tokens=40))
+    async with app.run_test(size=SIZE) as pilot:
+        app.show_panel("sched")
+        app.loop.pause()
+        await type_prompt(pilot, "hello")
+        await advance(pilot, 4)
+        panel = app.query_one(SchedulerPanel)
+        text = str(panel.query_one("#sched-seqs").render())
+        reply = app.session.messages[-1]
+        for k, a in enumerate(reply.samples, 1):
+            assert f"chat s{k}" in text
+            assert any(line.split()[0] == str(a.request_id) for line in text.splitlines()[1:])
+        assert text.count("running") == 3
+        steps = str(panel.query_one("#sched-steps").render()).splitlines()
+        newest = steps[2]  # after a gap and the header: the three samples decoding together
+        assert (
+            newest.split()[1] == "dec"
+            and newest.split()[2] == f"3/{app.loop.engine.config.max_batch_tokens}"
+        )
+        assert all(f"{a.request_id}:D1" in newest for a in reply.samples)
+        assert "run 3" in str(panel.query_one("#sched-counts").render())
