@@ -153,3 +153,56 @@ async def test_the_scheduler_panel_lists_every_sample(model_dir, tmp_path):
         )
         assert all(f"{a.request_id}:D1" in newest for a in reply.samples)
         assert "run 3" in str(panel.query_one("#sched-counts").render())
+
+
+async def set_load_fields(pilot, count: int, rate: float) -> None:
+    app = pilot.app
+    app.query_one("#ctl-load-count", Input).value = str(count)
+    app.query_one("#ctl-load-rate", Input).value = str(rate)
+
+
+async def test_background_load_batches_hits_the_prefix_cache_and_preempts(model_dir, tmp_path):
+    app = make_app(model_dir, tmp_path, replace(PARAMS, max_tokens=30), kv_blocks=40, block_size=4)
+    async with app.run_test(size=SIZE) as pilot:
+        app.show_panel("sched")
+        await set_load_fields(pilot, 14, 50)
+        await pilot.press("ctrl+l")
+        assert app.query_one(ControlsPanel).load_on
+        await type_prompt(pilot, "hello under load")  # the chat is answered among them
+        engine = app.loop.engine
+        await wait_until(pilot, lambda: len(engine.requests) >= 15, 10, "the load to start")
+        await wait_reply_done(pilot)
+        assert app.session.messages[-1].finish_reason == "length"
+        load = [r for r, what in app.sched.labels.items() if what.startswith("load")]
+        assert sorted(app.sched.labels[r] for r in load) == sorted(
+            f"load {k}" for k in range(1, 15)
+        )
+        await wait_until(
+            pilot, lambda: all(engine.requests[r].finished for r in load), 120, "the load to end"
+        )
+        await wait_until(pilot, lambda: not app.render_pending, 10, "the last frame")
+        assert app.sched.preemptions > 0  # the pool could not hold them all
+        assert app.session.blocks.prefix_hit_tokens > 0  # repeated prompts share blocks
+        assert {engine.requests[r].finish_reason for r in load} <= {"stop", "length"}
+        assert not app.query_one(ControlsPanel).load_on  # it ran out by itself
+        assert "load" not in str(app.query_one("#status").render())
+
+
+async def test_ctrl_l_stops_the_load_and_frees_its_blocks(model_dir, tmp_path):
+    app = make_app(model_dir, tmp_path, block_size=4)
+    async with app.run_test(size=SIZE) as pilot:
+        await set_load_fields(pilot, 6, 100)
+        app.loop.pause()
+        await pilot.press("ctrl+l")
+        await advance(pilot, 5)
+        engine = app.loop.engine
+        assert len(engine.requests) == 6 and engine.block_map.snapshot().num_used > 0
+        status = str(app.query_one("#status").render())
+        assert "load 6 running" in status
+        await pilot.press("ctrl+l")
+        app.loop.sync()
+        assert all(s.finish_reason == "abort" for s in engine.requests.values())
+        assert engine.block_map.snapshot().num_used == 0
+        await wait_until(pilot, lambda: not app.render_pending, 10, "the stop to be drawn")
+        await pilot.pause(0.1)
+        assert not app.query_one(ControlsPanel).load_on and not app.sched.live

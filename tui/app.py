@@ -18,6 +18,7 @@ from pagechat.tui.protocol import (
     BlocksChanged,
     Finished,
     FirstToken,
+    LoadSet,
     MemoryRead,
     Refused,
     SpeculationSet,
@@ -33,6 +34,7 @@ from pagechat.tui.widgets.sampling import SamplingPanel, token_label
 from pagechat.tui.widgets.scheduler import SchedulerLog, SchedulerPanel
 from pagechat.tui.widgets.speculation import SpeculationPanel
 from pagechat.tui.widgets.timing import TimingPanel
+from rich.text import Text
 from textual import events, on
 from textual.app import App, SystemCommand
 from textual.binding import Binding, BindingType
@@ -175,6 +177,14 @@ class PagechatApp(App[None]):
             tooltip="beam search: off, 2, 4 or 8 beams",
         ),
         Binding(
+            "ctrl+l",
+            "toggle_load",
+            "Load",
+            priority=True,
+            tooltip="background load: start requests from built-in prompts (Controls: how many, "
+            "how fast), or stop them",
+        ),
+        Binding(
             "alt+left",
             "show_answer(-1)",
             "Prev answer",
@@ -247,6 +257,7 @@ class PagechatApp(App[None]):
         )  # as the engine has it (SpeculationSet events)
         self.readings = None  # the engine's latest MemoryRead
         self.sched = SchedulerLog()  # the scheduler's records, engine-wide (not per chat)
+        self.load_left = 0  # background requests still to start (LoadSet)
         self.pinned: tuple[Message, int] | None = (
             None  # selected reply token shown in the sampling panel
         )
@@ -346,8 +357,9 @@ class PagechatApp(App[None]):
                 self._dirty[id(msg)] = msg
             if isinstance(ev, Refused):
                 self.notify(ev.message, title="refused", severity="error", timeout=8)
-            finished |= isinstance(ev, (Finished, Refused))
-            first |= isinstance(ev, FirstToken)
+            # background requests are drawn at the frame rate: no save or draw now for them
+            finished |= isinstance(ev, Refused) or isinstance(ev, Finished) and msg is not None
+            first |= isinstance(ev, FirstToken) and msg is not None
             self._render_due = True
         if finished:
             self.save()
@@ -372,7 +384,9 @@ class PagechatApp(App[None]):
         elif isinstance(ev, BlocksChanged):
             self.sched.apply_seqs(ev.seqs)
         elif isinstance(ev, Started):
-            self.sched.label(ev.request_id, "chat")
+            self.sched.label(ev.request_id, ev.label)
+        elif isinstance(ev, LoadSet):
+            self.load_left = ev.left
 
     def _tick(self) -> None:
         """Pump, then sleep until the next frame; while decoding, for the last frame's CPU cost
@@ -421,6 +435,10 @@ class PagechatApp(App[None]):
         """Render the visible panels from the session's latest report."""
         s = self.session
         status = status_line(self.loop.info, s, self.frozen, self.theme_variables)
+        status.append_text(self.load_status())
+        loading = bool(self.load_left or self.load_running())
+        if self.main.query_one(ControlsPanel).load_on != loading:  # it ran out, or was stopped
+            self.main.query_one(ControlsPanel).show_load(loading)
         self.main.query_one(StatusBar).show(status, layout=False)  # always one line
         snap = s.blocks
         if snap is not None and self.visible("blocks"):
@@ -511,6 +529,45 @@ class PagechatApp(App[None]):
             await self.main.wait_for_refresh()  # the scroll to them
         finally:
             self.loop.release()
+
+    # -- background load ---------------------------------------------------------------------------
+    def load_running(self) -> int:
+        """Background requests the scheduler holds now."""
+        return sum(self.sched.what(s).startswith("load") for s in self.sched.live)
+
+    def load_status(self) -> Text:
+        """' │ load 5 running · 3 to come' while background requests run, else nothing."""
+        running, left = self.load_running(), self.load_left
+        if not running and not left:
+            return Text()
+        t = Text(" │ ", "dim").append(f"load {running} running", self.theme_variables["pc-warn"])
+        return t.append(f" · {left} to come" if left else "", "dim")
+
+    def action_toggle_load(self) -> None:
+        """Ctrl+L: start background requests as the Controls say, or stop them."""
+        controls = self.main.query_one(ControlsPanel)
+        if self.load_left or self.load_running():
+            self.set_load(False, 0, 0.0)
+            return
+        values = controls.load_values()
+        if values is not None:
+            self.set_load(True, *values)
+
+    @on(ControlsPanel.LoadChanged)
+    def _load_changed(self, event: ControlsPanel.LoadChanged) -> None:
+        self.set_load(event.on, event.count, event.rate)
+
+    def set_load(self, on: bool, count: int, rate: float) -> None:
+        """Start `count` background requests at `rate` a second, or stop them."""
+        self.load_left = count  # until the engine says how many are left
+        if on:
+            self.loop.start_load(count, rate)
+            message = f"background load: {count} requests at {rate:g} a second (Ctrl+L stops)"
+        else:
+            self.loop.stop_load()
+            message = "background load stopped; its requests are aborted"
+        self.main.query_one(ControlsPanel).show_load(on)
+        self.notify(message, title="load", timeout=3)
 
     # -- several answers to a prompt --------------------------------------------------------------
     def answers_reply(self) -> Message | None:

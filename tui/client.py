@@ -26,7 +26,9 @@ from pagechat.tui.protocol import (
     Resume,
     Send,
     SetSpeculation,
+    StartLoad,
     Stop,
+    StopLoad,
     Sync,
     Synced,
     UpdateParams,
@@ -112,6 +114,14 @@ class EngineClient:
     def abort(self, request_ids: list[int]) -> None:
         """Abort these requests (samples not kept); their blocks are freed at once."""
         self._put(Abort(tuple(request_ids)))
+
+    def start_load(self, count: int, rate: float, max_tokens: int = 64) -> None:
+        """Start background requests from the built-in prompts (answered by LoadSet events)."""
+        self._put(StartLoad(count, rate, max_tokens))
+
+    def stop_load(self) -> None:
+        """Start no more background requests and abort those that run."""
+        self._put(StopLoad())
 
     def pause(self) -> None:
         """Stop stepping after the current step (commands are still applied); for tests and

@@ -14,6 +14,7 @@ from typing import Protocol
 from pagechat.core.engine import Engine
 from pagechat.core.errors import PagechatError
 from pagechat.core.memory import read_memory
+from pagechat.tui.load import LoadPlan, load_params, load_prompt
 from pagechat.tui.protocol import (
     Abort,
     Advance,
@@ -22,6 +23,7 @@ from pagechat.tui.protocol import (
     Command,
     Finished,
     FirstToken,
+    LoadSet,
     MemoryRead,
     ParamsApplied,
     Pause,
@@ -31,7 +33,9 @@ from pagechat.tui.protocol import (
     SetSpeculation,
     SpeculationSet,
     Started,
+    StartLoad,
     Stop,
+    StopLoad,
     Sync,
     Synced,
     UpdateParams,
@@ -65,6 +69,9 @@ class EngineLoop:
         self._first_seen: set[int] = set()
         self._snapshot = engine.block_map.snapshot()  # the last block snapshot the app was sent
         self._read_at = 0.0
+        self.load: LoadPlan | None = None  # background requests still to start
+        self.load_ids: list[int] = []  # background requests started and not stopped
+        self._load_tokens = 0
         self._handlers = {
             Send: self._send,
             UpdateParams: self._update,
@@ -75,18 +82,23 @@ class EngineLoop:
             Advance: self._advance,
             SetSpeculation: self._set_speculation,
             Sync: lambda cmd: self.port.emit(Synced(cmd.n)),
+            StartLoad: self._start_load,
+            StopLoad: lambda _: self._stop_load(),
         }
 
     def run(self) -> None:
         """Until a Close command (or the app going away)."""
         was_working = True
         while True:
+            self._feed_load()
             working = self.engine.has_unfinished() and not self._paused
             self._read_memory(was_working and not working, working)
             was_working = working
             self.port.flush(not working)
-            if not self._apply_commands(block=not working):
+            if not self._apply_commands(block=not working and self.load is None):
                 return
+            if not working and self.load is not None:  # nothing to step until the next is due
+                time.sleep(min(0.05, self.load.wait(time.perf_counter())))
             snap = self.engine.block_map.snapshot()
             if snap is not self._snapshot:  # commands freed or took blocks: let the app see it now
                 self._snapshot = snap
@@ -106,6 +118,7 @@ class EngineLoop:
         while cmd is not NOTHING:
             if cmd is None or isinstance(cmd, Close):
                 self._abort_active()
+                self._stop_load()
                 self.port.flush(True)
                 return False
             self._run_command(cmd)
@@ -160,6 +173,42 @@ class EngineLoop:
         else:
             params.validate()
         self.port.emit(ParamsApplied(rid, params, at))
+
+    def _start_load(self, cmd: StartLoad) -> None:
+        """Start `count` background requests at `rate` a second (any earlier load stops)."""
+        if cmd.count < 1 or not cmd.rate > 0:
+            raise PagechatError(f"load needs at least 1 request at a rate > 0, got {cmd}")
+        self._stop_load()
+        self.load = LoadPlan(cmd.count, cmd.rate, time.perf_counter())
+        self._load_tokens = cmd.max_tokens
+        self.port.emit(LoadSet(cmd.count))
+
+    def _feed_load(self) -> None:
+        """Queue the background requests that are due, each named for the app."""
+        plan = self.load
+        if plan is None:
+            return
+        due = plan.due(time.perf_counter())
+        if not due:
+            return
+        self.load_ids = [i for i in self.load_ids if not self.engine.requests[i].finished]
+        for k in due:
+            ids = self.engine.encode_chat(load_prompt(k))
+            rid = self.engine.add_request(ids, load_params(k, self._load_tokens))
+            self.load_ids.append(rid)
+            self.port.emit(Started(None, rid, len(ids), f"load {k + 1}"))
+        self.port.emit(LoadSet(plan.left))
+        if not plan.left:
+            self.load = None
+
+    def _stop_load(self) -> None:
+        """Start no more background requests and abort the ones that run."""
+        was = self.load is not None or self.load_ids
+        self.load = None
+        self._abort(self.load_ids)
+        self.load_ids = []
+        if was:
+            self.port.emit(LoadSet(0))
 
     def _set_paused(self, paused: bool) -> None:
         self._paused = paused

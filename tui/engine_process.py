@@ -39,6 +39,7 @@ from pagechat.tui.protocol import (
     EngineInfo,
     Finished,
     FirstToken,
+    LoadSet,
     ParamsApplied,
     Refused,
     SpeculationSet,
@@ -47,7 +48,7 @@ from pagechat.tui.protocol import (
 )
 
 FLUSH_HZ = 20  # batches a second at most while decoding; the UI draws at most this often
-URGENT = (Started, FirstToken, Finished, Refused, ParamsApplied, SpeculationSet, Synced)
+URGENT = (Started, FirstToken, Finished, Refused, ParamsApplied, SpeculationSet, Synced, LoadSet)
 
 # (the new snapshot with no blocks, the BlockInfos that changed)
 Delta = tuple[BlockSnapshot, tuple]

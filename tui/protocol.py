@@ -49,6 +49,21 @@ class Abort:
 
 
 @dataclass(frozen=True, slots=True)
+class StartLoad:
+    """Start `count` background requests from the built-in prompts, `rate` a second, each of
+    at most `max_tokens`; answered by LoadSet."""
+
+    count: int
+    rate: float
+    max_tokens: int = 64
+
+
+@dataclass(frozen=True, slots=True)
+class StopLoad:
+    """Start no more background requests and abort those that run; answered by LoadSet(0)."""
+
+
+@dataclass(frozen=True, slots=True)
 class Pause:
     """Stop stepping after the current step; commands are still applied."""
 
@@ -87,7 +102,18 @@ class Close:
 
 
 Command = (
-    Send | UpdateParams | Stop | Abort | Pause | Resume | Advance | SetSpeculation | Sync | Close
+    Send
+    | UpdateParams
+    | Stop
+    | Abort
+    | StartLoad
+    | StopLoad
+    | Pause
+    | Resume
+    | Advance
+    | SetSpeculation
+    | Sync
+    | Close
 )
 
 # -- events: engine -> app -------------------------------------------------------------------------
@@ -97,9 +123,10 @@ Command = (
 class Started:
     """A reply's request was admitted to the engine's queue."""
 
-    ticket: int
+    ticket: int | None  # None: a request the engine's loop started itself (background load)
     request_id: int
     prompt_tokens: int
+    label: str = "chat"  # what the request is, as the scheduler panel names it
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +194,13 @@ class MemoryRead:
 
 
 @dataclass(frozen=True, slots=True)
+class LoadSet:
+    """Background load: how many of its requests are still to start (0: none, or stopped)."""
+
+    left: int
+
+
+@dataclass(frozen=True, slots=True)
 class Synced:
     """Every command up to Sync(n) has been applied (consumed by EngineClient.sync)."""
 
@@ -183,6 +217,7 @@ Event = (
     | BlocksChanged
     | SpeculationSet
     | MemoryRead
+    | LoadSet
 )
 
 

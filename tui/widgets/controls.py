@@ -72,6 +72,13 @@ class ControlsPanel(Panel):
             super().__init__()
             self.params = params
 
+    class LoadChanged(Message):
+        """The user switched background load on (count requests, rate a second) or off."""
+
+        def __init__(self, on: bool, count: int, rate: float) -> None:
+            super().__init__()
+            self.on, self.count, self.rate = on, count, rate
+
     class SpeculationChanged(Message):
         """The user switched speculation or changed the draft length."""
 
@@ -84,6 +91,7 @@ class ControlsPanel(Panel):
     ) -> None:
         super().__init__(**kwargs)
         self.params = params
+        self.load_on = False
         self.spec_available, self.spec_on, self.num_draft = (
             spec  # (a proposer exists, on, draft length)
         )
@@ -118,6 +126,12 @@ class ControlsPanel(Panel):
                 disabled=not self.spec_available,
                 select_on_focus=True,
             )
+        with Horizontal(classes="control-row"):
+            yield Label("load (Ctrl+L)", classes="control-label")
+            yield Input("16", id="ctl-load-count", classes="load-input", type="integer")
+            yield Input("2", id="ctl-load-rate", classes="load-input", type="number")
+            yield Switch(False, id="ctl-load")
+            yield Label("requests · a second", classes="control-hint")
         yield Readout(id="control-error")
         yield Static(
             Text().append(
@@ -177,6 +191,36 @@ class ControlsPanel(Panel):
         if (enabled, k) != (self.spec_on, self.num_draft):
             self.spec_on, self.num_draft = enabled, k
             self.post_message(self.SpeculationChanged(enabled, k))
+
+    def load_values(self) -> tuple[int, float] | None:
+        """(requests, a second) from the load fields; None, with the refusal shown, if bad."""
+        count, rate = (self.query_one(f"#ctl-load-{k}", Input).value for k in ("count", "rate"))
+        try:
+            n, r = int(count), float(rate)
+        except ValueError:
+            n, r = 0, 0.0
+        if not (1 <= n <= 256 and 0 < r <= 100):
+            self.show_error(f"refused: load is 1-256 requests at (0, 100] a second, got {count!r}")
+            return None
+        return n, r
+
+    def show_load(self, on: bool) -> None:
+        """The load switch as the app has it (a change from here is not announced)."""
+        self.load_on = on
+        self.query_one("#ctl-load", Switch).value = on
+
+    @on(Switch.Changed, "#ctl-load")
+    def _load_switched(self, event: Switch.Changed) -> None:
+        event.stop()
+        if event.value == self.load_on:  # shown from the app, not switched by the user
+            return
+        self.load_on = event.value
+        values = self.load_values() if event.value else (0, 0.0)
+        if values is None:
+            self.show_load(False)
+            return
+        self.set_text("#control-error", "")
+        self.post_message(self.LoadChanged(event.value, *values))
 
     @on(Switch.Changed, "#ctl-spec")
     def _spec_switched(self, event: Switch.Changed) -> None:
