@@ -331,6 +331,16 @@ class Engine:
             self.scheduler.finish(seq)
             seq.finish_reason, seq.finish_time = "abort", time.perf_counter()
 
+    def release(self, request_id: int) -> Sequence:
+        """Forget a finished request and its samples, so a long-running caller (the server, the
+        app) keeps no per-request state in the engine; returns the request's sequence."""
+        seq = self._request(request_id)
+        if not seq.finished or any(not self.requests[c].finished for c in seq.children):
+            raise PagechatError(f"request {request_id} has not finished; abort it first")
+        for child in seq.children:
+            del self.requests[child]
+        return self.requests.pop(request_id)
+
     def _request(self, request_id: int) -> Sequence:
         if request_id not in self.requests:
             raise PagechatError(f"no request with id {request_id}")
@@ -517,7 +527,7 @@ class Engine:
         if group is not None and seq in group.running:
             return group.root.seq_id, "beam", group.running.index(seq)
         if seq.parent is not None:
-            return seq.parent, "sample", self.requests[seq.parent].children.index(seq.seq_id) + 1
+            return seq.parent, "sample", seq.sample_index
         return seq.seq_id, "sample" if seq.sampling.params.n > 1 else "request", 0
 
     def _fork(self, it: ScheduledSeq) -> list[Sequence]:
@@ -538,6 +548,7 @@ class Engine:
                 status=Status.RUNNING,
                 num_computed=it.start,
                 parent=parent.seq_id,
+                sample_index=j,
             )
             self.blocks.fork(parent.seq_id, kid.seq_id)
             self.scheduler.running.append(kid)

@@ -44,6 +44,7 @@ class Sequence:
     beams: tuple[BeamResult, ...] = ()  # a finished beam search's hypotheses, best first
     spec: SpecTotals = SpecTotals()  # speculation so far, summed where drafts are verified
     parent: int | None = None  # the sequence this sample was forked from
+    sample_index: int = 0  # k of its request's n samples (0: the request's own sequence)
     children: list[int] = field(
         default_factory=list
     )  # ids of the samples forked from this one (n > 1)

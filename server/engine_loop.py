@@ -147,6 +147,9 @@ class EngineLoop:
             if route is not None and seq_id in self.engine.requests:
                 self.engine.abort(seq_id)
                 self.metrics.observe_finished("abort", now - sub.arrival)
+        for child in self.engine.requests[sub.request_id].children:
+            self.engine.abort(child)  # forked in a step whose outputs reached no route yet
+        self.engine.release(sub.request_id)
         return True
 
     def _step(self) -> None:
@@ -245,6 +248,7 @@ class EngineLoop:
             self._abort(pending.sub)
         elif pending.open == 0:
             del self._pending[pending.sub.request_id]
+            self.engine.release(pending.sub.request_id)
         self.metrics.observe_finished(seq.finish_reason or "stop", now - pending.sub.arrival)
 
     @staticmethod

@@ -183,3 +183,28 @@ def test_step_reports_carry_every_block_event(tiny_llama):
         reported += engine.step().block_events
     kinds = {e.kind for e in reported}
     assert reported == seen and {"allocated", "shared", "copied", "cached"} <= kinds
+
+
+def test_released_requests_leave_nothing_behind(tiny_llama):
+    """A long-running caller releases each finished request; then no table of the engine,
+    scheduler or allocator grows with the number of requests served."""
+    engine = Engine(tiny_llama, EngineConfig(device="cpu", dtype="float32", block_size=4))
+    kinds = [
+        SamplingParams(max_tokens=3, ignore_eos=True),
+        SamplingParams(max_tokens=3, ignore_eos=True, n=3, temperature=1.0),
+        SamplingParams(max_tokens=3, temperature=0.0, beam_width=2),
+    ]
+    rid = engine.add_request("not yet", kinds[0])
+    with pytest.raises(PagechatError, match=f"request {rid} has not finished"):
+        engine.release(rid)
+    engine.abort(rid)
+    assert engine.release(rid).finish_reason == "abort"
+    for i in range(30):
+        rid = engine.add_request(f"request {i}", kinds[i % 3])
+        while engine.has_unfinished():
+            engine.step()
+        assert engine.release(rid).finished
+    assert not engine.requests and not engine._beams and not engine._beam_of
+    s = engine.scheduler
+    assert not (s.running or s.waiting or s.swapped or s.parked)
+    assert not engine.blocks._tables and engine.block_map.snapshot().num_used == 0

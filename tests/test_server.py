@@ -306,6 +306,7 @@ def test_concurrent_requests_with_clients_leaving(served):
     assert served.engine.block_map.snapshot().num_used == 0
     assert not served.engine.scheduler.running and not served.engine.scheduler.waiting
     assert served.state.loop.num_active == 0
+    assert not served.engine.requests  # each finished or aborted request was released
     after = served.metrics()
     aborted = after.get('pagechat:request_success_total{finished_reason="abort"}', 0) - before.get(
         'pagechat:request_success_total{finished_reason="abort"}', 0
