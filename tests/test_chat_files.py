@@ -8,6 +8,9 @@ import errno
 import json
 import os
 import shutil
+import signal
+import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -405,3 +408,158 @@ async def test_each_reply_records_what_produced_it(tmp_path):
     assert first["produced_by"] == engine | {"params": params, "changes": changed}
     assert second["produced_by"] == engine | {"params": params | {"temperature": 0.2}}
     assert first["stats"]["output_tokens"] == 40 and first["stats"]["total_ms"] > 0
+
+
+# -- kill -9 mid-reply -----------------------------------------------------------------------------
+SLOW_STEPS = """\
+# Makes the engine's steps slow once a flag file exists, so that a reply is surely in flight
+# when the test kills the app (the tiny model otherwise finishes a reply in milliseconds).
+import os
+import time
+
+flag = os.environ.get("PAGECHAT_TEST_SLOW_FLAG")
+if flag:
+    from pagechat.core.engine import Engine
+
+    step = Engine.step
+
+    def slow_step(self):
+        if os.path.exists(flag):
+            time.sleep(0.2)
+        return step(self)
+
+    Engine.step = slow_step
+"""
+
+
+class Terminal:
+    """`pagechat ARGS` in a pseudo-terminal; a thread keeps reading its screen output."""
+
+    def __init__(self, args: list[str], env: dict) -> None:
+        import fcntl
+        import pty
+        import struct
+        import termios
+        import threading
+
+        self.pid, self.fd = pty.fork()
+        if self.pid == 0:  # the child: the app, the leader of its own session and process group
+            code = "from pagechat.tui.cli import main; main()"
+            os.execvpe(sys.executable, [sys.executable, "-c", code, *args], env)
+        fcntl.ioctl(self.fd, termios.TIOCSWINSZ, struct.pack("HHHH", 36, 120, 0, 0))
+        self.output = bytearray()
+        self.status: int | None = None
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                data = os.read(self.fd, 65536)
+            except OSError:  # EIO: the child closed the terminal
+                return
+            if not data:
+                return
+            self.output += data
+
+    def type(self, text: str) -> None:
+        os.write(self.fd, text.encode())
+
+    def send(self, text: str) -> None:
+        """Type text into the prompt and, once it shows, press Enter (a "\\r" in the same burst
+        of input may be taken as part of the text, not as the key)."""
+        seen = len(self.output)
+        self.type(text)
+        poll(lambda: text in self.output[seen:].decode("utf-8", "replace"), 30, "typed text")
+        time.sleep(0.3)
+        self.type("\r")
+
+    def kill(self) -> None:
+        """SIGKILL to the app's process group: the app and the engine's process it started."""
+        if self.status is None:
+            os.killpg(self.pid, signal.SIGKILL)
+            self.wait(30)
+
+    def wait(self, timeout: float) -> int:
+        end = time.monotonic() + timeout
+        while self.status is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.status = status
+            elif time.monotonic() > end:
+                raise TimeoutError(f"pagechat still running after {timeout} s")
+            else:
+                time.sleep(0.1)
+        return self.status
+
+    def screen_text(self) -> str:
+        return self.output.decode("utf-8", "replace")
+
+
+def poll(predicate, timeout: float, what: str):
+    """predicate's first truthy value, polled until timeout (then TimeoutError naming what)."""
+    end = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > end:
+            raise TimeoutError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.1)
+
+
+def saved_messages(folder: Path) -> list[dict]:
+    """The messages of the one chat file in folder ([] while there is none, or it is mid-write)."""
+    files = list(folder.glob("*.json")) if folder.is_dir() else []
+    try:
+        return json.loads(files[0].read_text())["messages"] if files else []
+    except (OSError, ValueError):
+        return []
+
+
+def test_kill_9_mid_reply_loses_only_the_reply_in_flight(tmp_path):
+    model = tiny_model_dir()
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(SLOW_STEPS)
+    flag = tmp_path / "slow"
+    env = dict(os.environ, XDG_DATA_HOME=str(tmp_path / "data"), TERM="xterm-256color")
+    env["PAGECHAT_TEST_SLOW_FLAG"] = str(flag)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(hooks), env.get("PYTHONPATH")]))
+    folder = tmp_path / "data" / "pagechat" / "chats"
+    args = ["run", str(model), "--max-tokens", "60", "--ignore-eos", "--seed", "1"]
+    app = Terminal([*args, "--layout", "tabs"], env)
+    try:
+        poll(lambda: "Enter sends" in app.screen_text(), 180, "the app to draw its prompt")
+        app.send("first question")
+        done = poll(
+            lambda: [m for m in saved_messages(folder) if m.get("finish_reason") == "length"],
+            120,
+            "the first reply to be saved",
+        )
+        flag.touch()  # from now on each engine step takes 0.2 s: 60 tokens take 12 s
+        app.send("second question")
+        poll(lambda: len(saved_messages(folder)) == 3, 60, "the second question to be saved")
+        time.sleep(1.5)  # a few tokens into the second reply
+        app.kill()
+    finally:
+        app.kill()
+    messages = saved_messages(folder)
+    assert [(m["role"], m["content"]) for m in messages] == [
+        ("user", "first question"),
+        ("assistant", done[0]["content"]),
+        ("user", "second question"),
+    ]
+    assert messages[1]["stats"]["output_tokens"] == 60 and messages[1]["produced_by"]["model"]
+    chat_id = next(folder.glob("*.json")).stem
+    assert list(folder.iterdir()) == [folder / f"{chat_id}.json"]  # no temp file left behind
+
+    flag.unlink()
+    again = Terminal(["run", "--resume", chat_id, "--layout", "tabs"], env)  # its own model
+    try:
+        poll(lambda: "second question" in again.screen_text(), 180, "the resumed chat on screen")
+        again.type("\x11")  # Ctrl+Q
+        assert os.waitstatus_to_exitcode(again.wait(60)) == 0
+    finally:
+        again.kill()
+    assert f"chat saved as {chat_id}" in again.screen_text()
+    assert saved_messages(folder) == messages

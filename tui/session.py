@@ -161,6 +161,7 @@ class Message:
     streaming: bool = False
     # model, precision, quantisation, speculation and sampling settings this reply was made with
     produced_by: dict | None = None
+    saved: dict | None = None  # a resumed message as its file had it: written back as it was
     # n > 1 samples or a beam search: one message per answer; this one takes the kept one's text
     samples: list[Message] = field(default_factory=list)
     picked: int | None = None  # the answer kept (the conversation goes on from it)
@@ -185,6 +186,8 @@ class Message:
         return [m.request_id for m in others if m.request_id is not None]
 
     def as_dict(self) -> dict:
+        if self.saved is not None and self.saved.get("content") == self.content:
+            return dict(self.saved)  # its figures and records stay as first saved, unrounded again
         d = {"role": self.role, "content": self.content}
         if self.role == "assistant":
             d["finish_reason"] = self.finish_reason
@@ -233,6 +236,7 @@ class ChatSession:
                 finish_reason=m.get("finish_reason"),
                 error=m.get("error"),
                 produced_by=m.get("produced_by"),
+                saved=m,
             )
             if m.get("stats"):
                 msg.timing = TurnTiming.from_dict(m["stats"])
