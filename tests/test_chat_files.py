@@ -286,6 +286,13 @@ def test_text_that_is_not_utf8_is_saved_and_read_back(chats):
     assert "bytes \ufffd\ufffd from" in back.to_markdown()
 
 
+def test_a_prompt_that_is_not_utf8_never_breaks_autosave(chats):
+    session = ChatSession(good_chat(), SamplingParams())
+    session.add_user("pasted \udcff bytes")
+    assert session.save(chats) is None and session.saved
+    assert chats.load(CHAT_ID).messages[-1] == {"role": "user", "content": "pasted \udcff bytes"}
+
+
 def test_a_session_whose_save_fails_says_so_keeps_a_copy_and_says_when_it_works_again(
     chats, tmp_path, monkeypatch
 ):

@@ -110,7 +110,10 @@ class TurnTiming:
 
     def as_dict(self) -> dict:
         """Figures saved with the message."""
-        r = lambda x: None if x is None else round(x, 4)  # noqa: E731
+
+        def r(x: float | None) -> float | None:
+            return None if x is None else round(x, 4)
+
         return {
             "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.cached_tokens,
