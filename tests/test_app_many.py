@@ -206,3 +206,56 @@ async def test_ctrl_l_stops_the_load_and_frees_its_blocks(model_dir, tmp_path):
         await wait_until(pilot, lambda: not app.render_pending, 10, "the stop to be drawn")
         await pilot.pause(0.1)
         assert not app.query_one(ControlsPanel).load_on and not app.sched.live
+
+
+def test_sixteen_sequences_have_sixteen_colours_and_shared_blocks_their_ref_count():
+    from pagechat.core.blockmap import BlockInfo
+    from pagechat.tui.app import PALETTE
+    from pagechat.tui.widgets.blocks import OWNER_COLOURS, block_cell, owner_colour
+
+    assert len({PALETTE[owner_colour(i)] for i in range(16)}) == 16
+    assert len(OWNER_COLOURS) == 16
+    cells = [block_cell(BlockInfo(0, "used", r, tuple(range(3, 3 + r)), 16), 16) for r in (1, 2, 9)]
+    assert cells == [("█", "pc-note"), ("2", "pc-note"), ("9", "pc-note")]
+    many = BlockInfo(0, "used", 12, tuple(range(12)), 16)
+    assert block_cell(many, 16) == ("◆", "pc-accent")
+
+
+def test_the_legend_names_the_sequences_and_says_how_many_more():
+    from pagechat.core.blockmap import BlockInfo, BlockSnapshot
+    from pagechat.tui.app import PALETTE
+    from pagechat.tui.widgets.blocks import legend
+
+    blocks = tuple(BlockInfo(i, "used", 1, (i,), 4) for i in range(16))
+    snap = BlockSnapshot(4, blocks, 16, 0, 0, 0, 64, 64, 0, 0)
+    names = {i: f"load {i + 1}" for i in range(16)} | {0: "chat"}
+    text = legend(snap, PALETTE, names, 60).plain
+    marks, owners = text.split("\n")
+    assert owners.startswith("■0 chat  ■1 load 2  ■2 load 3") and owners.endswith(" more")
+    shown = owners.count("■")
+    assert owners.endswith(f"+{16 - shown} more") and len(owners) <= 2 * 60 - len(marks)
+    assert legend(snap, PALETTE, names, 400).plain.count("■") == 16  # room for all
+
+
+async def test_a_folded_pool_states_its_scale_from_the_first_frame(
+    model_dir, tmp_path, monkeypatch
+):
+    from pagechat.tui.widgets.blocks import BlockGrid, BlocksPanel
+
+    drawn: list[tuple[int, str]] = []  # (the grid's scale, the header shown) at each describe
+    describe = BlocksPanel.describe
+
+    def recording(panel, snap):
+        describe(panel, snap)
+        drawn.append(
+            (panel.query_one(BlockGrid).fold, str(panel.query_one("#blocks-header").render()))
+        )
+
+    monkeypatch.setattr(BlocksPanel, "describe", recording)
+    app = make_app(model_dir, tmp_path, kv_blocks=6000)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await pilot.pause()
+        fold = app.query_one(BlockGrid).fold
+        assert fold > 1 and drawn
+        assert all(f"1 cell = {k} blocks" in header for k, header in drawn)
+        assert drawn[0][0] == fold  # never drawn at another scale first

@@ -64,6 +64,15 @@ PALETTE = {
     "pc-token-odd": "#1d2129",
     "pc-cyan": "#5fd7d7",  # two more hues, so that eight sequences' blocks differ
     "pc-lavender": "#afafff",
+    # eight more, so that sixteen sequences' blocks differ
+    "pc-seq-8": "#ff5faf",
+    "pc-seq-9": "#87ffaf",
+    "pc-seq-10": "#d7af5f",
+    "pc-seq-11": "#5f87ff",
+    "pc-seq-12": "#ff875f",
+    "pc-seq-13": "#afd75f",
+    "pc-seq-14": "#af5fd7",
+    "pc-seq-15": "#5fafaf",
 }
 # Textual's dark theme with the palette: any other theme gets the palette as its defaults
 THEME = replace(BUILTIN_THEMES["textual-dark"], name="pagechat", variables=PALETTE)
@@ -442,7 +451,8 @@ class PagechatApp(App[None]):
         self.main.query_one(StatusBar).show(status, layout=False)  # always one line
         snap = s.blocks
         if snap is not None and self.visible("blocks"):
-            self.main.query_one(BlocksPanel).show(snap)
+            names = {s.seq_id: self.sched.what(s) for s in self.sched.live}
+            self.main.query_one(BlocksPanel).show(snap, names)
         if self.visible("sampling"):
             self.show_sampling()
         if self.visible("timing"):

@@ -93,6 +93,11 @@ class MainScreen(Screen):
                     yield SpeculationPanel(id="speculation")
         yield Footer()
 
+    def on_mount(self) -> None:
+        """The layout before the first one is computed: a panel first sized as one of seven
+        stacked ones would draw the block map at a scale it does not keep."""
+        self.set_layout(self.app.grid_layout(), self.app.active_panel)
+
     @property
     def prompt(self) -> PromptInput:
         return self.query_one("#prompt", PromptInput)

@@ -15,10 +15,11 @@ from rich.style import Style
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.geometry import Region, Size
+from textual.message import Message
 from textual.strip import Strip
 from textual.widget import Widget
 
-OWNER_COLOURS = (  # theme variables, one per sequence in turn
+OWNER_COLOURS = (  # theme variables, one per sequence id in turn: 16 apart
     "pc-accent",
     "pc-bad",
     "pc-good",
@@ -27,9 +28,11 @@ OWNER_COLOURS = (  # theme variables, one per sequence in turn
     "pc-cyan",
     "pc-warn",
     "pc-lavender",
+    *(f"pc-seq-{i}" for i in range(8, 16)),
 )
 FILL = "▁▂▃▄▅▆▇█"  # partly filled last block: height = filled / block_size
 FULL, SHARED, CACHED, FREE = "█", "◆", "○", "·"
+REFS = "23456789"  # a block shared by 2..9 sequences shows how many; more than 9 shows SHARED
 CELL_WIDTHS = (2, 1)  # a glyph and a gap when the pool fits that way, else glyphs side by side
 
 
@@ -58,7 +61,7 @@ def block_cell(b: BlockInfo, block_size: int) -> Cell:
         return CACHED, "cached"
     colour = owner_colour(b.owners[0]) if b.owners else "pc-unowned"
     if b.ref_count > 1:
-        return SHARED, colour
+        return (REFS[b.ref_count - 2] if b.ref_count <= 9 else SHARED), colour
     if b.filled < block_size:
         return FILL[max(0, math.ceil(len(FILL) * b.filled / block_size) - 1)], colour
     return FULL, colour
@@ -78,9 +81,16 @@ def folded_cell(group: tuple[BlockInfo, ...], block_size: int) -> Cell:
 
 
 class BlockGrid(Widget):
-    """The pool as a grid of cells; rows are cached Strips, only changed rows are repainted."""
+    """The pool as a grid of cells; rows are cached Strips, only changed rows are repainted.
+
+    Nothing is drawn before the grid has a size: the scale (blocks per cell) depends on it, and
+    the panel states it from the first frame that shows a block.
+    """
 
     DEFAULT_CSS = "BlockGrid { height: 1fr; min-height: 2; }"
+
+    class Refit(Message):
+        """The grid drew a snapshot at a new scale (blocks per cell)."""
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -91,6 +101,7 @@ class BlockGrid(Widget):
         self._rows: list[Strip | None] = []
         self._segments: dict[Cell, Segment] = {}
         self._next_build = 0.0  # big pools: rebuild at most every ~10x the build time
+        self._waiting: BlockSnapshot | None = None  # given before the grid had a size
 
     def on_mount(self) -> None:
         self.app.theme_changed_signal.subscribe(self, self._repaint)
@@ -128,6 +139,9 @@ class BlockGrid(Widget):
         """Show a new snapshot; repaint only the rows whose cells changed."""
         if snap is self.snapshot and not force:
             return
+        if not self.size.area:  # not laid out: the scale is unknown; on_resize draws it
+            self._waiting = snap
+            return
         now = time.perf_counter()
         if not force and now < self._next_build and self.snapshot is not None:
             return
@@ -146,6 +160,7 @@ class BlockGrid(Widget):
         if k != self.fold or len(self._rows) != rows:
             self.fold, self._cells, self._rows = k, cells, [None] * rows
             self.refresh()
+            self.post_message(self.Refit())
             return
         old = self._cells
         self._cells = cells
@@ -157,9 +172,9 @@ class BlockGrid(Widget):
                 self.refresh(Region(0, y, width, 1))
 
     def on_resize(self) -> None:
-        if self.snapshot is not None:
-            self._rows = []
-            snap, self.snapshot = self.snapshot, None
+        snap = self.snapshot or self._waiting
+        if snap is not None:
+            self._rows, self.snapshot, self._waiting = [], None, None
             self.show(snap, force=True)
 
     def get_content_height(self, container: Size, viewport: Size, width: int) -> int:
@@ -183,23 +198,32 @@ class BlockGrid(Widget):
         return strip
 
 
-def legend(snap: BlockSnapshot, colours: Mapping[str, str]) -> Text:
-    """What each mark means, and the colour of each sequence holding blocks."""
+def legend(
+    snap: BlockSnapshot, colours: Mapping[str, str], names: Mapping[int, str], width: int
+) -> Text:
+    """What each mark means, then each sequence holding blocks in its colour, named (chat, load
+    3 s2...), in two lines of `width` at most."""
     t, glyph_style = Text(), Style(color=colours["pc-glyph"])
     for glyph, label, style in (
         (FULL, "full", glyph_style),
         (FILL[3], "part", glyph_style),
-        (SHARED, "shared", glyph_style),
+        ("2", "shared", glyph_style),
         (CACHED, "cached", state_style("cached", colours)),
         (FREE, "free", state_style("free", colours)),
     ):
         t.append(glyph, style).append(f" {label} ", "dim")
     owners = sorted({o for b in snap.blocks for o in b.owners})
-    for o in owners[:4]:
-        t.append(" ■", Style(color=colours[owner_colour(o)])).append(f"seq {o}", "dim")
-    if len(owners) > 4:
-        t.append(f" +{len(owners) - 4}", "dim")
-    return t
+    if not owners:
+        return t
+    line, room = Text("\n"), 2 * width - len(t) - 1  # the owners' line(s) below the marks
+    for i, o in enumerate(owners):
+        item = f"{o} {names.get(o, 'seq')}"
+        more = f" +{len(owners) - i} more"
+        if len(line) + len(item) + 3 + (len(more) if i + 1 < len(owners) else 0) > room:
+            return t.append_text(line.append(more, "dim"))
+        line.append("■", Style(color=colours[owner_colour(o)])).append(f"{item}  ", "dim")
+    line.rstrip()
+    return t.append_text(line)
 
 
 def header(snap: BlockSnapshot, block_bytes: int, fold: int, colours: Mapping[str, str]) -> Text:
@@ -223,6 +247,8 @@ def header(snap: BlockSnapshot, block_bytes: int, fold: int, colours: Mapping[st
     )
     if fold > 1:
         t.append(f"\n1 cell = {fold} blocks (pool folded to fit)", f"italic {colours['pc-note']}")
+    else:
+        t.append("\n1 cell = 1 block", "dim")
     return t
 
 
@@ -235,20 +261,31 @@ class BlocksPanel(Panel):
         super().__init__(**kwargs)
         self.block_bytes = block_bytes
         self.snapshot: BlockSnapshot | None = None
+        self.names: Mapping[int, str] = {}
 
     def compose(self) -> ComposeResult:
         yield Readout(id="blocks-header")
         yield BlockGrid(id="block-grid")
         yield Readout(id="blocks-legend")
 
-    def show(self, snap: BlockSnapshot) -> None:
-        """Render a BlockManager snapshot (the engine's, never a recomputation)."""
+    def show(self, snap: BlockSnapshot, names: Mapping[int, str] | None = None) -> None:
+        """Render a BlockManager snapshot (the engine's, never a recomputation); names: what
+        each sequence is, for the legend."""
         grid = self.query_one(BlockGrid)
+        self.names = names if names is not None else self.names
         grid.show(snap)
         if grid.snapshot is snap:
-            self.snapshot = snap
-            self.set_text(
-                "#blocks-header",
-                header(snap, self.block_bytes, grid.fold, self.app.theme_variables),
-            )
-            self.set_text("#blocks-legend", legend(snap, self.app.theme_variables))
+            self.describe(snap)
+
+    def describe(self, snap: BlockSnapshot) -> None:
+        """The header and legend of the snapshot the grid draws, at its scale."""
+        self.snapshot, colours = snap, self.app.theme_variables
+        fold = self.query_one(BlockGrid).fold
+        self.set_text("#blocks-header", header(snap, self.block_bytes, fold, colours))
+        width = self.query_one("#blocks-legend").content_size.width or 40
+        self.set_text("#blocks-legend", legend(snap, colours, self.names, width))
+
+    def on_block_grid_refit(self, event: BlockGrid.Refit) -> None:
+        grid = self.query_one(BlockGrid)
+        if grid.snapshot is not None:
+            self.describe(grid.snapshot)
