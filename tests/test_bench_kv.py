@@ -8,7 +8,7 @@ import json
 from conftest import cli
 from pagechat.core.config import EngineConfig
 from pagechat.core.kv import block_bytes
-from pagechat.tools.bench_kv import kv_engine, preempt_cost, sharing
+from pagechat.tools.bench_kv import churn_rss, kv_engine, preempt_cost, sharing
 
 
 def test_samples_and_beams_share_their_prompt(tiny_llama):
@@ -46,3 +46,10 @@ def test_bench_kv_longer_than_the_model(tiny_llama, capsys):
         "error: the benchmark needs 632 tokens of context, the model has 512; lower "
         "--prompt-tokens, --new-tokens or --contexts"
     ]
+
+
+def test_churn_releases_every_request(tiny_llama):
+    engine = kv_engine(tiny_llama, EngineConfig(device="cpu", dtype="float32"), 64)
+    points = churn_rss(engine, 20, marks=2)
+    assert [n for n, _ in points] == [0, 10, 20] and all(rss > 0 for _, rss in points)
+    assert not engine.requests and engine.block_map.snapshot().num_used == 0

@@ -16,6 +16,7 @@ import torch
 from pagechat.core.config import EngineConfig
 from pagechat.core.engine import Engine
 from pagechat.core.kv import block_bytes
+from pagechat.core.memory import read_memory
 from pagechat.core.params import SamplingParams
 from pagechat.core.swap import copy_between, host_pool
 
@@ -119,3 +120,20 @@ def kv_engine(model_dir, config: EngineConfig, context: int) -> Engine:
     config.prefix_cache = False
     config.max_batch_tokens = max(config.max_batch_tokens, context)
     return Engine(model_dir, config)
+
+
+def churn_rss(engine: Engine, count: int, marks: int = 10) -> list[tuple[int, int]]:
+    """(requests served, this process's RSS in bytes) at `marks` points while `count` short
+    requests run one after another, each released when it ends: a long-running server's life."""
+    rng = random.Random(1)
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    points = [(0, read_memory(engine.device).rss or 0)]
+    for i in range(1, count + 1):
+        prompt = [rng.randrange(3, engine.spec.vocab_size) for _ in range(8)]
+        rid = engine.add_request(prompt, params)
+        while engine.has_unfinished():
+            engine.step()
+        engine.release(rid)
+        if i % max(1, count // marks) == 0:
+            points.append((i, read_memory(engine.device).rss or 0))
+    return points

@@ -10,7 +10,7 @@ from pathlib import Path
 from pagechat.core.config import EngineConfig
 from pagechat.core.errors import PagechatError
 from pagechat.core.memory import fmt_bytes
-from pagechat.tools.bench_kv import kv_engine, preempt_cost, sharing
+from pagechat.tools.bench_kv import churn_rss, kv_engine, preempt_cost, sharing
 from rich.console import Console
 from rich.table import Table
 
@@ -23,6 +23,7 @@ def bench_kv_command(
     ways: tuple[int, int],
     contexts: list[int],
     rounds: int,
+    churn: int,
     as_json: bool,
 ) -> None:
     """Measure sharing (n samples, beams) and preemption cost (swap vs recompute); print them."""
@@ -40,12 +41,18 @@ def bench_kv_command(
         sharing(engine, prompt, "beams", ways[1], new_tokens),
     ]
     costs = [preempt_cost(engine, n, rounds) for n in contexts]
+    rss = churn_rss(engine, churn) if churn else []
     if as_json:
         rows = [{**asdict(s), "ratio": round(s.ratio, 4)} for s in shares]
-        print(json.dumps({"sharing": rows, "preemption": [asdict(c) for c in costs]}))
+        churned = [{"requests": n, "rss_bytes": b} for n, b in rss]
+        out = {"sharing": rows, "preemption": [asdict(c) for c in costs], "churn": churned}
+        print(json.dumps(out))
         return
     Console().print(_sharing_table(shares, model_dir))
     Console().print(_cost_table(costs, engine))
+    if rss:
+        marks = ", ".join(f"{n}: {fmt_bytes(b)}" for n, b in rss)
+        Console().print(f"RSS after n released requests (n: RSS): {marks}")
 
 
 def _sharing_table(shares, model_dir: Path) -> Table:

@@ -424,6 +424,9 @@ def bench_kv(
         str, typer.Option(help="comma-separated sequence lengths of the preemption-cost runs")
     ] = "256,512,1024",
     rounds: Annotated[int, typer.Option(help="repetitions per length (the median counts)")] = 3,
+    churn: Annotated[
+        int, typer.Option(help="also serve this many short requests, releasing each, and print RSS")
+    ] = 0,
     quant: Quant = None,
     dtype: Dtype = "auto",
     device: Device = "auto",
@@ -453,6 +456,8 @@ def bench_kv(
     ):
         if value < 1:
             raise PagechatError(f"{name} must be >= 1, got {value}")
+    if churn < 0:
+        raise PagechatError(f"--churn must be >= 0, got {churn}")
     config = engine_config(locals())
     bench_kv_command(
         model_or_demo(model_dir, quant),
@@ -462,6 +467,7 @@ def bench_kv(
         (samples, beams),
         lengths,
         rounds,
+        churn,
         as_json,
     )
 
