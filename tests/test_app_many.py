@@ -259,3 +259,34 @@ async def test_a_folded_pool_states_its_scale_from_the_first_frame(
         assert fold > 1 and drawn
         assert all(f"1 cell = {k} blocks" in header for k, header in drawn)
         assert drawn[0][0] == fold  # never drawn at another scale first
+
+
+async def test_beams_are_shown_like_samples_and_one_is_kept(model_dir, tmp_path):
+    greedy = replace(PARAMS, temperature=0.0, max_tokens=12)
+    app = make_app(model_dir, tmp_path, greedy)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("f10", "f10")  # off -> 2 -> 4 beams
+        assert app.session.params.beam_width == 4
+        assert app.query_one("#ctl-beam_width", Input).value == "4"
+        app.loop.pause()
+        await type_prompt(pilot, "hello beams")
+        await advance(pilot, 4)
+        reply, view = app.session.messages[-1], answers_view(app)
+        head = str(view.query_one(".answers-head").render())
+        assert reply.beams and head.startswith("4 beams") and "searching" in head
+        engine = app.loop.engine
+        live = [s for s in engine.sequences() if s.role == "beam"]
+        assert len(live) == 4  # the four running beams, each a line
+        await pilot.press("ctrl+t")  # refused while searching
+        assert reply.picked is None
+        app.loop.resume()
+        await wait_reply_done(pilot)
+        root = engine.requests[reply.request_id]
+        assert [a.content for a in reply.samples] == [b.text for b in root.beams]
+        assert [a.finish_reason for a in reply.samples] == [
+            f"score {b.score:.3f}" for b in root.beams
+        ]
+        head = str(view.query_one(".answers-head").render())
+        assert head.count("score") == 4
+        await pilot.press("alt+right", "ctrl+t")
+        assert reply.picked == 1 and reply.content == root.beams[1].text

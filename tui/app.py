@@ -606,6 +606,11 @@ class PagechatApp(App[None]):
         if m is None or m.picked is not None:
             self.notify("no answers to choose from: F9 asks for several", severity="warning")
             return
+        if m.beams and m.streaming:
+            self.notify(
+                "the beam search runs: its hypotheses come when it ends", severity="warning"
+            )
+            return
         self.keep_answer(m)
         self.notify(f"kept answer {m.picked + 1} of {len(m.samples)}", timeout=3)
 

@@ -169,6 +169,7 @@ class Message:
     samples: list[Message] = field(default_factory=list)
     picked: int | None = None  # the answer kept (the conversation goes on from it)
     shown: int = 0  # the answer on screen
+    beams: bool = False  # the answers are a beam search's hypotheses (known when it ends)
 
     def by_seq(self) -> dict[int, Message]:
         """This reply's answers by sequence id (the reply itself when it has one answer)."""
@@ -318,6 +319,7 @@ class ChatSession:
         answers = max(self.params.n, self.params.beam_width)
         if answers > 1:  # the answers stream apart; the reply takes the one the user keeps
             reply.samples = [Message("assistant", "", streaming=True) for _ in range(answers)]
+            reply.beams = self.params.beam_width > 1
         self.messages.append(reply)
         return reply
 
@@ -441,6 +443,7 @@ class ChatSession:
             for m, beam in zip(msg.samples, ev.beams):
                 m.content, m.streaming = beam.text, False
                 m.finish_reason = f"score {beam.score:.3f}"
+                m.timing = TurnTiming(output_tokens=len(beam.token_ids))
         if msg is not answer and not any(a.streaming for a in msg.samples):
             _end(msg, ev)
         if msg.samples and msg.picked is None:
@@ -471,7 +474,8 @@ class ChatSession:
         if msg.samples:
             self._name_answers(msg, r.seqs)
         answers = msg.by_seq()
-        self._count_work(msg.timing, r, answers)
+        mine = {msg.request_id} | {s.seq_id for s in r.seqs if s.request_id == msg.request_id}
+        self._count_work(msg.timing, r, mine)
         for s in r.samples:
             answer = answers.get(s.seq_id)
             if answer is not None:
@@ -485,10 +489,11 @@ class ChatSession:
         return msg
 
     @staticmethod
-    def _count_work(t: TurnTiming, r: StepReport, answers: dict[int, Message]) -> None:
+    def _count_work(t: TurnTiming, r: StepReport, seqs: set[int]) -> None:
         """The reply's own tokens of the step (other requests may share it: background load),
-        and the step's time as prefill or decode time by what the reply's sequences did."""
-        mine = [b for b in r.batch if b.seq_id in answers]
+        and the step's time as prefill or decode time by what the reply's sequences (its
+        samples or beams too) did."""
+        mine = [b for b in r.batch if b.seq_id in seqs]
         if r.batch and not mine:
             return
         decode = sum(b.tokens for b in mine if b.kind == "decode") if mine else r.decode_tokens

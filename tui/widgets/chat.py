@@ -352,21 +352,38 @@ class AnswersView(Vertical):
         if m.picked is not None:
             t.append(f"✓ kept answer {m.picked + 1} of {n}", f"bold {colours['pc-good']}")
             return t.append(" · the others' KV blocks were freed")
-        t.append(f"{n} answers", "bold").append(" · Alt+←/→ show one · Ctrl+T keeps it")
+        what = "beams" if m.beams else "answers"
+        t.append(f"{n} {what}", "bold").append(" · Alt+←/→ show one · Ctrl+T keeps it")
+        if m.beams and m.streaming:
+            t.append(" · searching (hypotheses at the end)")
         width = max(20, (self.query_one(".answers-head").content_size.width or 60) - 21)
+        beams = self.running_beams() if m.beams and m.streaming else []
         for i, a in enumerate(m.samples):
-            t.append("\n").append_text(self.answer_line(i, a, width, colours))
+            beam = beams[i] if i < len(beams) else None
+            t.append("\n").append_text(self.answer_line(i, a, width, colours, beam))
         return t
 
-    def answer_line(self, i: int, a: Message, width: int, colours) -> Text:
-        """▶ on the shown one, its number in its sequence's block colour, state, tokens, tail."""
+    def running_beams(self) -> list:
+        """The beam search's running beams as the scheduler last listed them, best first."""
+        rid, log = self.message.request_id, getattr(self.app, "sched", None)
+        if rid is None or log is None:
+            return []
+        beams = [s for s in log.live if s.request_id == rid and s.role == "beam"]
+        return sorted(beams, key=lambda s: s.index)
+
+    def answer_line(self, i: int, a: Message, width: int, colours, beam=None) -> Text:
+        """▶ on the shown one, its number in its sequence's block colour, state, tokens, tail; a
+        running beam search's lines are its beams (their sequences change as it goes)."""
         m = self.message
         t = Text().append("▶" if i == m.shown else " ", f"bold {colours['pc-accent']}")
-        colour = colours[owner_colour(a.request_id)] if a.request_id is not None else None
+        seq = beam.seq_id if beam is not None else a.request_id
+        colour = colours[owner_colour(seq)] if seq is not None else None
         t.append(f"{i + 1:>2} ", f"bold {colour}" if colour else "bold")
         state = "●" if a.streaming else (a.finish_reason or "done")
         t.append(f"{state:<11.11}", colours["pc-good"] if a.streaming else "dim")
-        t.append(f"{len(a.tokens) or '':>4} ", "dim")
+        count = beam.output_tokens if beam is not None else len(a.tokens)
+        count = count or (a.timing.output_tokens if a.timing is not None else 0)
+        t.append(f"{count or '':>4} ", "dim")
         tail = " ".join(printable(a.content).split())
         tail = ("…" + tail[-(width - 1) :]) if len(tail) > width else tail
         return t.append(tail or "…", "" if i == m.shown else "dim")
