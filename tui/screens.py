@@ -53,7 +53,7 @@ def status_line(
     if msg is None:
         return t.append(" │ ", "dim").append("idle", "dim")
     t.append(" │ ", "dim").append("● generating", f"bold {colours['pc-good']}")
-    t.append(f" {len(msg.tokens)} tok", "dim")
+    t.append(f" {sum(len(a.tokens) for a in msg.samples) or len(msg.tokens)} tok", "dim")
     if msg.timing and msg.timing.decode_tok_s and not frozen:
         t.append(f" · {msg.timing.decode_tok_s:.1f} tok/s", "dim")
     return t

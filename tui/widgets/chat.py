@@ -306,8 +306,9 @@ class AnswerView(ReplyView):
         return self.parent
 
     def header_rows(self) -> int:
-        header = self.parent.query_one(".answers-head", Readout)
-        lines = header.shown.plain.count("\n") + 1 if header.shown else 1
+        """The answers' title and a line per answer (the title alone once one is kept)."""
+        m = self.parent.message
+        lines = 1 if m.picked is not None else 1 + len(m.samples)
         return lines + self.parent.styles.gutter.height
 
 
@@ -372,7 +373,7 @@ class AnswersView(Vertical):
         return sorted(beams, key=lambda s: s.index)
 
     def answer_line(self, i: int, a: Message, width: int, colours, beam=None) -> Text:
-        """▶ on the shown one, its number in its sequence's block colour, state, tokens, tail; a
+        """▶ on the shown one, its number in its sequence's block colour, state, tokens, text; a
         running beam search's lines are its beams (their sequences change as it goes)."""
         m = self.message
         t = Text().append("▶" if i == m.shown else " ", f"bold {colours['pc-accent']}")
@@ -384,9 +385,10 @@ class AnswersView(Vertical):
         count = beam.output_tokens if beam is not None else len(a.tokens)
         count = count or (a.timing.output_tokens if a.timing is not None else 0)
         t.append(f"{count or '':>4} ", "dim")
-        tail = " ".join(printable(a.content).split())
-        tail = ("…" + tail[-(width - 1) :]) if len(tail) > width else tail
-        return t.append(tail or "…", "" if i == m.shown else "dim")
+        text = " ".join(printable(a.content).split())
+        if len(text) > width:  # a streaming answer's newest text; an ended one's beginning
+            text = "…" + text[-(width - 1) :] if a.streaming else text[: width - 1] + "…"
+        return t.append(text or "…", "" if i == m.shown else "dim")
 
 
 class ChatLog(VerticalScroll):

@@ -200,7 +200,9 @@ class ControlsPanel(Panel):
         except ValueError:
             n, r = 0, 0.0
         if not (1 <= n <= 256 and 0 < r <= 100):
-            self.show_error(f"refused: load is 1-256 requests at (0, 100] a second, got {count!r}")
+            self.show_error(
+                f"refused: load is 1-256 requests at (0, 100] a second, got {count!r} at {rate!r}"
+            )
             return None
         return n, r
 

@@ -92,9 +92,11 @@ def seq_row(log: SchedulerLog, s: SeqRecord, colours: Mapping[str, str]) -> Text
 
 
 def seq_table(log: SchedulerLog, colours: Mapping[str, str], limit: int) -> Text:
-    """A row per live sequence, then the ones that ended lately (dimmed), `limit` rows at most."""
+    """A row per live sequence (the chat's first), then the ones that ended lately (dimmed),
+    `limit` rows at most."""
     t = Text(HEAD, f"bold {colours['pc-muted']}")
-    rows = [*log.live, *log.ended]
+    chat = [s for s in log.live if log.what(s).startswith("chat")]  # the user's own first
+    rows = [*chat, *(s for s in log.live if s not in chat), *log.ended]
     if not rows:
         return t.append("\n  no sequences yet", "dim")
     shown = rows if len(rows) <= limit else rows[: limit - 1]
