@@ -25,7 +25,7 @@ from pagechat.tui.widgets.chat import PromptInput
 
 OUT = Path(__file__).resolve().parent
 sys.path.insert(0, str(OUT.parent / "tests"))  # the Pilot helpers the tests drive the app with
-from drive import send_and_advance, type_prompt, wait_reply_done  # noqa: E402
+from drive import advance, send_and_advance, type_prompt, wait_reply_done  # noqa: E402
 
 
 def save(app: PagechatApp, name: str) -> None:
@@ -100,8 +100,59 @@ async def speculation_screen(model: Path, store: Path, speculation: dict) -> Non
         save(app, "speculation")
 
 
+async def samples_screen(model: Path, store: Path) -> None:
+    """8 samples of one prompt decoding together in a small pool, mid-reply."""
+    params = SamplingParams(temperature=1.5, top_p=1.0, max_tokens=60, seed=4)
+    app = make_app(model, store, params, "grid", kv_blocks=96, block_size=4)
+    async with app.run_test(size=(180, 50)) as pilot:
+        await quiet(pilot)
+        await pilot.press("f9", "f9", "f9")  # 1 -> 2 -> 4 -> 8 samples
+        await send_and_advance(pilot, "Write a poem about blocks.", 16)
+        pilot.app.set_focus(None)
+        await pilot.pause(0.6)
+        save(app, "samples")
+
+
+async def beams_screen(model: Path, store: Path) -> None:
+    """A finished beam search of 4 beams: its hypotheses with their scores."""
+    params = SamplingParams(temperature=0.0, max_tokens=40, seed=5)
+    app = make_app(model, store, params, "tabs")
+    async with app.run_test(size=(120, 36)) as pilot:
+        await quiet(pilot)
+        await pilot.press("f10", "f10")  # off -> 2 -> 4 beams
+        await type_prompt(pilot, "What is the prefix cache?")
+        await wait_reply_done(pilot)
+        await pilot.press("alt+right")
+        app.show_panel("sched")
+        pilot.app.set_focus(None)
+        await pilot.pause(0.3)
+        save(app, "beams")
+
+
+async def load_screen(model: Path, store: Path) -> None:
+    """Background load in a 64-block pool: batching, prefix hits and preemption, a chat among."""
+    params = SamplingParams(temperature=0.7, top_p=0.95, max_tokens=60, seed=6)
+    app = make_app(model, store, params, "grid", kv_blocks=64, block_size=4)
+    async with app.run_test(size=(180, 50)) as pilot:
+        await quiet(pilot)
+        app.query_one("#ctl-load-count").value = "16"
+        app.query_one("#ctl-load-rate").value = "100"  # all before the first step: the same picture
+        app.loop.pause()
+        await pilot.press("ctrl+l")
+        await pilot.pause(0.5)
+        await advance(pilot, 12)
+        await type_prompt(pilot, "What is preemption?")
+        await advance(pilot, 14)
+        pilot.app.set_focus(None)
+        await pilot.pause(0.3)
+        save(app, "load")
+
+
 async def run(model: Path, store: Path, speculation: dict) -> None:
     await main_screen(model, store)
+    await samples_screen(model, store)
+    await beams_screen(model, store)
+    await load_screen(model, store)
     await sampling_screen(model, store)
     await speculation_screen(model, store, speculation)
 
