@@ -3,6 +3,8 @@ picking), the prompt."""
 
 from __future__ import annotations
 
+import os
+
 from pagechat.tui.session import Message
 from pagechat.tui.widgets.blocks import owner_colour
 from pagechat.tui.widgets.panel import Readout
@@ -359,9 +361,12 @@ class AnswersView(Vertical):
             t.append(" · searching (hypotheses at the end)")
         width = max(20, (self.query_one(".answers-head").content_size.width or 60) - 21)
         beams = self.running_beams() if m.beams and m.streaming else []
+        texts = [" ".join(printable(a.content).split()) for a in m.samples]
+        same = os.path.commonprefix(texts).rfind(" ") + 1  # the words every answer begins with
         for i, a in enumerate(m.samples):
             beam = beams[i] if i < len(beams) else None
-            t.append("\n").append_text(self.answer_line(i, a, width, colours, beam))
+            text = texts[i] if a.streaming or not same else "…" + texts[i][same:]
+            t.append("\n").append_text(self.answer_line(i, a, text, width, colours, beam))
         return t
 
     def running_beams(self) -> list:
@@ -372,9 +377,10 @@ class AnswersView(Vertical):
         beams = [s for s in log.live if s.request_id == rid and s.role == "beam"]
         return sorted(beams, key=lambda s: s.index)
 
-    def answer_line(self, i: int, a: Message, width: int, colours, beam=None) -> Text:
-        """▶ on the shown one, its number in its sequence's block colour, state, tokens, text; a
-        running beam search's lines are its beams (their sequences change as it goes)."""
+    def answer_line(self, i: int, a: Message, text: str, width: int, colours, beam=None) -> Text:
+        """▶ on the shown one, its number in its sequence's block colour, state, tokens, text (an
+        ended one's from where the answers part); a running beam search's lines are its beams
+        (their sequences change as it goes)."""
         m = self.message
         t = Text().append("▶" if i == m.shown else " ", f"bold {colours['pc-accent']}")
         seq = beam.seq_id if beam is not None else a.request_id
@@ -385,7 +391,6 @@ class AnswersView(Vertical):
         count = beam.output_tokens if beam is not None else len(a.tokens)
         count = count or (a.timing.output_tokens if a.timing is not None else 0)
         t.append(f"{count or '':>4} ", "dim")
-        text = " ".join(printable(a.content).split())
         if len(text) > width:  # a streaming answer's newest text; an ended one's beginning
             text = "…" + text[-(width - 1) :] if a.streaming else text[: width - 1] + "…"
         return t.append(text or "…", "" if i == m.shown else "dim")
