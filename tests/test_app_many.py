@@ -290,3 +290,31 @@ async def test_beams_are_shown_like_samples_and_one_is_kept(model_dir, tmp_path)
         assert head.count("score") == 4
         await pilot.press("alt+right", "ctrl+t")
         assert reply.picked == 1 and reply.content == root.beams[1].text
+
+
+async def test_branching_the_last_reply_at_a_token(model_dir, tmp_path):
+    app = make_app(model_dir, tmp_path, replace(PARAMS, max_tokens=20))
+    async with app.run_test(size=SIZE) as pilot:
+        await type_prompt(pilot, "branch me")
+        await wait_reply_done(pilot)
+        reply, engine = app.session.messages[-1], app.loop.engine
+        first = engine.requests[reply.request_id]
+        await pilot.press("ctrl+r", "left", "left", "left", "left", "left")  # token 15 of 20
+        await pilot.press("b")
+        await wait_until(pilot, lambda: len(reply.samples) == 2, 5, "the branch")
+        assert isinstance(answers_view(app), AnswersView)
+        await wait_reply_done(pilot)
+        original, branch = reply.samples
+        assert original.content == first.text and not reply.streaming
+        picked = original.tokens[14]
+        alt = next(c for c in picked.record.candidates if not c.chosen)
+        seq = engine.requests[branch.request_id]
+        given = first.output_ids[:14] + [alt.token_id]
+        assert seq.token_ids[: seq.num_prompt_tokens][-15:] == given  # the branch's own start
+        assert seq.token_ids[: len(first.token_ids) - 20] == first.token_ids[:-20]  # the history
+        assert seq.num_cached_tokens >= 16  # its history's full blocks were prefix-cache hits
+        assert branch.content.startswith("".join(t.text for t in original.tokens[:14]) + alt.text)
+        assert [t.token_id for t in branch.tokens] == given + seq.output_ids
+        assert reply.shown == 1 and reply.picked is None
+        await pilot.press("ctrl+t")
+        assert reply.content == branch.content

@@ -77,6 +77,7 @@ PALETTE = {
 # Textual's dark theme with the palette: any other theme gets the palette as its defaults
 THEME = replace(BUILTIN_THEMES["textual-dark"], name="pagechat", variables=PALETTE)
 GRID_MIN = (150, 40)  # terminal size from which every panel is shown at once
+MAX_ANSWERS = 8  # samples, beams or branches of one turn
 FPS = 20  # the UI renders the latest report at most this often
 UI_CPU_BUDGET = 0.03  # while decoding, the UI thread's share of one core (see within_budget)
 MAX_FRAME_GAP = 0.5  # ...but draw at least twice a second
@@ -613,6 +614,46 @@ class PagechatApp(App[None]):
             return
         self.keep_answer(m)
         self.notify(f"kept answer {m.picked + 1} of {len(m.samples)}", timeout=3)
+
+    @on(ReplyView.BranchAsked)
+    def _branch_asked(self, event: ReplyView.BranchAsked) -> None:
+        self.branch(event.message, event.index)
+
+    def branch(self, source: Message, index: int) -> None:
+        """Another answer to the last turn: `source`'s tokens before `index`, then the best
+        candidate that was not chosen there, then what the model makes of it."""
+        reply = self.session.messages[-1] if self.session.messages else None
+        if self.session.streaming is not None:
+            self.notify("a reply is still streaming: Esc stops it", severity="warning")
+            return
+        if reply is None or (source is not reply and source not in reply.samples):
+            self.notify("a branch starts in the last reply", severity="warning")
+            return
+        if len(reply.samples) >= MAX_ANSWERS:
+            self.notify(f"at most {MAX_ANSWERS} answers to a turn", severity="warning")
+            return
+        picked = source.tokens[index]
+        rec = picked.record
+        alt = next((c for c in rec.candidates if not c.chosen), None) if rec else None
+        if alt is None:
+            self.notify("no other candidate recorded for this token", severity="warning")
+            return
+        plain = not reply.samples
+        answer, conversation, prefix = self.session.branch(source, index, alt.token_id, alt.text)
+        log = self.main.chat_log
+        if plain:  # the reply becomes its first answer, beside the branch
+            log.remount(reply)
+        else:
+            log.views[id(reply)].add_answer(answer)
+        self.pinned = None
+        self.main.prompt.focus()
+        params = replace(self.session.params, n=1, beam_width=1)  # one answer per branch
+        self.loop.send(answer.ticket, conversation, params, prefix=prefix)
+        self.notify(
+            f"branch at token {index + 1}: '{token_label(alt.text)}' instead of "
+            f"'{token_label(picked.text)}'",
+            timeout=4,
+        )
 
     def keep_answer(self, m: Message) -> None:
         others = m.pick(m.shown)

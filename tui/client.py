@@ -83,14 +83,21 @@ class EngineClient:
             self._join(timeout)
 
     def send(
-        self, ticket: int, messages: list[dict], params: SamplingParams, hold: bool = False
+        self,
+        ticket: int,
+        messages: list[dict],
+        params: SamplingParams,
+        hold: bool = False,
+        prefix: tuple[int, ...] = (),
     ) -> None:
         """Start a reply to the conversation `messages`.
 
         hold: keep the command until release() (or the next command): the app draws the new turn
         first, so that its layout (Python on the UI thread) does not run while the engine decodes.
+        prefix: token ids the reply starts with (a branch: an earlier reply's first tokens, then
+        another candidate).
         """
-        cmd = Send(ticket, messages, params)
+        cmd = Send(ticket, messages, params, prefix)
         if hold:
             self.release()
             self._held = cmd

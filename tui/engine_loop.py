@@ -136,7 +136,7 @@ class EngineLoop:
     # -- commands ----------------------------------------------------------------------------------
     def _send(self, cmd: Send) -> None:
         try:
-            ids = self.engine.encode_chat(cmd.messages)
+            ids = self.engine.encode_chat(cmd.messages) + list(cmd.prefix)
         except PagechatError as e:
             self.port.emit(Refused(cmd.ticket, str(e)))
             return

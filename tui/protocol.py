@@ -27,6 +27,7 @@ class Send:
     ticket: int  # the UI's id for the reply, echoed by Started or Refused
     messages: list[dict]
     params: SamplingParams
+    prefix: tuple[int, ...] = ()  # the reply's first tokens, given (a branch of an earlier one)
 
 
 @dataclass(frozen=True, slots=True)

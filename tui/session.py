@@ -345,6 +345,29 @@ class ChatSession:
             at = {"at_token": len(msg.tokens)}
             msg.produced_by.setdefault("changes", []).append(at | change)
 
+    def branch(
+        self, source: Message, index: int, token_id: int, text: str
+    ) -> tuple[Message, list[dict], tuple[int, ...]]:
+        """Another answer to the last turn: `source`'s tokens before `index`, then `token_id`
+        (`text`) instead of the one sampled there, and what the engine makes after it. Returns
+        the new answer (streaming), the conversation before the turn and the answer's given
+        tokens."""
+        reply = self.messages[-1]
+        if not reply.samples:  # the reply becomes its first answer
+            first = Message("assistant", reply.content, reply.tokens, reply.timing)
+            first.finish_reason, first.error = reply.finish_reason, reply.error
+            first.request_id = reply.request_id
+            reply.samples = [first]
+        self._next_ticket += 1
+        given = source.tokens[:index] + [ReplyToken(token_id, text, None)]
+        answer = Message(
+            "assistant", "".join(t.text for t in given), list(given), TurnTiming(), streaming=True
+        )
+        answer.ticket = self._next_ticket
+        reply.samples.append(answer)
+        reply.shown, reply.picked, reply.streaming = len(reply.samples) - 1, None, True
+        return answer, self.conversation(), tuple(t.token_id for t in given)
+
     def to_record(self) -> ChatRecord:
         """The persisted form: finished messages (a crash loses the reply in flight alone)."""
         self.record.params = params_to_dict(self.params)
@@ -382,9 +405,12 @@ class ChatSession:
 
     # -- engine events -----------------------------------------------------------------------------
     def _by_ticket(self, ticket: int | None) -> Message | None:
-        return next(
-            (m for m in reversed(self.messages) if m.ticket == ticket and ticket is not None), None
-        )
+        """The reply (or branch: an answer of a reply) that ticket asked for."""
+        for m in reversed(self.messages):
+            for answer in (m, *m.samples):
+                if answer.ticket == ticket and ticket is not None:
+                    return answer
+        return None
 
     def _by_request(self, rid: int | None) -> Message | None:
         return next(
@@ -422,6 +448,8 @@ class ChatSession:
             msg = self._by_ticket(ev.ticket)
             if msg is not None:
                 msg.streaming, msg.finish_reason, msg.error = False, "error", ev.message
+                msg = next((m for m in self.messages if msg in m.samples), msg)  # a branch's reply
+                msg.streaming = any(a.streaming for a in msg.samples)
             return msg
         if isinstance(ev, BlocksChanged):
             self.blocks = ev.snapshot
@@ -474,7 +502,8 @@ class ChatSession:
         if msg.samples:
             self._name_answers(msg, r.seqs)
         answers = msg.by_seq()
-        mine = {msg.request_id} | {s.seq_id for s in r.seqs if s.request_id == msg.request_id}
+        mine = {msg.request_id, *answers}  # its requests (a branch too), their samples and beams
+        mine |= {s.seq_id for s in r.seqs if s.request_id in mine}
         self._count_work(msg.timing, r, mine)
         for s in r.samples:
             answer = answers.get(s.seq_id)

@@ -120,6 +120,14 @@ class ReplyView(Vertical, can_focus=True):
         Binding("end", "move_to(-1)", "Last token", show=False, tooltip="pick the last token"),
         Binding("up,k", "sibling(-1)", "Prev reply", show=False, tooltip="previous reply"),
         Binding("down,j", "sibling(1)", "Next reply", show=False, tooltip="next reply"),
+        Binding(
+            "b",
+            "branch",
+            "Branch",
+            show=False,
+            tooltip="branch the last reply at the picked token: its best other candidate, then "
+            "the model goes on (another answer beside it)",
+        ),
     ]
 
     selected: reactive[int] = reactive(-1, init=False)
@@ -130,6 +138,13 @@ class ReplyView(Vertical, can_focus=True):
         def __init__(self, view: ReplyView, message: Message, index: int) -> None:
             super().__init__()
             self.view, self.message, self.index = view, message, index
+
+    class BranchAsked(TMessage):
+        """The user asked for a branch of `message` at its token `index`."""
+
+        def __init__(self, message: Message, index: int) -> None:
+            super().__init__()
+            self.message, self.index = message, index
 
     def __init__(self, message: Message) -> None:
         super().__init__(classes="reply")
@@ -278,6 +293,10 @@ class ReplyView(Vertical, can_focus=True):
     def action_move_to(self, index: int) -> None:
         self.select(index)
 
+    def action_branch(self) -> None:
+        if self.selected >= 0:
+            self.post_message(self.BranchAsked(self.message, self.selected))
+
     def action_sibling(self, delta: int) -> None:
         replies = self.log.replies()
         i = replies.index(self) + delta
@@ -339,6 +358,12 @@ class AnswersView(Vertical):
         """Show the answers as they are now; returns the shown one's Markdown mount, if any."""
         self.query_one(".answers-head", Readout).show(self.head())
         return self.shown_view().update_view()
+
+    def add_answer(self, answer: Message) -> AwaitMount:
+        """Mount a new answer (a branch) and show it."""
+        mounted = self.mount(AnswerView(answer))
+        self.call_after_refresh(self.show, len(self.message.samples) - 1)
+        return mounted
 
     def show(self, k: int) -> None:
         """Put answer k on screen."""
@@ -442,6 +467,14 @@ class ChatLog(VerticalScroll):
     async def _follow_when(self, mounted: AwaitComplete) -> None:
         await mounted
         self.call_after_refresh(self.follow)
+
+    def remount(self, message: Message) -> AwaitMount:
+        """Draw a reply anew (it became several answers: a branch)."""
+        old = self.views[id(message)]
+        view = self.views[id(message)] = AnswersView(message)
+        mounted = self.mount(view, after=old)
+        old.remove()
+        return mounted
 
     def clear(self) -> None:
         self.views.clear()
