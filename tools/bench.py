@@ -63,15 +63,16 @@ def measure_bandwidth(device: torch.device, mib: int = 256) -> float:
     x = torch.randn(n, device=device)
     times = []
     for _ in range(7):
-        _sync(device)
+        sync(device)
         t = time.perf_counter()
         torch.mv(w, x)
-        _sync(device)
+        sync(device)
         times.append(time.perf_counter() - t)
     return w.numel() * 4 / statistics.median(times[2:])
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
+    """Wait for a GPU's queued work, so a timer stops when the work is done."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 

@@ -12,13 +12,13 @@ import statistics
 import time
 from dataclasses import dataclass
 
-import torch
 from pagechat.core.config import EngineConfig
 from pagechat.core.engine import Engine
 from pagechat.core.kv import block_bytes
 from pagechat.core.memory import read_memory
 from pagechat.core.params import SamplingParams
 from pagechat.core.swap import copy_between, host_pool
+from pagechat.tools.bench import sync
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +90,7 @@ def preempt_cost(engine: Engine, tokens: int, rounds: int = 3) -> PreemptCost:
         t0 = time.perf_counter()
         copy_between(engine.pool, host, pairs)
         copy_between(host, engine.pool, pairs)
-        _sync(engine.device)
+        sync(engine.device)
         swap.append(time.perf_counter() - t0)
         engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1))
         recompute.append(_first_token_s(engine))
@@ -107,11 +107,6 @@ def preempt_cost(engine: Engine, tokens: int, rounds: int = 3) -> PreemptCost:
 def _first_token_s(engine: Engine) -> float:
     seq = engine.requests[max(engine.requests)]
     return seq.first_token_time - seq.arrival
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def kv_engine(model_dir, config: EngineConfig, context: int) -> Engine:

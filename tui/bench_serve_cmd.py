@@ -21,19 +21,6 @@ ROWS = (  # (row label, LevelReport field holding percentiles in ms, percentiles
 )
 
 
-def parse_levels(text: str) -> list[int]:
-    """'1,4,16' -> [1, 4, 16]; PagechatError naming --concurrency otherwise."""
-    try:
-        levels = [int(x) for x in text.split(",")]
-    except ValueError:
-        levels = []
-    if not levels or min(levels) < 1:
-        raise PagechatError(
-            f"--concurrency must be integers >= 1 separated by commas, got {text!r}"
-        )
-    return levels
-
-
 def bench_serve_command(spec: LoadSpec, levels: list[int], json_out: bool) -> int:
     """Run every level against the server; returns the exit code (2 when requests failed)."""
     url = spec.url.rstrip("/")

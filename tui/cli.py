@@ -24,7 +24,9 @@ from pagechat.tui.options import (
     Preempt,
     Quant,
     SwapBlocks,
+    check_at_least_one,
     engine_config,
+    positive_ints,
 )
 
 app = typer.Typer(
@@ -439,23 +441,14 @@ def bench_kv(
     from pagechat.tools.demo import model_or_demo
     from pagechat.tui.bench_kv_cmd import bench_kv_command
 
-    try:
-        lengths = [int(x) for x in contexts.split(",")]
-    except ValueError:
-        lengths = []
-    if not lengths or min(lengths) < 1:
-        raise PagechatError(
-            f"--contexts must be integers >= 1 separated by commas, got {contexts!r}"
-        )
-    for name, value in (
-        ("--prompt-tokens", prompt_tokens),
-        ("--new-tokens", new_tokens),
-        ("--samples", samples),
-        ("--beams", beams),
-        ("--rounds", rounds),
-    ):
-        if value < 1:
-            raise PagechatError(f"{name} must be >= 1, got {value}")
+    lengths = positive_ints(contexts, "--contexts")
+    check_at_least_one(
+        prompt_tokens=prompt_tokens,
+        new_tokens=new_tokens,
+        samples=samples,
+        beams=beams,
+        rounds=rounds,
+    )
     if churn < 0:
         raise PagechatError(f"--churn must be >= 0, got {churn}")
     config = engine_config(locals())
@@ -499,21 +492,17 @@ def bench_serve(
     completions: TTFT, ITL, TPOT and end-to-end latency percentiles and throughput per
     concurrency level."""
     from pagechat.tools.bench_serve import LoadSpec
-    from pagechat.tui.bench_serve_cmd import bench_serve_command, parse_levels
+    from pagechat.tui.bench_serve_cmd import bench_serve_command
 
-    for name, value in (
-        ("--requests", requests),
-        ("--prompt-words", prompt_words),
-        ("--output-tokens", output_tokens),
-    ):
-        if value < 1:
-            raise PagechatError(f"{name} must be >= 1, got {value}")
+    check_at_least_one(requests=requests, prompt_words=prompt_words, output_tokens=output_tokens)
     if not rate > 0:
         raise PagechatError(f"--rate must be > 0 (inf: all at once), got {rate}")
     if not url.startswith(("http://", "https://")):
         raise PagechatError(f"URL must start with http:// or https://, got {url!r}")
     spec = LoadSpec(url, model or "", requests, rate, prompt_words, output_tokens, seed, api_key)
-    raise typer.Exit(bench_serve_command(spec, parse_levels(concurrency), as_json))
+    raise typer.Exit(
+        bench_serve_command(spec, positive_ints(concurrency, "--concurrency"), as_json)
+    )
 
 
 @app.command("train-demo")

@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 from pagechat.core.config import EngineConfig, parse_bytes
+from pagechat.core.errors import PagechatError
 
 Dtype = Annotated[
     str,
@@ -96,3 +97,21 @@ def engine_config(options: dict) -> EngineConfig:
         fields["kv_memory"] = parse_bytes(options["kv_memory"])
     fields["graphs"] = not options.get("eager", False)
     return EngineConfig(**fields).validate()
+
+
+def positive_ints(text: str, option: str) -> list[int]:
+    """'1,4,16' -> [1, 4, 16]; PagechatError naming the option otherwise."""
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise PagechatError(f"{option} must be integers >= 1 separated by commas, got {text!r}")
+    return values
+
+
+def check_at_least_one(**options: int) -> None:
+    """PagechatError naming the first option below 1 (keyword names spell the options)."""
+    for name, value in options.items():
+        if value < 1:
+            raise PagechatError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
