@@ -24,6 +24,20 @@ def tiny_model_dir() -> Path:
     )
 
 
+def tabs_app(model_dir: Path, tmp_path: Path, params, **config) -> PagechatApp:
+    """The app on a fresh float32 CPU engine (config: EngineConfig fields), chats saved under
+    tmp_path, panels as tabs."""
+    from pagechat.core.config import EngineConfig
+    from pagechat.core.engine import Engine
+    from pagechat.tui.client import ThreadedEngine
+    from pagechat.tui.history import ChatStore
+
+    engine = Engine(model_dir, EngineConfig(device="cpu", dtype="float32", **config))
+    return PagechatApp(
+        ThreadedEngine(engine), params=params, store=ChatStore(tmp_path / "chats"), layout="tabs"
+    )
+
+
 async def wait_until(
     pilot: Pilot, predicate: Callable[[], bool], timeout: float = 30.0, what: str = ""
 ) -> None:

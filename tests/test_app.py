@@ -9,6 +9,7 @@ import pytest
 from drive import (
     advance,
     send_and_advance,
+    tabs_app,
     tiny_model_dir,
     type_prompt,
     wait_reply_done,
@@ -49,10 +50,7 @@ def model_dir():
 
 
 def make_app(model_dir, tmp_path, params: SamplingParams = LONG, **config) -> PagechatApp:
-    engine = Engine(model_dir, EngineConfig(device="cpu", dtype="float32", **config))
-    return PagechatApp(
-        ThreadedEngine(engine), params=params, store=ChatStore(tmp_path / "chats"), layout="tabs"
-    )
+    return tabs_app(model_dir, tmp_path, params, **config)
 
 
 def spy_reports(engine: Engine) -> list:

@@ -6,13 +6,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from drive import advance, tiny_model_dir, type_prompt, wait_reply_done, wait_until
-from pagechat.core.config import EngineConfig
-from pagechat.core.engine import Engine
+from drive import advance, tabs_app, tiny_model_dir, type_prompt, wait_reply_done, wait_until
 from pagechat.core.params import SamplingParams
 from pagechat.tui.app import PagechatApp
-from pagechat.tui.client import ThreadedEngine
-from pagechat.tui.history import ChatStore
 from pagechat.tui.widgets.chat import AnswersView, AnswerView, ChatLog
 from pagechat.tui.widgets.controls import ControlsPanel
 from pagechat.tui.widgets.scheduler import SchedulerPanel
@@ -34,10 +30,7 @@ def model_dir():
 
 
 def make_app(model_dir, tmp_path, params: SamplingParams = PARAMS, **config) -> PagechatApp:
-    engine = Engine(model_dir, EngineConfig(device="cpu", dtype="float32", **config))
-    return PagechatApp(
-        ThreadedEngine(engine), params=params, store=ChatStore(tmp_path / "chats"), layout="tabs"
-    )
+    return tabs_app(model_dir, tmp_path, params, **config)
 
 
 def answers_view(app: PagechatApp) -> AnswersView:
