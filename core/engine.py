@@ -15,7 +15,7 @@ from pagechat.core.blockmap import BlockMap
 from pagechat.core.blocks import BlockEvent, BlockManager
 from pagechat.core.config import EngineConfig
 from pagechat.core.detok import update_text
-from pagechat.core.errors import PagechatError, check_text
+from pagechat.core.errors import PagechatError, check_text, one_line
 from pagechat.core.graphs import TRACE_SUPPORTED
 from pagechat.core.kv import allocate_pool, block_bytes, copy_blocks, pool_blocks
 from pagechat.core.loader import (
@@ -370,16 +370,46 @@ class Engine:
         batch, swaps = self._schedule()
         work = _StepWork([self._failed(seq) for seq in batch.failed], swaps=swaps)
         if batch.items:
-            self._draft([it for it in batch.items if it.lookahead])
-            work.ran = _ran(batch.items)
-            logits = self._forward(batch.items)
-            plain = self._sample(batch.items, logits, work)
-            self._verify_drafts(batch.items, logits, work)
-            self._append(batch.items + plain, work)
-            self._advance_beams(work)
+            try:
+                self._run(batch.items, work)
+            except Exception as e:  # noqa: BLE001 - the requests it ran fail; the engine goes on
+                self._fail(batch.items, work, e)
         if self.proposer is not None:
             self.proposer.release_missing({s.seq_id for s in self.scheduler.running})
         return self._report(batch, work, time.perf_counter() - t0)
+
+    def _run(self, items: list[ScheduledSeq], work: _StepWork) -> None:
+        """The step's work on its batch: draft, forward, sample or verify, append, pick beams."""
+        self._draft([it for it in items if it.lookahead])
+        work.ran = _ran(items)
+        logits = self._forward(items)
+        plain = self._sample(items, logits, work)
+        self._verify_drafts(items, logits, work)
+        self._append(items + plain, work)
+        self._advance_beams(work)
+
+    def _fail(self, items: list[ScheduledSeq], work: _StepWork, error: Exception) -> None:
+        """End every request the batch ran with the step's error, their blocks freed: the prefix
+        cache keeps only KV the sequences counted as computed, so nothing half-written is hit."""
+        why = one_line(error)
+        if not isinstance(error, PagechatError):
+            why = f"engine step failed: {why}"
+        roots = {id(r): r for r in map(self._root, (it.seq for it in items))}
+        for root in roots.values():
+            if root.seq_id in self._beams:
+                self._drop_beams(self._beams.pop(root.seq_id))
+            for seq in (root, *(self.requests[c] for c in root.children)):
+                if not seq.finished:
+                    self.scheduler.finish(seq)
+                    seq.finish_reason, seq.error = "error", why
+                    work.outputs.append(self._output(seq, []))
+
+    def _root(self, seq: Sequence) -> Sequence:
+        """The request a sequence belongs to: itself, its sample's parent or its beam's search."""
+        group = self._beam_of.get(seq.seq_id)
+        if group is not None:
+            return group.root
+        return seq if seq.parent is None else self.requests[seq.parent]
 
     def _schedule(self) -> tuple[Batch, list[SwapRecord]]:
         """The scheduler's batch, with its block copies done: swaps out (before anything writes

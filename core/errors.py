@@ -13,3 +13,10 @@ def check_text(text: str, what: str) -> str:
     except UnicodeEncodeError:
         raise PagechatError(f"{what} is not valid UTF-8 text") from None
     return text
+
+
+def one_line(error: BaseException) -> str:
+    """An exception as the one line a user is shown: a PagechatError's own message, any other
+    exception's type and message, its line breaks folded."""
+    why = str(error) if isinstance(error, PagechatError) else f"{type(error).__name__}: {error}"
+    return " ".join(why.split())

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+from pagechat.core.errors import PagechatError
 from pagechat.core.params import SamplingParams
 from torch import Tensor
 
@@ -148,19 +149,42 @@ def top_p_removed(x: Tensor, tops: list[float]) -> Tensor:
     return removed
 
 
+def tempered(pen: Tensor, rows: Sequence[SampleRow]) -> Tensor:
+    """The penalised logits divided by each row's temperature (greedy rows: by 1).
+
+    A temperature so small that a row's top logit overflows (1e-38, say) takes the row's limit
+    instead: its top logits 0, the others -inf, so softmax gives the argmax (ties shared), not NaN.
+    """
+    temps = [1.0 if r.params.greedy else r.params.temperature for r in rows]
+    if all(t == 1 for t in temps):
+        return pen
+    t = _column(temps, pen)
+    x = pen / t
+    over = ~torch.isfinite(x.amax(dim=-1))
+    if over.any():
+        rows_over = pen[over]
+        top = rows_over.amax(dim=-1, keepdim=True)
+        x[over] = torch.where(rows_over == top, 0.0, _NEG_INF)
+    return x
+
+
 def _process(
     logits: Tensor, rows: Sequence[SampleRow]
 ) -> tuple[Tensor, Tensor, list[Tensor | None]]:
     """(penalised logits, processed logits, [top-k, top-p, min-p] masks, None if not applied)."""
     pen = penalised_logits(logits, rows)
+    if not torch.isfinite(pen.amax(dim=-1)).all():
+        raise PagechatError(
+            "the model's logits are not finite (NaN or inf): its weights are broken or its "
+            "precision overflowed"
+        )
     vocab = pen.shape[1]
     # Greedy rows ride along with neutral settings: their processed logits are the penalised ones.
     ps = [r.params for r in rows]
-    temps = [1.0 if p.greedy else p.temperature for p in ps]
     ks = [0 if p.greedy or p.top_k >= vocab else p.top_k for p in ps]
     tops = [1.0 if p.greedy else p.top_p for p in ps]
     min_ps = [0.0 if p.greedy else p.min_p for p in ps]
-    x = pen / _column(temps, pen) if any(t != 1 for t in temps) else pen
+    x = tempered(pen, rows)
     cuts: list[Tensor | None] = [None, None, None]
     if any(ks):
         k = torch.tensor(ks, device=pen.device).unsqueeze(1)
@@ -334,10 +358,9 @@ def _candidate_columns(
     """Per row, (ids, logits, probs, kept, cut codes) of its top N tokens, then the chosen one."""
     # Everything per candidate is computed on an [n, N + 1] block (top N, then the chosen token),
     # then read back with a few .tolist() calls: no tensor op per candidate.
-    temps = _column([1.0 if r.params.greedy else r.params.temperature for r in rows], pen)
     ids = torch.cat([pen.topk(top_n, dim=-1).indices, tokens.unsqueeze(1)], dim=1)
     logit = pen.gather(1, ids)
-    prob = (pen / temps).softmax(dim=-1).gather(1, ids)
+    prob = tempered(pen, rows).softmax(dim=-1).gather(1, ids)
     greedy = _column([r.params.greedy for r in rows], pen, torch.bool)
     kept = torch.where(greedy, ids == tokens.unsqueeze(1), x.gather(1, ids) > _NEG_INF)
     code = _cut_codes(ids, cuts).masked_fill_(greedy, 0)

@@ -144,3 +144,74 @@ def test_tiny_batch_budget_chunks_long_prompts_exactly(tiny_llama, capsys):
     assert all(code == 0 for code, _, _ in runs), runs[1][2]
     ids = [json.loads(out)["results"][0]["token_ids"] for _, out, _ in runs]
     assert ids[0] == ids[1] == ids[2] and len(ids[0]) == 3
+
+
+def test_logits_that_are_not_numbers_are_one_line(model, capsys):
+    def to_nan(t):
+        t["model.norm.weight"] = torch.full_like(t["model.norm.weight"], float("nan"))
+
+    edit_weights(model, to_nan)
+    code, out, err = generate(model, capsys, "-p", "hi")
+    assert_one_line_error(
+        code, err, "prompt 1: the model's logits are not finite (NaN or inf): its weights are"
+    )
+
+
+def test_a_temperature_too_small_to_divide_by_samples_the_argmax(tiny_llama, capsys):
+    """1e-38 overflows the logits it divides; its limit (the greedy token) is what it samples."""
+    runs = [
+        generate(tiny_llama, capsys, "-p", "hello", "--ignore-eos", "--json", "--temperature", t)
+        for t in ("0", "1e-38", "1e-300")
+    ]
+    assert all(code == 0 for code, _, _ in runs), runs
+    ids = [json.loads(out)["results"][0]["token_ids"] for _, out, _ in runs]
+    assert ids[0] == ids[1] == ids[2] and len(ids[0]) == 3
+
+
+STAGES = {  # where to break a step: (on the engine or its sampler, the attribute)
+    "forward": (False, "_forward"),
+    "draft": (False, "_draft"),
+    "sample": (True, "sample"),
+    "verify": (False, "_verify_drafts"),
+    "append": (False, "_append"),
+    "beam pick": (False, "_advance_beams"),
+}
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_an_engine_step_that_raises_fails_its_requests_and_the_engine_goes_on(
+    stage, tiny_llama, monkeypatch
+):
+    """Fault injection at each phase of a step: the requests it ran end with the error in one
+    line, every block comes back, and the next request is computed as by a fresh engine."""
+    from pagechat.core.config import EngineConfig
+    from pagechat.core.engine import Engine
+    from pagechat.core.params import SamplingParams
+
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    beams = SamplingParams(max_tokens=6, ignore_eos=True, beam_width=2)
+    engine = Engine(tiny_llama, EngineConfig(ngram=True, num_draft=2))
+    want = Engine(tiny_llama, EngineConfig()).generate(["one two one two one"], greedy)
+    on_sampler, name = STAGES[stage]
+    target = engine.sampler if on_sampler else engine
+    real, calls = getattr(target, name), []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # the second call: requests have started, some KV is written
+            raise RuntimeError("boom\nat line 2")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(target, name, broken)
+    prompts = ["one two one two one two", "a b c d e f g", "x y z"]
+    ids = [engine.add_request(p, beams if i == 1 else greedy) for i, p in enumerate(prompts)]
+    while engine.has_unfinished():
+        engine.step()
+    assert len(calls) >= 2, "the stage never ran twice"
+    failed = [engine.requests[i] for i in ids if engine.requests[i].error]
+    assert failed and all(s.finish_reason == "error" for s in failed)
+    assert {s.error for s in failed} == {"engine step failed: RuntimeError: boom at line 2"}
+    assert engine.blocks.num_free_blocks() == engine.blocks.num_blocks
+    monkeypatch.undo()
+    again = engine.generate(["one two one two one"], greedy)
+    assert again[0].output_ids == want[0].output_ids and not again[0].error

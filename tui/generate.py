@@ -39,7 +39,7 @@ def run_generate(
     if as_json:
         results = [_result(engine, s) for s in seqs]
         print(json.dumps({"results": results, "stats": stats.as_dict()}))
-    else:
+    elif not all(s.error for s in seqs):  # when every prompt failed, the errors say it all
         print(stats.line(), file=sys.stderr)
     for i, s in enumerate(seqs):
         if s.error:
