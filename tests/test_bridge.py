@@ -18,7 +18,7 @@ from pagechat.core.params import SamplingParams
 from pagechat.core.report import StepReport
 from pagechat.tui.client import ThreadedEngine
 from pagechat.tui.engine_process import EngineProcess, pack, unpack
-from pagechat.tui.protocol import BlocksChanged, Finished, FirstToken, MemoryRead, Refused, Started
+from pagechat.tui.protocol import BlocksChanged, Finished, FirstToken, MemoryRead, Started
 
 PARAMS = SamplingParams(temperature=0.8, max_tokens=50, seed=1, ignore_eos=True)
 CHAT = [{"role": "user", "content": "hello"}]
@@ -162,16 +162,24 @@ def test_a_model_the_engine_process_cannot_load_is_a_one_line_error(tmp_path: Pa
     assert str(tmp_path) in str(err.value) and "\n" not in str(err.value)
 
 
-def test_the_app_is_told_when_the_engine_process_dies():
-    loop = EngineProcess(tiny_model_dir(), CONFIG).start()
+def test_the_client_tells_a_process_that_died_or_went_silent_from_an_idle_one():
+    """An idle engine process keeps saying it is alive (heartbeats), so silence means stopped."""
+    from pagechat.tui.engine_process import SILENT_S
+
+    killed, stopped = (EngineProcess(tiny_model_dir(), CONFIG).start() for _ in range(2))
     try:
-        os.kill(loop.pid, signal.SIGKILL)
-        gone = drain(loop, lambda e: isinstance(e, Refused), timeout=10)[-1]
-        assert (
-            "engine process exited" in gone.message and not loop.is_alive() and not loop.sync(0.1)
-        )
+        time.sleep(SILENT_S + 0.5)  # idle longer than the silence that counts as stopped
+        assert killed.failure() is None and stopped.failure() is None
+        os.kill(killed.pid, signal.SIGKILL)
+        os.kill(stopped.pid, signal.SIGSTOP)
+        time.sleep(SILENT_S + 0.5)
+        assert killed.failure() == f"the engine process {killed.pid} exited (exit code -9)"
+        assert f"the engine process {stopped.pid} stopped answering (" in stopped.failure()
+        assert not killed.sync(0.1)
     finally:
-        loop.close()
+        for client in (killed, stopped):
+            client.abandon()
+    assert not stopped.is_alive() and stopped.failure() is None  # abandoned: not a failure
 
 
 def test_commands_and_events_are_frozen_dataclasses():

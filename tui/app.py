@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
 
-from pagechat.core.errors import PagechatError
+from pagechat.core.errors import PagechatError, one_line
 from pagechat.core.params import SamplingParams
 from pagechat.core.report import StepReport
 from pagechat.tui.client import EngineClient
@@ -81,6 +81,7 @@ MAX_ANSWERS = 8  # samples, beams or branches of one turn
 FPS = 20  # the UI renders the latest report at most this often
 UI_CPU_BUDGET = 0.03  # while decoding, the UI thread's share of one core (see within_budget)
 MAX_FRAME_GAP = 0.5  # ...but draw at least twice a second
+WATCH_S = 0.25  # how often the app checks that the engine still runs and answers
 
 
 class PagechatApp(App[None]):
@@ -116,7 +117,11 @@ class PagechatApp(App[None]):
             tooltip="write the chat to a path you type (JSON, or Markdown for .md)",
         ),
         Binding(
-            "ctrl+r", "inspect", "Tokens", priority=True, tooltip="inspect the last reply's tokens"
+            "ctrl+r",
+            "inspect",
+            "Tokens",
+            priority=True,
+            tooltip="inspect the last reply's tokens; retry it if it failed",
         ),
         Binding("f1", "help", "Help", tooltip="this help"),
         Binding("question_mark", "help", "Help", show=False, tooltip="this help"),
@@ -278,6 +283,7 @@ class PagechatApp(App[None]):
         self._dirty: dict[int, Message] = {}  # messages changed since the last draw
         self._render_due = False
         self._time_mark, self._cpu_mark = time.perf_counter(), time.thread_time()
+        self.restarting = False  # the engine stopped; a new one is loading
 
     # -- layout ------------------------------------------------------------------------------------
     def get_theme_variable_defaults(self) -> dict[str, str]:
@@ -296,6 +302,7 @@ class PagechatApp(App[None]):
         self.apply_layout()
         self.set_timer(1 / FPS, self._tick)
         self.set_interval(1.0, self.refresh_memory)
+        self.set_interval(WATCH_S, self.watch_engine)
         self.main.prompt.focus()
         self.refresh_panels(everything=True)
         self.call_after_refresh(settle_heap, True)
@@ -507,24 +514,42 @@ class PagechatApp(App[None]):
         text = event.text.strip()
         if not text:
             return
-        if self.session.streaming is not None:
-            self.notify("a reply is still streaming: Esc stops it", severity="warning")
+        if not self.can_start():
             return
         last = self.answers_reply()
         if last is not None and last.picked is None:  # the chat goes on from the answer shown
             self.keep_answer(last)
         reply = self.session.add_user(text)
-        conversation = self.session.conversation()
         log = self.main.chat_log
-        mounts = [log.add(self.session.messages[-2]), log.add(reply)]
-        prompt = self.main.prompt
-        prompt.clear()
-        prompt.cursor_blink = False  # each blink repaints the screen: none while the engine decodes
+        self.main.prompt.clear()
+        self.start_reply(reply, [log.add(self.session.messages[-2]), log.add(reply)])
+
+    def can_start(self) -> bool:
+        """Whether a reply can start now; if not, says why (what the user typed stays)."""
+        if self.restarting:
+            self.notify("the engine is restarting: send again in a moment", severity="warning")
+        elif self.session.streaming is not None:
+            self.notify("a reply is still streaming: Esc stops it", severity="warning")
+        return not self.restarting and self.session.streaming is None
+
+    def start_reply(self, reply: Message, mounts: list[AwaitMount]) -> None:
+        """Ask the engine for `reply`, the conversation's new last message, once it is drawn."""
+        self.main.prompt.cursor_blink = False  # each blink repaints: none while the engine decodes
         self.pinned = None
-        self.loop.send(reply.ticket, conversation, self.session.params, hold=True)
+        self.loop.send(reply.ticket, self.session.conversation(), self.session.params, hold=True)
         self.save()
         self.refresh_panels()
         self.run_worker(self._release_when_drawn(mounts), group="send")
+
+    def retry(self) -> bool:
+        """Ask a failed last reply again, in its place; False when the last reply did not fail."""
+        if self.session.last_failed() is None:
+            return False
+        if self.can_start():
+            reply, failed = self.session.retry()
+            self.start_reply(reply, [self.main.chat_log.remount(reply, instead_of=failed)])
+            self.notify("asking again", timeout=2)
+        return True
 
     async def _release_when_drawn(self, mounts: list[AwaitMount]) -> None:
         """Let the engine start the reply once the new turn is mounted, laid out and in view.
@@ -540,6 +565,59 @@ class PagechatApp(App[None]):
             await self.main.wait_for_refresh()  # the scroll to them
         finally:
             self.loop.release()
+
+    # -- the engine stopping -----------------------------------------------------------------------
+    def watch_engine(self) -> None:
+        """Every WATCH_S: when the engine died or stopped answering, fail the reply in flight
+        (the chat and its finished replies stay), say so and start a new engine."""
+        why = None if self.restarting else self.loop.failure()
+        if why is None:
+            return
+        self.pump(force=True)  # what the engine said before it stopped
+        self.restarting = True
+        self.loop.abandon()
+        reply = self.session.fail_streaming(f"the engine stopped: {why}")
+        if reply is not None:
+            self.main.chat_log.update(reply)
+            self.save()
+        self.main.prompt.cursor_blink = True
+        self.notify(
+            f"{why}. Starting a new engine; the chat is kept, Ctrl+R asks a failed reply again",
+            title="engine",
+            severity="error",
+            timeout=10,
+            markup=False,
+        )
+        self.run_worker(self._restart_engine, thread=True, group="restart", exit_on_error=False)
+
+    def _restart_engine(self) -> None:
+        """On a worker thread: load a new engine like the last one, then hand it to the app."""
+        try:
+            client = self.loop.restarted()
+        except Exception as e:  # noqa: BLE001 - said in the app, which stays up with the chat
+            self.call_from_thread(
+                self.notify,
+                f"no new engine: {one_line(e)}. Ctrl+O writes the chat out; quit and run again",
+                title="engine",
+                severity="error",
+                timeout=30,
+                markup=False,
+            )
+            return
+        self.call_from_thread(self._adopt, client)
+
+    def _adopt(self, client: EngineClient) -> None:
+        """Run on the new engine: its pool, its scheduler (the old sequences are gone), the
+        speculation the user had set."""
+        self.loop, info = client, client.info
+        self.session.blocks, self.memory = info.blocks, info.memory
+        self.sched, self.load_left = SchedulerLog(), 0
+        client.start()
+        if (info.speculate, info.num_draft) != self.speculation:
+            client.set_speculation(*self.speculation)
+        self.restarting = False
+        self.refresh_panels(everything=True)
+        self.notify("a new engine is up", title="engine", timeout=4)
 
     # -- background load ---------------------------------------------------------------------------
     def load_running(self) -> int:
@@ -716,7 +794,9 @@ class PagechatApp(App[None]):
         self.push_screen(ExportScreen(chat, default, why), done)
 
     def action_inspect(self) -> None:
-        """Ctrl+R: focus the last reply to pick its tokens."""
+        """Ctrl+R: retry the last reply if it failed; else focus it to pick its tokens."""
+        if self.retry():
+            return
         reply = self.main.chat_log.last_reply()
         if reply is None:
             self.notify("no reply yet", severity="warning")

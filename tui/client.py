@@ -13,6 +13,7 @@ import threading
 from collections import deque
 
 from pagechat.core.engine import Engine
+from pagechat.core.errors import one_line
 from pagechat.core.params import SamplingParams
 from pagechat.tui.engine_loop import NOTHING, EngineLoop
 from pagechat.tui.protocol import (
@@ -57,6 +58,19 @@ class EngineClient:
         raise NotImplementedError
 
     def _join(self, timeout: float) -> None:
+        raise NotImplementedError
+
+    def failure(self) -> str | None:
+        """Why the engine stopped (died, or stopped answering), in one line; None while it runs."""
+        raise NotImplementedError
+
+    def restarted(self) -> EngineClient:
+        """A new engine on the same model and settings, loaded and not started yet (slow: call it
+        off the UI thread); raises PagechatError when it cannot load."""
+        raise NotImplementedError
+
+    def abandon(self) -> None:
+        """Give up on an engine that stopped: end it without a word sent (it may not read)."""
         raise NotImplementedError
 
     # -- shared ------------------------------------------------------------------------------------
@@ -168,9 +182,14 @@ class ThreadedEngine(EngineClient):
         super().__init__(EngineInfo.of(engine))
         self.engine = engine
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
-        self._thread = threading.Thread(
-            target=EngineLoop(engine, self).run, name="pagechat-engine", daemon=True
-        )
+        self._thread = threading.Thread(target=self._run, name="pagechat-engine", daemon=True)
+        self._failure: str | None = None
+
+    def _run(self) -> None:
+        try:
+            EngineLoop(self.engine, self).run()
+        except Exception as e:  # noqa: BLE001 - the app reads it through failure()
+            self._failure = f"the engine failed: {one_line(e)}"
 
     def start(self) -> ThreadedEngine:
         self._thread.start()
@@ -184,6 +203,15 @@ class ThreadedEngine(EngineClient):
 
     def _join(self, timeout: float) -> None:
         self._thread.join(timeout)
+
+    def failure(self) -> str | None:
+        return self._failure
+
+    def restarted(self) -> ThreadedEngine:
+        return ThreadedEngine(Engine(self.engine.model_dir, self.engine.config))
+
+    def abandon(self) -> None:
+        self._closed = True  # a thread cannot be killed; a failed loop has ended already
 
     # -- the loop's port (engine thread) -----------------------------------------------------------
     def take(self, block: bool):

@@ -12,7 +12,7 @@ from dataclasses import replace
 from typing import Protocol
 
 from pagechat.core.engine import Engine
-from pagechat.core.errors import PagechatError
+from pagechat.core.errors import PagechatError, one_line
 from pagechat.core.memory import read_memory
 from pagechat.tui.load import LoadPlan, load_params, load_prompt
 from pagechat.tui.protocol import (
@@ -128,23 +128,18 @@ class EngineLoop:
     def _run_command(self, cmd: Command) -> None:
         try:
             self._handlers[type(cmd)](cmd)
-        except PagechatError as e:
-            self.port.emit(Refused(None, str(e)))
         except Exception as e:  # noqa: BLE001 - the app must stay up; show the failure as a message
-            self.port.emit(Refused(None, f"engine error: {type(e).__name__}: {e}"))
+            self.port.emit(Refused(None, one_line(e)))
 
     # -- commands ----------------------------------------------------------------------------------
     def _send(self, cmd: Send) -> None:
+        """Start a reply; any failure to start it refuses its ticket, so the reply ends."""
         try:
             ids = self.engine.encode_chat(cmd.messages) + list(cmd.prefix)
-        except PagechatError as e:
-            self.port.emit(Refused(cmd.ticket, str(e)))
-            return
-        self._abort_active()  # one reply at a time: a new prompt replaces the one in flight
-        try:
+            self._abort_active()  # one reply at a time: a new prompt replaces the one in flight
             rid = self.engine.add_request(ids, cmd.params)
-        except PagechatError as e:
-            self.port.emit(Refused(cmd.ticket, str(e)))
+        except Exception as e:  # noqa: BLE001 - said in the reply, whatever raised
+            self.port.emit(Refused(cmd.ticket, one_line(e)))
             return
         self.active = rid
         self.port.emit(Started(cmd.ticket, rid, len(ids)))
@@ -261,12 +256,9 @@ class EngineLoop:
             self.active = None
 
     def _step(self) -> None:
-        try:
-            report = self.engine.step()
-        except Exception as e:  # noqa: BLE001 - shown as a message; the app stays up
-            self.port.emit(Refused(None, f"engine step failed: {type(e).__name__}: {e}"))
-            self._abort_active()
-            return
+        # A failure inside a step's work fails the requests it ran (Engine.step); one outside it
+        # leaves the engine in no known state, so it ends the loop and the app starts a new engine.
+        report = self.engine.step()
         self.port.emit(report)
         self._snapshot = report.blocks
         for out in report.outputs:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from pagechat.core.blockmap import BlockSnapshot
 from pagechat.core.config import EngineConfig
-from pagechat.core.errors import PagechatError
+from pagechat.core.errors import PagechatError, one_line
 from pagechat.core.report import StepReport
 from pagechat.tui.client import EngineClient
 from pagechat.tui.engine_loop import NOTHING, EngineLoop
@@ -48,6 +48,8 @@ from pagechat.tui.protocol import (
 )
 
 FLUSH_HZ = 20  # batches a second at most while decoding; the UI draws at most this often
+BEAT_S = 0.25  # the child says it is alive at least this often (an empty batch when idle)
+SILENT_S = 1.5  # a child silent this long has stopped answering (hung, or stopped by a signal)
 URGENT = (Started, FirstToken, Finished, Refused, ParamsApplied, SpeculationSet, Synced, LoadSet)
 
 # (the new snapshot with no blocks, the BlockInfos that changed)
@@ -106,6 +108,24 @@ class _PipePort:
         self.urgent = False
         self.last = 0.0
         self.idle = True  # the engine had no work at the last flush
+        self.lock = threading.Lock()  # the loop's batches and the heartbeat share the pipe
+        self.said = time.monotonic()  # when anything last went up the pipe
+
+    def send(self, batch) -> None:
+        with self.lock:
+            self.said = time.monotonic()
+            try:
+                self.conn.send(batch)
+            except (EOFError, OSError):
+                pass  # the app is gone; take() closes the loop
+
+    def beat(self) -> None:
+        """Forever, on a thread of its own: an empty batch when nothing else was sent for BEAT_S,
+        so the app can tell a busy engine from one that stopped answering."""
+        while True:
+            time.sleep(BEAT_S / 2)
+            if time.monotonic() - self.said >= BEAT_S:
+                self.send(None)
 
     def take(self, block: bool):
         try:
@@ -125,10 +145,7 @@ class _PipePort:
         if self.pending and (idle or self.urgent or now - self.last >= 1 / FLUSH_HZ):
             batch, self.sent = pack(self.pending, self.sent)
             self.pending, self.urgent, self.last = [], False, now
-            try:
-                self.conn.send(batch)
-            except (EOFError, OSError):
-                pass  # the app is gone; take() closes the loop
+            self.send(batch)
         if replied:  # between replies, after the reply's last events went out
             settle_heap()
 
@@ -157,7 +174,13 @@ def serve(conn: Connection, model_dir: str, config: EngineConfig) -> None:
     os.dup2(devnull, 1)
     os.dup2(devnull, 2)
     sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
-    EngineLoop(engine, _PipePort(conn, info.blocks)).run()
+    port = _PipePort(conn, info.blocks)
+    threading.Thread(target=port.beat, name="pagechat-heartbeat", daemon=True).start()
+    try:
+        EngineLoop(engine, port).run()
+    except Exception as e:  # noqa: BLE001 - the last word to the app, which starts a new engine
+        port.send(f"the engine failed: {one_line(e)}")
+        sys.exit(1)
 
 
 class EngineProcess(EngineClient):
@@ -166,6 +189,7 @@ class EngineProcess(EngineClient):
     def __init__(self, model_dir: Path, config: EngineConfig) -> None:
         """Start the child and wait until the engine is loaded; a failure to load raises
         PagechatError."""
+        self.model_dir, self.config = model_dir, config
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(
@@ -189,6 +213,9 @@ class EngineProcess(EngineClient):
             raise PagechatError(first)
         super().__init__(first)
         self._snapshot = first.blocks
+        self._heard = time.monotonic()  # when the child last sent anything
+        self._last_word: str | None = None  # the child's own account of why it ended
+        self._ended = False  # the pipe closed
         self._reader = threading.Thread(
             target=self._read, name="pagechat-engine-reader", daemon=True
         )
@@ -206,14 +233,12 @@ class EngineProcess(EngineClient):
             try:
                 batch = self._conn.recv()
             except (EOFError, OSError):
-                if not self._closed:
-                    self._proc.join(1)
-                    self._deliver(
-                        Refused(
-                            None, f"the engine process exited (exit code {self._proc.exitcode})"
-                        )
-                    )
+                self._ended = True
                 return
+            self._heard = time.monotonic()
+            if batch is None or isinstance(batch, str):  # a heartbeat, or the child's last word
+                self._last_word = batch or self._last_word
+                continue
             events, self._snapshot = unpack(batch, self._snapshot)
             for ev in events:
                 self._deliver(ev)
@@ -226,6 +251,27 @@ class EngineProcess(EngineClient):
 
     def is_alive(self) -> bool:
         return self._proc.is_alive()
+
+    def failure(self) -> str | None:
+        if self._closed:
+            return None
+        if self._ended or not self._proc.is_alive():
+            self._proc.join(1)
+            code = self._proc.exitcode
+            return self._last_word or f"the engine process {self.pid} exited (exit code {code})"
+        silent = time.monotonic() - self._heard
+        if silent > SILENT_S:
+            return f"the engine process {self.pid} stopped answering ({silent:.1f} s silent)"
+        return None
+
+    def restarted(self) -> EngineProcess:
+        return EngineProcess(self.model_dir, self.config)
+
+    def abandon(self) -> None:
+        self._closed = True
+        self._proc.kill()  # SIGKILL ends a stopped (SIGSTOP) process too; SIGTERM would wait
+        self._proc.join(2)
+        self._conn.close()
 
     def _join(self, timeout: float) -> None:
         self._proc.join(timeout)

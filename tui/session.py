@@ -307,6 +307,34 @@ class ChatSession:
     def add_user(self, text: str) -> Message:
         """Append the user's message and an empty reply for the engine; returns the reply."""
         self.messages.append(Message("user", text))
+        reply = self._new_reply()
+        self.messages.append(reply)
+        return reply
+
+    def last_failed(self) -> Message | None:
+        """The last message, if it is a reply that failed."""
+        last = self.messages[-1] if self.messages else None
+        failed = last is not None and last.role == "assistant" and last.error is not None
+        return last if failed and not last.streaming else None
+
+    def retry(self) -> tuple[Message, Message]:
+        """(a new reply, the failed last one it replaces); the caller checked last_failed()."""
+        failed = self.last_failed()
+        assert failed is not None
+        self.messages[-1] = reply = self._new_reply()
+        return reply, failed
+
+    def fail_streaming(self, why: str) -> Message | None:
+        """End the reply in flight, and each of its answers still running, as failed."""
+        msg = self.streaming
+        if msg is not None:
+            for m in (msg, *msg.samples):
+                if m.streaming:
+                    m.streaming, m.finish_reason, m.error = False, "error", why
+        return msg
+
+    def _new_reply(self) -> Message:
+        """An empty reply to the last user message, with a ticket for the engine."""
         self._next_ticket += 1
         reply = Message(
             "assistant",
@@ -320,7 +348,6 @@ class ChatSession:
         if answers > 1:  # the answers stream apart; the reply takes the one the user keeps
             reply.samples = [Message("assistant", "", streaming=True) for _ in range(answers)]
             reply.beams = self.params.beam_width > 1
-        self.messages.append(reply)
         return reply
 
     def producer(self) -> dict:

@@ -439,13 +439,7 @@ class ChatLog(VerticalScroll):
     def add(self, message: Message) -> AwaitMount:
         """Mount a widget for a new message."""
         follow = self.near_bottom()
-        if message.samples:
-            view = AnswersView(message)
-        elif message.role == "assistant":
-            view = ReplyView(message)
-        else:
-            view = UserMessage(message)
-        self.views[id(message)] = view
+        view = self.views[id(message)] = self._view(message)
         mounted = self.mount(view)
         if follow:
             self.call_after_refresh(self.follow)
@@ -468,10 +462,17 @@ class ChatLog(VerticalScroll):
         await mounted
         self.call_after_refresh(self.follow)
 
-    def remount(self, message: Message) -> AwaitMount:
-        """Draw a reply anew (it became several answers: a branch)."""
-        old = self.views[id(message)]
-        view = self.views[id(message)] = AnswersView(message)
+    @staticmethod
+    def _view(message: Message) -> Widget:
+        if message.samples:
+            return AnswersView(message)
+        return ReplyView(message) if message.role == "assistant" else UserMessage(message)
+
+    def remount(self, message: Message, instead_of: Message | None = None) -> AwaitMount:
+        """Draw a reply anew: in its own place (it became several answers: a branch), or in the
+        place of the reply it replaces (a failed reply retried)."""
+        old = self.views.pop(id(instead_of or message))
+        view = self.views[id(message)] = self._view(message)
         mounted = self.mount(view, after=old)
         old.remove()
         return mounted
