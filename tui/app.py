@@ -247,9 +247,11 @@ class PagechatApp(App[None]):
         autosave: bool = True,
         facts: dict | None = None,
         notices: tuple[str, ...] = (),
+        when_full: str = "drop",
     ) -> None:
         """`loop`: the engine's client, not started yet (the app starts and closes it); `facts`:
-        engine_facts() each reply records; `notices`: warnings shown once the app is up."""
+        engine_facts() each reply records; `notices`: warnings shown once the app is up;
+        `when_full`: a chat too long for the context drops its oldest turns, or refuses."""
         super().__init__()
         self.register_theme(THEME)
         self.theme = THEME.name
@@ -284,6 +286,7 @@ class PagechatApp(App[None]):
         self._render_due = False
         self._time_mark, self._cpu_mark = time.perf_counter(), time.thread_time()
         self.restarting = False  # the engine stopped; a new one is loading
+        self.when_full = when_full
 
     # -- layout ------------------------------------------------------------------------------------
     def get_theme_variable_defaults(self) -> dict[str, str]:
@@ -378,6 +381,8 @@ class PagechatApp(App[None]):
             finished |= isinstance(ev, Refused) or isinstance(ev, Finished) and msg is not None
             first |= isinstance(ev, FirstToken) and msg is not None
             self._render_due = True
+        if self.session.context_from != self.main.chat_log.context_from:  # oldest turns dropped
+            self.main.chat_log.mark_context(self.session.messages, self.session.context_from)
         if finished:
             self.save()
             settle_heap()
@@ -536,7 +541,8 @@ class PagechatApp(App[None]):
         """Ask the engine for `reply`, the conversation's new last message, once it is drawn."""
         self.main.prompt.cursor_blink = False  # each blink repaints: none while the engine decodes
         self.pinned = None
-        self.loop.send(reply.ticket, self.session.conversation(), self.session.params, hold=True)
+        conversation, params = self.session.conversation(), self.session.params
+        self.loop.send(reply.ticket, conversation, params, hold=True, when_full=self.when_full)
         self.save()
         self.refresh_panels()
         self.run_worker(self._release_when_drawn(mounts), group="send")

@@ -103,6 +103,7 @@ class EngineClient:
         params: SamplingParams,
         hold: bool = False,
         prefix: tuple[int, ...] = (),
+        when_full: str = "drop",
     ) -> None:
         """Start a reply to the conversation `messages`.
 
@@ -110,8 +111,9 @@ class EngineClient:
         first, so that its layout (Python on the UI thread) does not run while the engine decodes.
         prefix: token ids the reply starts with (a branch: an earlier reply's first tokens, then
         another candidate).
+        when_full: what a conversation too long for the context does (context.WHEN_FULL).
         """
-        cmd = Send(ticket, messages, params, prefix)
+        cmd = Send(ticket, messages, params, prefix, when_full)
         if hold:
             self.release()
             self._held = cmd

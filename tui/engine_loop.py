@@ -14,6 +14,7 @@ from typing import Protocol
 from pagechat.core.engine import Engine
 from pagechat.core.errors import PagechatError, one_line
 from pagechat.core.memory import read_memory
+from pagechat.tui.context import fit_turns, reply_room
 from pagechat.tui.load import LoadPlan, load_params, load_prompt
 from pagechat.tui.protocol import (
     Abort,
@@ -134,15 +135,20 @@ class EngineLoop:
     # -- commands ----------------------------------------------------------------------------------
     def _send(self, cmd: Send) -> None:
         """Start a reply; any failure to start it refuses its ticket, so the reply ends."""
+        context = self.engine.max_model_len
+        room = reply_room(cmd.params.max_tokens, context) + len(cmd.prefix)
         try:
-            ids = self.engine.encode_chat(cmd.messages) + list(cmd.prefix)
+            ids, dropped = fit_turns(
+                cmd.messages, self.engine.encode_chat, context, room, cmd.when_full
+            )
+            ids += cmd.prefix
             self._abort_active()  # one reply at a time: a new prompt replaces the one in flight
             rid = self.engine.add_request(ids, cmd.params)
         except Exception as e:  # noqa: BLE001 - said in the reply, whatever raised
             self.port.emit(Refused(cmd.ticket, one_line(e)))
             return
         self.active = rid
-        self.port.emit(Started(cmd.ticket, rid, len(ids)))
+        self.port.emit(Started(cmd.ticket, rid, len(ids), dropped=dropped))
 
     def _update(self, cmd: UpdateParams) -> None:
         rid, at, params = self.active, 0, cmd.params

@@ -28,6 +28,7 @@ class Send:
     messages: list[dict]
     params: SamplingParams
     prefix: tuple[int, ...] = ()  # the reply's first tokens, given (a branch of an earlier one)
+    when_full: str = "drop"  # the context cannot hold it: drop the oldest turns, or refuse
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +129,7 @@ class Started:
     request_id: int
     prompt_tokens: int
     label: str = "chat"  # what the request is, as the scheduler panel names it
+    dropped: int = 0  # the conversation's oldest messages left out so that it fits the context
 
 
 @dataclass(frozen=True, slots=True)

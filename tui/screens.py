@@ -49,6 +49,7 @@ def status_line(
     t.append(f" {info.model_name} ", "bold").append(f"{info.precision} on {info.device}", "dim")
     turns = sum(1 for m in session.messages if m.role == "user")
     t.append(f" │ chat {session.record.id} · {turns} turn{'s' * (turns != 1)}", "dim")
+    t.append_text(context_meter(session, info.memory.max_model_len, colours))
     msg = session.streaming
     if msg is None:
         return t.append(" │ ", "dim").append("idle", "dim")
@@ -56,6 +57,18 @@ def status_line(
     t.append(f" {sum(len(a.tokens) for a in msg.samples) or len(msg.tokens)} tok", "dim")
     if msg.timing and msg.timing.decode_tok_s and not frozen:
         t.append(f" · {msg.timing.decode_tok_s:.1f} tok/s", "dim")
+    return t
+
+
+def context_meter(session: ChatSession, context: int, colours: Mapping[str, str]) -> Text:
+    """' · context 312/512' (warning colour past 80%), and how many messages are out of it."""
+    used = session.context_used()
+    if not used:
+        return Text()
+    style = colours["pc-warn"] if used > 0.8 * context else "dim"
+    t = Text(" · ", "dim").append(f"context {used}/{context}", style)
+    if session.context_from:
+        t.append(f" ({session.context_from} earlier messages out)", "dim")
     return t
 
 

@@ -255,6 +255,9 @@ class ChatSession:
         self.blocks: BlockSnapshot | None = None  # the newest BlockManager snapshot the engine sent
         self.latest_sample: SampleRecord | None = None
         self._next_ticket = 0
+        self.context_from = 0  # messages before this one are out of the model's context
+        self.context_tokens = 0  # the prompt tokens of the latest reply (its context before it)
+        self._sent: list[int] = []  # the messages the latest conversation() gave, by index
 
     # -- what the UI asks --------------------------------------------------------------------------
     @property
@@ -284,16 +287,24 @@ class ChatSession:
 
     def conversation(self) -> list[dict]:
         """Role/content messages for the chat template: the system prompt, then each non-empty
-        message."""
+        message still in the context."""
         msgs = [{"role": "system", "content": self.system}] if self.system.strip() else []
-        for i, m in enumerate(self.messages):
+        self._sent = []
+        for i, m in enumerate(self.messages[self.context_from :], self.context_from):
             after = self.messages[i + 1] if i + 1 < len(self.messages) else None
             if after is not None and after.error is not None:
                 # the engine refused this turn: leave it out, or every later turn fails the same way
                 continue
             if m.content and not m.streaming and m.error is None:
                 msgs.append({"role": m.role, "content": m.content})
+                self._sent.append(i)
         return msgs
+
+    def context_used(self) -> int:
+        """Tokens of the context the chat fills: the latest reply's prompt and its tokens."""
+        last = self.messages[-1] if self.messages else None
+        made = 0 if last is None or last.role != "assistant" else len(last.tokens)
+        return self.context_tokens + made
 
     def speculation(self) -> SpecTotals:
         """The speculation of every sequence of this chat, added up."""
@@ -460,7 +471,9 @@ class ChatSession:
             msg = self._by_ticket(ev.ticket)
             if msg is not None:
                 msg.request_id = ev.request_id
-                msg.timing.prompt_tokens = ev.prompt_tokens
+                msg.timing.prompt_tokens = self.context_tokens = ev.prompt_tokens
+                if ev.dropped:  # the first message kept; the next turns start there too
+                    self.context_from = self._sent[ev.dropped]
                 if msg.samples:
                     msg.samples[0].request_id = ev.request_id
             return msg

@@ -426,6 +426,7 @@ class ChatLog(VerticalScroll):
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
+        self.context_from = 0  # the message the context marker stands above (0: none)
         self.views: dict[int, UserMessage | ReplyView | AnswersView] = {}  # id(message) -> widget
 
     def near_bottom(self) -> bool:
@@ -480,6 +481,19 @@ class ChatLog(VerticalScroll):
     def clear(self) -> None:
         self.views.clear()
         self.remove_children()
+        self.context_from = 0
+
+    def mark_context(self, messages: list[Message], first: int) -> None:
+        """A rule above messages[first]: the ones before it are out of the model's context."""
+        self.context_from = first
+        self.query(".context-marker").remove()
+        if not first:
+            return
+        text = (
+            f"── the {first} messages above are out of the model's context: "
+            "it no longer sees them ──"
+        )
+        self.mount(Static(text, classes="context-marker"), before=self.views[id(messages[first])])
 
     def replies(self) -> list[ReplyView]:
         """The replies on screen, oldest first (of several answers, the one shown)."""
