@@ -43,6 +43,9 @@ from pagechat.core.scheduler import Batch, ScheduledSeq, Scheduler, SwapPlan
 from pagechat.core.sequence import SamplingState, Sequence, Status
 from pagechat.core.spec import DraftModelProposer, NgramProposer, verify
 from pagechat.core.swap import HostBlocks, copy_between, host_pool
+from pagechat.core.timelimit import within
+
+TEMPLATE_LIMIT_S = 5.0  # a chat template renders in milliseconds; one that runs longer is stuck
 
 
 def resolve_device(name: str) -> torch.device:
@@ -269,9 +272,15 @@ class Engine:
         for i, m in enumerate(messages, 1):
             check_text(m["content"], f"message {i} ({m['role']})")
         try:
-            text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False
+            text = within(
+                TEMPLATE_LIMIT_S,
+                f"the chat template of {self.model_dir}",
+                lambda: self.tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=True, tokenize=False
+                ),
             )
+        except PagechatError:
+            raise
         except Exception as e:  # jinja raises its own types; raise_exception() in a template too
             raise PagechatError(f"the chat template failed: {str(e).splitlines()[0]}") from None
         return self.tokenizer(text, add_special_tokens=False).input_ids

@@ -215,3 +215,14 @@ def test_an_engine_step_that_raises_fails_its_requests_and_the_engine_goes_on(
     monkeypatch.undo()
     again = engine.generate(["one two one two one"], greedy)
     assert again[0].output_ids == want[0].output_ids and not again[0].error
+
+
+def test_a_chat_template_that_never_ends_is_stopped(model, capsys, monkeypatch):
+    import pagechat.core.engine
+
+    monkeypatch.setattr(pagechat.core.engine, "TEMPLATE_LIMIT_S", 0.5)
+    (model / "chat_template.jinja").write_text(
+        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    )
+    code, _, err = generate(model, capsys, "-p", "hi", "--chat")
+    assert_one_line_error(code, err, f"the chat template of {model} did not finish within 0.5 s")
