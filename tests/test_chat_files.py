@@ -402,6 +402,10 @@ async def test_each_reply_records_what_produced_it(tmp_path):
         "max_tokens": 40,
         "seed": 7,
         "ignore_eos": True,
+        "n": 1,
+        "beam_width": 1,
+        "length_penalty": 1.0,
+        "early_stopping": False,
     }
     engine = {
         "model": str(tiny_model_dir()),

@@ -128,3 +128,15 @@ def test_run_without_model_dir_uses_the_demo_or_says_how_to_make_a_model(
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
     code, _, err = cli(["run"], capsys)
     assert code == 2 and "pagechat make-model" in err and len(err.strip().splitlines()) == 1
+
+
+def test_saved_settings_keep_answers_and_beams():
+    """A reply's record names how many answers it was asked for, and a resumed chat asks so too."""
+    from pagechat.tui.history import params_from_dict, params_to_dict
+
+    for p in (
+        SamplingParams(n=4, seed=3),
+        SamplingParams(beam_width=2, length_penalty=0.5, early_stopping="never"),
+    ):
+        saved = json.loads(json.dumps(params_to_dict(p)))
+        assert params_from_dict(saved) == p

@@ -28,6 +28,10 @@ PARAM_FIELDS = (
     "max_tokens",
     "seed",
     "ignore_eos",
+    "n",
+    "beam_width",
+    "length_penalty",
+    "early_stopping",
 )
 # a chat id is a file name in the chats folder: no separators, no leading dot, nothing to glob
 ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
