@@ -5,6 +5,7 @@ offers to export it), faithful per-reply history, and a real kill -9 of `pagecha
 from __future__ import annotations
 
 import errno
+import io
 import json
 import os
 import shutil
@@ -246,6 +247,23 @@ def test_resume_on_another_model_says_so_or_refuses_with_strict(models, chats, c
     assert len(opened) == 1
     code, _, err = cli(["run", str(own), "--resume", CHAT_ID, "--strict"], capsys)
     assert (code, err) == (0, "") and len(opened) == 2  # its own model: nothing to say
+
+
+@pytest.mark.parametrize("answer,opens", [("n\n", False), ("\n", True), ("", False)])
+def test_resume_on_another_model_in_a_terminal_asks(
+    answer, opens, models, chats, capsys, opened, monkeypatch
+):
+    """On a terminal the warning is a question: Enter goes on, n (or end of input) does not."""
+    own, other = models
+    chats.save(chat_made_on(own))
+    stdin = io.StringIO(answer)
+    stdin.isatty = lambda: True
+    monkeypatch.setattr(sys, "stdin", stdin)
+    code, out, err = cli(["run", str(other), "--resume", CHAT_ID], capsys)
+    assert f"go on with chat {CHAT_ID} on {other}? [Y/n]" in out
+    assert (code, len(opened)) == ((0, 1) if opens else (1, 0))
+    assert opens or err.endswith(f"chat {CHAT_ID} left as it was\n")
+    assert chats.load(CHAT_ID).model == str(own)  # nothing is written before the app opens
 
 
 def test_resume_of_a_chat_whose_model_is_gone(chats, capsys, opened):

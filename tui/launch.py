@@ -102,6 +102,16 @@ def other_model(own: str, own_hash: str, path: Path) -> str | None:
     return f"ran on {own}, not on {path}"
 
 
+def confirm(question: str) -> bool:
+    """Ask on the terminal; yes unless the answer starts with n (Ctrl+D or Ctrl+C: no)."""
+    try:
+        answer = input(f"{question} [Y/n] ")
+    except (EOFError, KeyboardInterrupt):
+        print(file=sys.stderr)
+        return False
+    return not answer.strip().lower().startswith("n")
+
+
 def run_app(
     model_dir: Path | None,
     config: EngineConfig,
@@ -135,6 +145,9 @@ def run_app(
     notices = [warning] if warning else []
     if warning:
         print(f"warning: {warning}", file=sys.stderr)
+        if sys.stdin.isatty() and not confirm(f"go on with chat {chat.id} on {path}?"):
+            print(f"chat {chat.id} left as it was", file=sys.stderr)
+            return 1
     try:
         store.check_writable()
     except PagechatError as e:
