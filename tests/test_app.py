@@ -32,7 +32,7 @@ from pagechat.tui.widgets.timing import TimingPanel
 from rich.console import Console
 from textual.binding import Binding
 from textual.screen import Screen
-from textual.widgets import Static, Tabs
+from textual.widgets import Input, Static, Tabs
 
 pytestmark = pytest.mark.anyio
 SIZE = (120, 36)
@@ -366,6 +366,15 @@ async def test_invalid_control_values_are_refused_inline(model_dir, tmp_path):
         app.query_one("#ctl-top_k").focus()
         await pilot.press("ctrl+u", *"7", "enter")  # a valid value clears the refusal
         assert controls.error == "" and app.session.params.top_k == 7
+        app.query_one("#ctl-seed").focus()  # a seed no generator takes never reaches the engine
+        await pilot.press("ctrl+u", *str(2**70), "enter")
+        assert controls.error == f"refused: seed must be between 0 and 2^63 - 1, got {2**70}"
+        app.query_one("#ctl-seed", Input).value = "1" * 5000  # more digits than int() reads
+        await pilot.press("enter")
+        assert controls.error.startswith("refused: seed must be a whole number, got '111")
+        await type_prompt(pilot, "still answers")
+        await wait_reply_done(pilot)
+        assert app.session.messages[-1].error is None
 
 
 async def test_engine_refusals_are_shown_and_the_app_stays_up(model_dir, tmp_path):

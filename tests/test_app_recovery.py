@@ -130,3 +130,19 @@ async def test_an_engine_process_killed_or_stopped_is_noticed_within_2_s(sig, mo
         await wait_reply_done(pilot)
         assert [m.error for m in app.session.messages] == [None] * 4
         assert len(app.session.messages[-1].tokens) == 12
+
+
+async def test_a_reply_that_cannot_start_fails_and_can_be_asked_again(model_dir, tmp_path):
+    """The engine raising while it starts a reply (here the chat template) ends that reply."""
+    engine = Engine(model_dir, CONFIG)
+    template = engine.tokenizer.chat_template
+    engine.tokenizer.chat_template = "{{ raise_exception('no system role') }}"
+    app = app_on(ThreadedEngine(engine), tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await type_prompt(pilot, "hello")
+        await wait_reply_done(pilot, timeout=5)
+        assert app.session.messages[-1].error == "the chat template failed: no system role"
+        engine.tokenizer.chat_template = template
+        await pilot.press("ctrl+r")
+        await wait_reply_done(pilot)
+        assert app.session.messages[-1].error is None and len(app.session.messages) == 2
