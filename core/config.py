@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pagechat.core.errors import PagechatError
 from pagechat.core.loader import DTYPES
 from pagechat.core.quantization import quant_modes
+from pagechat.core.threads import check_threads
 
 _UNITS = {
     "": 1,
@@ -49,6 +50,7 @@ class EngineConfig:
     graphs: bool = (
         True  # run small unpadded steps as traced graphs (core/graphs.py); False: --eager
     )
+    threads: int | None = None  # torch CPU threads; None: core/threads.py's default
 
     def validate(self) -> EngineConfig:
         """Raise PagechatError naming the first bad setting; return self when all are valid."""
@@ -66,6 +68,7 @@ class EngineConfig:
             )
         if self.preempt not in ("recompute", "swap"):
             raise PagechatError(f"--preempt must be recompute or swap, got {self.preempt!r}")
+        check_threads(self.threads)
         if self.draft and self.ngram:
             raise PagechatError("choose one proposer: --draft DIR or --ngram, not both")
         for name, value in (

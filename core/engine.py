@@ -43,6 +43,7 @@ from pagechat.core.scheduler import Batch, ScheduledSeq, Scheduler, SwapPlan
 from pagechat.core.sequence import SamplingState, Sequence, Status
 from pagechat.core.spec import DraftModelProposer, NgramProposer, verify
 from pagechat.core.swap import HostBlocks, copy_between, host_pool
+from pagechat.core.threads import apply_threads
 from pagechat.core.timelimit import within
 
 TEMPLATE_LIMIT_S = 5.0  # a chat template renders in milliseconds; one that runs longer is stuck
@@ -179,6 +180,7 @@ class Engine:
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
         self.config = cfg = (config or EngineConfig()).validate()
         self.model_dir = Path(model_dir)
+        self.threads = apply_threads(cfg.threads)  # before loading: tracing runs torch ops
         self.device = resolve_device(cfg.device)
         target = load_checkpoint(self.model_dir, cfg, self.device)
         self.spec = spec = target.spec

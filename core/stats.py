@@ -70,6 +70,7 @@ class RunStats:
             "dtype": dtype_name(e.dtype),
             "device": str(e.device),
             "graphs": e.graphs,
+            "threads": e.threads,
             **self._spec_dict(),
         }
 

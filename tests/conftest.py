@@ -3,6 +3,7 @@ session."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -11,6 +12,9 @@ from pagechat.tools.make_model import make_model
 
 # Tiny models run fastest on one thread, and a shared 2-core machine makes extra threads spin-wait.
 torch.set_num_threads(1)
+# ...and so does every Engine a test builds, here and in spawned engine processes: an engine
+# without --threads takes OMP_NUM_THREADS when it is set (core/threads.py).
+os.environ["OMP_NUM_THREADS"] = "1"
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 

@@ -68,6 +68,7 @@ def bench_quant(
     batch: int = 1,
     rounds: int = 3,
     device: str = "auto",
+    threads: int | None = None,
     log: Callable[[str], None] = lambda s: None,
 ) -> list[BenchRow]:
     """Load model_dir once per mode (AWQ from awq_dir, or a temp RTN checkpoint); time decoding."""
@@ -116,7 +117,9 @@ def bench_quant(
             log(f"loading {m}")
             engines[m] = Engine(
                 awq_dir if m == "awq" else model_dir,
-                EngineConfig(dtype=dtype, quant=quant, device=device, kv_blocks=blocks),
+                EngineConfig(
+                    dtype=dtype, quant=quant, device=device, kv_blocks=blocks, threads=threads
+                ),
             )
             # warm-up: first-call allocations, kernel packing caches
             _decode_rate(engines[m], prompt, batch, 4)

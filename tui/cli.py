@@ -24,6 +24,7 @@ from pagechat.tui.options import (
     Preempt,
     Quant,
     SwapBlocks,
+    Threads,
     check_at_least_one,
     engine_config,
     positive_ints,
@@ -152,6 +153,7 @@ def generate(
     max_seqs: Annotated[int, typer.Option(help="sequences running at once")] = 64,
     prefix_cache: Annotated[bool, typer.Option(help="reuse KV blocks of repeated prefixes")] = True,
     eager: Eager = False,
+    threads: Threads = None,
     as_json: Annotated[
         bool, typer.Option("--json", help="print one JSON object (results and stats) instead")
     ] = False,
@@ -210,12 +212,13 @@ def quantize(
     ] = None,
     samples: Annotated[int, typer.Option(help="calibration windows")] = 128,
     seqlen: Annotated[int, typer.Option(help="tokens per calibration window")] = 512,
+    threads: Threads = None,
 ) -> None:
     """Write a 4-bit AutoAWQ GEMM checkpoint (safetensors + config + tokenizer) that vLLM /
     transformers read."""
     from pagechat.tui.quant_cmds import quantize_command
 
-    quantize_command(model_dir, out_dir, method, group_size, calib, samples, seqlen)
+    quantize_command(model_dir, out_dir, method, group_size, calib, samples, seqlen, threads)
 
 
 @app.command("eval")
@@ -228,11 +231,12 @@ def eval_cmd(
     ] = None,
     dtype: Dtype = "auto",
     device: Device = "auto",
+    threads: Threads = None,
 ) -> None:
     """Perplexity of a text through pagechat's engine."""
     from pagechat.tui.quant_cmds import eval_command
 
-    eval_command(model_dir, text, quant, seqlen, dtype, device)
+    eval_command(model_dir, text, quant, seqlen, dtype, device, threads)
 
 
 @app.command()
@@ -275,11 +279,14 @@ def bench_quant(
     batch: Annotated[int, typer.Option(help="sequences decoding together")] = 1,
     rounds: Annotated[int, typer.Option(help="interleaved rounds (the median counts)")] = 3,
     device: Device = "auto",
+    threads: Threads = None,
 ) -> None:
     """Decode tok/s and weight memory of fp / int8 / AWQ side by side, on one model in one run."""
     from pagechat.tui.quant_cmds import bench_quant_command
 
-    bench_quant_command(model_dir, awq_dir, modes, tokens, prompt_tokens, batch, rounds, device)
+    bench_quant_command(
+        model_dir, awq_dir, modes, tokens, prompt_tokens, batch, rounds, device, threads
+    )
 
 
 @app.command()
@@ -332,6 +339,7 @@ def run(
     preempt: Preempt = "recompute",
     swap_blocks: SwapBlocks = None,
     eager: Eager = False,
+    threads: Threads = None,
 ) -> None:
     """Chat with a local model in the terminal app, with live KV-block, timing, sampling and
     memory panels."""
@@ -387,6 +395,7 @@ def bench(
     dtype: Dtype = "auto",
     device: Device = "auto",
     eager: Eager = False,
+    threads: Threads = None,
     as_json: Annotated[
         bool, typer.Option("--json", help="print one JSON object instead of the table")
     ] = False,
@@ -432,6 +441,7 @@ def bench_kv(
     quant: Quant = None,
     dtype: Dtype = "auto",
     device: Device = "auto",
+    threads: Threads = None,
     as_json: Annotated[
         bool, typer.Option("--json", help="print one JSON object instead of the tables")
     ] = False,
@@ -571,6 +581,7 @@ def serve(
     ] = 2048,
     max_seqs: Annotated[int, typer.Option(help="sequences running at once")] = 64,
     eager: Eager = False,
+    threads: Threads = None,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (chat, completions, streaming), with
     Prometheus metrics at /metrics."""

@@ -67,6 +67,13 @@ Preempt = Annotated[
 SwapBlocks = Annotated[
     int | None, typer.Option(help="host pool size in blocks with --preempt swap (default: as KV)")
 ]
+Threads = Annotated[
+    int | None,
+    typer.Option(
+        help="torch CPU threads; default: OMP_NUM_THREADS if set, else one per core that other "
+        "processes leave free when the engine starts (docs/benchmarks.md, Threads)"
+    ),
+]
 
 
 ENGINE_OPTIONS = (  # command options that are EngineConfig fields of the same name
@@ -82,6 +89,7 @@ ENGINE_OPTIONS = (  # command options that are EngineConfig fields of the same n
     "prefix_cache",
     "preempt",
     "swap_blocks",
+    "threads",
 )
 
 

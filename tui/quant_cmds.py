@@ -32,15 +32,19 @@ def quantize_command(
     calib: Path | None,
     samples: int,
     seqlen: int,
+    threads: int | None = None,
 ) -> None:
     """Quantise a float checkpoint to an AutoAWQ GEMM checkpoint, with a progress bar per
     decoder block."""
+    from pagechat.core.threads import apply_threads, check_threads
     from pagechat.quant.checkpoint import check_request, quantize_checkpoint
     from pagechat.tools.demo.corpus import calibration_texts
 
+    check_threads(threads)
     check_request(
         model_dir, out_dir, method, group_size, samples, seqlen
     )  # fail before the progress bar shows
+    apply_threads(threads)  # the calibration forwards run the engine's torch ops
     texts = [_read_text(calib, "--calib file")] if calib else calibration_texts()
     cols = (
         TextColumn("{task.description}"),
@@ -81,7 +85,13 @@ def quantize_command(
 
 
 def eval_command(
-    model_dir: Path, text: Path, quant: str | None, seqlen: int | None, dtype: str, device: str
+    model_dir: Path,
+    text: Path,
+    quant: str | None,
+    seqlen: int | None,
+    dtype: str,
+    device: str,
+    threads: int | None = None,
 ) -> None:
     """Perplexity of a text file through pagechat's engine."""
     from pagechat.core.config import EngineConfig
@@ -90,10 +100,11 @@ def eval_command(
     from pagechat.core.memory import fmt_bytes, weight_report
     from pagechat.quant.evaluate import perplexity
 
+    config = EngineConfig(
+        dtype=dtype, device=device, quant=quant, prefix_cache=False, threads=threads
+    ).validate()
     body = _read_text(text, "--text file")
-    engine = Engine(
-        model_dir, EngineConfig(dtype=dtype, device=device, quant=quant, prefix_cache=False)
-    )
+    engine = Engine(model_dir, config)
     ids = engine.tokenizer(
         body, add_special_tokens=False, verbose=False
     ).input_ids  # long texts are windowed
@@ -199,9 +210,11 @@ def bench_quant_command(
     batch: int,
     rounds: int,
     device: str,
+    threads: int | None = None,
 ) -> None:
     """Decode tok/s and weight memory per mode, measured in interleaved rounds."""
     from pagechat.core.memory import fmt_bytes
+    from pagechat.core.threads import check_threads
     from pagechat.tools.bench_quant import bench_quant
 
     for name, v in (
@@ -212,6 +225,7 @@ def bench_quant_command(
     ):
         if v < 1:
             raise PagechatError(f"{name} must be >= 1, got {v}")
+    check_threads(threads)
     chosen = tuple(m.strip() for m in modes.split(",") if m.strip())
     rows = bench_quant(
         model_dir,
@@ -222,6 +236,7 @@ def bench_quant_command(
         batch,
         rounds,
         device,
+        threads,
         log=lambda s: err.print(s),
     )
     base = rows[0]
