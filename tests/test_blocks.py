@@ -333,6 +333,7 @@ class BlockMachine(RuleBasedStateMachine):
         self.tokens: dict[int, list[int]] = {}
         self.computed: dict[int, int] = {}
         self.pool: dict[int, tuple[int, ...]] = {}
+        self.host: dict[int, tuple[list[int], int, list]] = {}  # swapped out: tokens, computed, KV
         self.next_id = 0
 
     def pick(self, i: int) -> int:
@@ -423,6 +424,91 @@ class BlockMachine(RuleBasedStateMachine):
         if sample:  # different tokens into the same slot: only copy-on-write keeps both intact
             self.extend(parent, [0], step=True)
             self.extend(child, [1], step=True)
+
+    def new_id(self) -> int:
+        self.next_id += 1
+        return self.next_id - 1
+
+    @precondition(lambda self: self.tokens)
+    @rule(
+        members=st.lists(PICK, min_size=1, max_size=4),
+        picks=st.lists(st.tuples(PICK, TOKENS), min_size=1, max_size=4),
+        step=st.booleans(),
+    )
+    def beam_step(self, members, picks, step):
+        """One step of a beam search over a group of sequences, as the engine takes it: each pick
+        (a parent in the group, a token) goes on as the parent itself the first time the parent
+        is picked, else as a fork of the parent as it was; every pick then gets its token; the
+        group's sequences no pick named are freed."""
+        group = sorted({self.pick(i) for i in members})
+        chosen = [(group[i % len(group)], token) for i, token in picks]
+        beams, reused = [], set()
+        for parent, token in chosen:
+            beam = parent
+            if parent in reused:  # forked before any pick's token is appended
+                beam = self.new_id()
+                self.bm.fork(parent, beam)
+                self.tokens[beam] = list(self.tokens[parent])
+                self.computed[beam] = self.computed[parent]
+            reused.add(parent)
+            beams.append((beam, token))
+        for beam, token in beams:
+            self.extend(beam, [token], step)
+        for sid in group:
+            if sid not in reused:
+                self.drop(sid, tail=True)
+
+    @precondition(lambda self: self.tokens)
+    @rule(i=PICK, at=st.integers(0, 12), token=TOKENS)
+    def branch(self, i, at, token):
+        """Branch a sequence at a token: a new one made of its first tokens, then another token.
+        Every full block the source computed before the cut and holds registered is a hit: the
+        shared history is not computed again. (A block whose content another block registered
+        first is not registered itself, so a branch after that one's eviction recomputes it.)"""
+        src, bs = self.pick(i), self.bm.block_size
+        self.bm.commit(src, self.tokens[src], self.computed[src])  # as each step of it did
+        at = min(at, len(self.tokens[src]))
+        full = min(at, self.computed[src]) // bs
+        own = all(b in self.bm._block_key for b in self.bm.table(src)[:full])
+        sid = self.next_id
+        self.start(self.tokens[src][:at] + [token], prefill=False)
+        if sid in self.tokens and own:
+            assert self.computed[sid] >= full * bs
+
+    @precondition(lambda self: self.tokens)
+    @rule(i=PICK, back=st.booleans())
+    def swap_out(self, i, back):
+        """Preemption by swapping: the KV of the sequence's computed tokens is copied out of the
+        blocks swap_out names before anything else writes them; maybe straight back in."""
+        sid, bs = self.pick(i), self.bm.block_size
+        toks, computed = self.tokens.pop(sid), self.computed.pop(sid)
+        blocks = self.bm.swap_out(sid, toks, computed)
+        assert len(blocks) == self.bm.blocks_needed(computed)
+        kv = [self.pool.get(b * bs + j) for b in blocks for j in range(bs)]
+        self.host[sid] = (toks, computed, kv)
+        if back:
+            self.swap_in(sid)
+
+    @precondition(lambda self: self.host)
+    @rule(i=PICK)
+    def swap_back(self, i):
+        self.swap_in(sorted(self.host)[i % len(self.host)])
+
+    def swap_in(self, sid: int) -> None:
+        """Resume a swapped-out sequence when the pool can hold all its tokens (the scheduler's
+        test): a fresh table for its computed tokens, their KV copied in, slots for the rest."""
+        toks, computed, kv = self.host[sid]
+        if not self.bm.can_swap_in(len(toks)):
+            return
+        del self.host[sid]
+        bs = self.bm.block_size
+        for k, b in enumerate(self.bm.swap_in(sid, computed)):
+            for j in range(bs):
+                self.pool[b * bs + j] = kv[k * bs + j]
+        self.tokens[sid], self.computed[sid] = toks[:computed], computed
+        if len(toks) > computed:
+            self.extend(sid, toks[computed:], step=False)
+        assert self.tokens[sid] == toks
 
     def drop(self, sid: int, tail: bool) -> list[int]:
         """Free a sequence, with tail keeping its partly filled last block as a partial prefix; its
