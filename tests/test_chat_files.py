@@ -86,8 +86,18 @@ def opened(monkeypatch) -> list[dict]:
     """Stand in for starting the engine and the app: record what `run` would open them with."""
     calls: list[dict] = []
 
-    def fake_open(path, config, chat, params, store, save, layout, notices) -> int:
-        calls.append(dict(path=path, chat=chat, params=params, save=save, notices=notices))
+    def fake_open(path, config, chat, params, store, save, layout, notices, when_full) -> int:
+        calls.append(
+            dict(
+                path=path,
+                config=config,
+                chat=chat,
+                params=params,
+                save=save,
+                notices=notices,
+                when_full=when_full,
+            )
+        )
         return 0
 
     monkeypatch.setattr(launch, "open_app", fake_open)

@@ -110,3 +110,16 @@ async def test_a_full_chat_set_to_refuse_says_start_a_new_one(tmp_path):
         reply = app.session.messages[-1]
         assert reply.error.startswith("the chat is full: its next turn needs ")
         assert reply.error.endswith("Ctrl+N starts a new chat") and app.session.context_from == 0
+
+
+def test_run_takes_what_a_full_chat_does(tmp_path, capsys, monkeypatch):
+    import pagechat.tui.launch as launch
+    from conftest import cli
+    from test_cli_errors import assert_one_line_error
+
+    seen = []
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
+    monkeypatch.setattr(launch, "open_app", lambda *args: seen.append(args[-1]) or 0)
+    assert cli(["run", "--when-full", "refuse"], capsys)[0] == 0 and seen == ["refuse"]
+    code, _, err = cli(["run", "--when-full", "sometimes"], capsys)
+    assert_one_line_error(code, err, "--when-full must be drop or refuse, got 'sometimes'")

@@ -327,6 +327,13 @@ def run(
     layout: Annotated[
         str, typer.Option(help="auto | tabs | grid (auto: every panel at once from 150x40)")
     ] = "auto",
+    when_full: Annotated[
+        str,
+        typer.Option(
+            help="drop | refuse: when the next turn would not fit the context, leave out the "
+            "oldest turns (the system prompt stays), or refuse the turn (start a new chat)"
+        ),
+    ] = "drop",
     draft: Draft = None,
     ngram: Ngram = False,
     num_draft: NumDraft = 4,
@@ -365,6 +372,7 @@ def run(
             system=system,
             layout=layout,
             strict=strict,
+            when_full=when_full,
         )
     )
 

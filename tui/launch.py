@@ -11,6 +11,7 @@ from pagechat.core.config import EngineConfig
 from pagechat.core.errors import PagechatError
 from pagechat.core.params import SamplingParams
 from pagechat.tools.demo import model_or_demo
+from pagechat.tui.context import WHEN_FULL
 from pagechat.tui.history import (
     ChatRecord,
     ChatStore,
@@ -122,11 +123,14 @@ def run_app(
     system: str | None = None,
     layout: str = "auto",
     strict: bool = False,
+    when_full: str = "drop",
 ) -> int:
     """Open the app on the model; returns the exit code. Everything that can be refused is checked
     before the model loads."""
     if layout not in ("auto", "tabs", "grid"):
         raise PagechatError(f"--layout must be auto, tabs or grid, got {layout!r}")
+    if when_full not in WHEN_FULL:
+        raise PagechatError(f"--when-full must be drop or refuse, got {when_full!r}")
     store = ChatStore()
     resumed = store.load(resume) if resume is not None else None
     path, warning = chat_model(resumed, model_dir, config.quant, strict)
@@ -152,10 +156,10 @@ def run_app(
         store.check_writable()
     except PagechatError as e:
         notices.append(f"{e}: this chat will not be saved there; Ctrl+O writes it where you say")
-    return open_app(path, config, chat, params, store, save, layout, tuple(notices))
+    return open_app(path, config, chat, params, store, save, layout, tuple(notices), when_full)
 
 
-def open_app(path, config, chat, params, store, save, layout, notices) -> int:
+def open_app(path, config, chat, params, store, save, layout, notices, when_full="drop") -> int:
     """Start the engine, run the app until it quits, and say where the chat went."""
     from pagechat.tui.session import engine_facts
 
@@ -173,6 +177,7 @@ def open_app(path, config, chat, params, store, save, layout, notices) -> int:
             layout=layout,
             facts=facts,
             notices=notices,
+            when_full=when_full,
         )
         app.run()
     finally:
