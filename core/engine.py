@@ -412,7 +412,7 @@ class Engine:
             for seq in (root, *(self.requests[c] for c in root.children)):
                 if not seq.finished:
                     self.scheduler.finish(seq)
-                    seq.finish_reason, seq.error = "error", why
+                    seq.finish_reason, seq.error, seq.fault = "error", why, True
                     work.outputs.append(self._output(seq, []))
 
     def _root(self, seq: Sequence) -> Sequence:

@@ -50,6 +50,7 @@ class Sequence:
     )  # ids of the samples forked from this one (n > 1)
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
+    fault: bool = False  # the error is the engine's own (a step failed), not the request's
     first_token_time: float | None = None
     finish_time: float | None = None
     text: str = ""  # detokenised output so far (stop strings already cut)

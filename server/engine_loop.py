@@ -224,6 +224,7 @@ class EngineLoop:
             out.finish_reason or "stop",
             out.error,
             self._usage(route, seq),
+            seq.fault,
         )
 
     def _observe_output(self, route: _Route, now: float) -> None:

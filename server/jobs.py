@@ -79,16 +79,16 @@ class Job:
             batch = await self._queue.get()
             for delta in batch:
                 if delta.error:
-                    raise self._failure(delta.error)
+                    raise self._failure(delta)
                 if delta.finished:
                     self._open -= 1
                     self.usages.append(delta.usage or ChoiceUsage(0, 0, 0))
             yield batch
 
-    def _failure(self, message: str) -> APIError:
+    def _failure(self, delta: ChoiceDelta) -> APIError:
         if self._loop.error:
             return APIError(500, f"the engine failed: {self._loop.error}")
-        return APIError(400, message)
+        return APIError(500 if delta.fault else 400, delta.error)
 
     async def collect(self) -> list[Choice]:
         """Every choice's whole output."""

@@ -47,6 +47,7 @@ class ChoiceDelta:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" on the last delta
     error: str | None = None
     usage: ChoiceUsage | None = None  # on the last delta
+    fault: bool = False  # the error is the engine's own (a 500), not the request's (a 400)
 
     @property
     def finished(self) -> bool:

@@ -151,6 +151,28 @@ def test_an_error_from_the_engine_ends_the_request(served, monkeypatch):
     assert served.state.loop.num_active == 0
 
 
+def test_a_step_that_fails_is_a_500_for_its_requests_and_the_server_goes_on(tiny_llama):
+    """A failure inside a step fails the requests it ran (the server's fault, so a 500, which
+    clients retry); the engine stays healthy and serves the next request."""
+    with serving(tiny_llama, tiny_config(kv_blocks=16)) as s:
+        real, calls = s.engine._forward, []
+
+        def fails_once(*args):
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("boom")
+            return real(*args)
+
+        s.engine._forward = fails_once
+        r = httpx.post(s.url + CHAT, json=chat(max_tokens=2))
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+        assert r.json()["error"]["message"] == "engine step failed: RuntimeError: boom"
+        assert httpx.get(s.url + "/health").status_code == 200
+        assert httpx.post(s.url + CHAT, json=chat(max_tokens=2)).status_code == 200
+        s.wait_idle()
+        assert s.state.loop.num_active == 0 and s.engine.blocks.num_free_blocks() == 16
+
+
 def test_a_failing_engine_is_a_500_and_unhealthy(tiny_llama):
     with serving(tiny_llama, tiny_config(kv_blocks=16)) as s:
 
