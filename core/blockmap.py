@@ -21,6 +21,8 @@ class BlockInfo:
     ref_count: int
     owners: tuple[int, ...]  # seq ids holding it, sorted
     filled: int  # slots holding tokens
+    mark: int = 0  # the map's serial of the last copy-on-write copy into it or prefix hit on it
+    marked: str = ""  # what that was: "copied" | "hit"
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +39,9 @@ class BlockSnapshot:
     slots_reserved: int  # num_used * block_size
     prefix_queried_tokens: int
     prefix_hit_tokens: int
+    # copies and hits marked so far: a block whose mark is above an earlier snapshot's serial was
+    # copied into or hit since that snapshot, however many snapshots a view skipped
+    serial: int = 0
 
     @property
     def fragmentation(self) -> float:
@@ -62,6 +67,8 @@ class BlockMap:
         self._tables: dict[int, list[int]] = {}
         self._lengths: dict[int, int] = {}
         self._queried = self._hit = 0
+        self._serial = 0
+        self._marks: dict[int, tuple[int, str]] = {}  # block -> (serial, "copied" | "hit")
         self._infos = [BlockInfo(b, "free", 0, (), 0) for b in range(num_blocks)]
         self._num_used = self._num_cached = self._num_shared = self._tokens_stored = 0
         self._touched: set[int] = set()
@@ -82,6 +89,9 @@ class BlockMap:
         elif kind == "copied":
             self._drop(seq, event.source)
             self._hold(seq, block)
+        if kind in ("hit", "copied"):
+            self._serial += 1
+            self._marks[block] = (self._serial, kind)
         elif kind == "released":
             self._drop(seq, block)
         elif kind in ("freed", "cached"):
@@ -139,13 +149,13 @@ class BlockMap:
 
     def _info(self, b: int) -> BlockInfo:
         """The block's record from its holders, their lengths, and what a cached block keeps."""
-        holders = self._holders[b]
+        holders, mark = self._holders[b], self._marks.get(b, (0, ""))
         if not holders:
             kept = self._kept[b]
-            return BlockInfo(b, "free" if kept < 0 else "cached", 0, (), max(kept, 0))
+            return BlockInfo(b, "free" if kept < 0 else "cached", 0, (), max(kept, 0), *mark)
         start = self._index[b] * self.block_size
         filled = max(min(self.block_size, self._lengths[s] - start) for s in holders)
-        return BlockInfo(b, "used", len(holders), tuple(sorted(holders)), filled)
+        return BlockInfo(b, "used", len(holders), tuple(sorted(holders)), filled, *mark)
 
     def _refresh(self, b: int) -> None:
         """Replace a touched block's record, keeping the totals up to date."""
@@ -173,4 +183,5 @@ class BlockMap:
             slots_reserved=num_used * self.block_size,
             prefix_queried_tokens=self._queried,
             prefix_hit_tokens=self._hit,
+            serial=self._serial,
         )

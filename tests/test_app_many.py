@@ -311,3 +311,45 @@ async def test_branching_the_last_reply_at_a_token(model_dir, tmp_path):
         assert reply.shown == 1 and reply.picked is None
         await pilot.press("ctrl+t")
         assert reply.content == branch.content
+
+
+def test_the_block_map_marks_copies_and_hits_as_they_happen():
+    """Each copy-on-write copy and prefix hit marks its block with a serial the snapshot states,
+    so a view that skipped snapshots still sees every mark since the one it drew."""
+    from pagechat.core.blockmap import BlockMap
+    from pagechat.core.blocks import BlockManager
+
+    bm = BlockManager(8, 4)
+    view = BlockMap.watching(bm)
+    bm.allocate(1, [1, 2, 3, 4, 5, 6])
+    bm.commit(1, [1, 2, 3, 4, 5, 6], 6)
+    first = view.snapshot()
+    assert first.serial == 0 and all(b.mark == 0 for b in first.blocks)
+    bm.fork(1, 2)
+    ((old, new),) = bm.append(2, 1)  # the shared, partly filled tail is copied on write
+    bm.allocate(3, [1, 2, 3, 4, 9])  # the first block is a prefix hit
+    snap = view.snapshot()
+    marked = {b.block_id: (b.mark, b.marked) for b in snap.blocks if b.mark > first.serial}
+    assert marked == {new: (1, "copied"), bm.table(3)[0]: (2, "hit")} and snap.serial == 2
+
+
+async def test_copies_and_hits_flash_in_the_grid_for_a_moment(model_dir, tmp_path):
+    from pagechat.tui.widgets.blocks import FLASH_S, BlockGrid
+
+    app = make_app(model_dir, tmp_path, replace(PARAMS, n=2))
+    async with app.run_test(size=SIZE) as pilot:
+        app.loop.pause()
+        await type_prompt(pilot, "tell me")
+        await advance(pilot, 2)  # the prompt, then the samples' first decode copies its tail
+        grid = app.query_one(BlockGrid)
+        flashed = [key for _, key in grid._cells if "!" in key]
+        assert flashed and all(key.endswith("!copied") for key in flashed)
+        await pilot.pause(FLASH_S + 0.3)
+        assert not any("!" in key for _, key in grid._cells)
+        app.loop.resume()
+        await wait_reply_done(pilot)
+        await pilot.press("ctrl+t")
+        app.loop.pause()
+        await type_prompt(pilot, "tell me more")  # its history's blocks are prefix hits
+        await advance(pilot, 1)
+        assert any(key.endswith("!hit") for _, key in grid._cells)

@@ -17,6 +17,7 @@ from textual.app import ComposeResult
 from textual.geometry import Region, Size
 from textual.message import Message
 from textual.strip import Strip
+from textual.timer import Timer
 from textual.widget import Widget
 
 OWNER_COLOURS = (  # theme variables, one per sequence id in turn: 16 apart
@@ -34,6 +35,8 @@ FILL = "▁▂▃▄▅▆▇█"  # partly filled last block: height = filled /
 FULL, SHARED, CACHED, FREE = "█", "◆", "○", "·"
 REFS = "23456789"  # a block shared by 2..9 sequences shows how many; more than 9 shows SHARED
 CELL_WIDTHS = (2, 1)  # a glyph and a gap when the pool fits that way, else glyphs side by side
+FLASH_S = 0.8  # how long a block copied on write or hit in the prefix cache stays highlighted
+FLASH_COLOURS = {"copied": "pc-warn", "hit": "pc-cached"}  # the highlight's background
 
 
 def owner_colour(seq_id: int) -> str:
@@ -42,7 +45,11 @@ def owner_colour(seq_id: int) -> str:
 
 
 def state_style(key: str, colours: Mapping[str, str]) -> Style:
-    """The style of a cell's colour key: free and cached blocks, or an owner's theme variable."""
+    """The style of a cell's colour key: free and cached blocks, or an owner's theme variable;
+    `key!copied` and `key!hit` flash it (just copied on write, or hit in the prefix cache)."""
+    if "!" in key:
+        flash = FLASH_COLOURS[key.split("!")[1]]
+        return Style(color=colours["pc-on-accent"], bgcolor=colours[flash], bold=True)
     if key == "free":
         return Style(color=colours["pc-faint"])
     if key == "cached":
@@ -102,6 +109,9 @@ class BlockGrid(Widget):
         self._segments: dict[Cell, Segment] = {}
         self._next_build = 0.0  # big pools: rebuild at most every ~10x the build time
         self._waiting: BlockSnapshot | None = None  # given before the grid had a size
+        self._seen = 0  # the serial of the last snapshot shown: later marks flash
+        self._flash: dict[int, tuple[float, str]] = {}  # block -> (until when, "copied" | "hit")
+        self._unflash_timer: Timer | None = None
 
     def on_mount(self) -> None:
         self.app.theme_changed_signal.subscribe(self, self._repaint)
@@ -154,6 +164,9 @@ class BlockGrid(Widget):
             cells = [block_cell(b, bs) for b in blocks]
         else:
             cells = [folded_cell(blocks[i : i + k], bs) for i in range(0, len(blocks), k)]
+        for block, kind in self.flashes(snap, now).items():
+            glyph, key = cells[block // k]
+            cells[block // k] = glyph, f"{key.split('!')[0]}!{kind}"
         self._next_build = now + 10 * (time.perf_counter() - now) if len(blocks) > 4096 else 0.0
         per_row = self.per_row
         rows = math.ceil(len(cells) / per_row)
@@ -170,6 +183,25 @@ class BlockGrid(Widget):
             if old[a:b] != cells[a:b]:
                 self._rows[y] = None
                 self.refresh(Region(0, y, width, 1))
+
+    def flashes(self, snap: BlockSnapshot, now: float) -> dict[int, str]:
+        """The blocks to highlight: those copied into or hit since the last snapshot shown (the
+        snapshots between included), for FLASH_S each."""
+        if snap.serial > self._seen:
+            for b in snap.blocks:
+                if b.mark > self._seen:
+                    self._flash[b.block_id] = (now + FLASH_S, b.marked)
+            self._seen = snap.serial
+        self._flash = {b: f for b, f in self._flash.items() if f[0] > now}
+        if self._flash and self._unflash_timer is None:  # redraw when the first one ends
+            first = min(until for until, _ in self._flash.values())
+            self._unflash_timer = self.set_timer(first - now + 0.01, self._unflash)
+        return {b: kind for b, (_, kind) in self._flash.items()}
+
+    def _unflash(self) -> None:
+        self._unflash_timer = None
+        if self.snapshot is not None:
+            self.show(self.snapshot, force=True)
 
     def on_resize(self) -> None:
         snap = self.snapshot or self._waiting
@@ -246,10 +278,15 @@ def header(snap: BlockSnapshot, block_bytes: int, fold: int, colours: Mapping[st
         "dim",
     )
     if fold > 1:
-        t.append(f"\n1 cell = {fold} blocks (pool folded to fit)", f"italic {colours['pc-note']}")
+        t.append(f"\n1 cell = {fold} blocks (folded)", f"italic {colours['pc-note']}")
     else:
         t.append("\n1 cell = 1 block", "dim")
-    return t
+    t.append(" · just now: ", "dim").append(FULL, state_style("x!copied", colours))
+    return (
+        t.append(" copied ", "dim")
+        .append(FULL, state_style("x!hit", colours))
+        .append(" hit", "dim")
+    )
 
 
 class BlocksPanel(Panel):
