@@ -69,10 +69,12 @@ async def test_n_samples_decode_together_and_the_kept_one_goes_on(model_dir, tmp
         await pilot.press("ctrl+t")
         assert reply.picked == 2 and reply.content == seqs[2].text
         assert "kept answer 3 of 4" in str(view.query_one(".answers-head").render())
-        # the chat goes on from the kept answer, and the saved chat keeps it alone
+        # the chat goes on from the kept answer; the saved chat names it and keeps every answer
         assert app.session.conversation()[-1] == {"role": "assistant", "content": seqs[2].text}
         saved = app.store.load(app.session.record.id).messages[-1]
-        assert saved["content"] == seqs[2].text and saved["answers"] == {"of": 4, "kept": 2}
+        assert saved["content"] == seqs[2].text
+        assert (saved["answers"]["of"], saved["answers"]["kept"]) == (4, 2)
+        assert [a["content"] for a in saved["answers"]["each"]] == [s.text for s in seqs]
 
 
 async def test_keeping_a_sample_mid_reply_frees_the_others_at_once(model_dir, tmp_path):
@@ -353,3 +355,56 @@ async def test_copies_and_hits_flash_in_the_grid_for_a_moment(model_dir, tmp_pat
         await type_prompt(pilot, "tell me more")  # its history's blocks are prefix hits
         await advance(pilot, 1)
         assert any(key.endswith("!hit") for _, key in grid._cells)
+
+
+async def test_branches_run_together_each_with_its_settings_and_are_kept(model_dir, tmp_path):
+    """Two branches of a reply (one at a token, one the turn asked again), each with the settings
+    in force when it was asked, decode in one batch beside each other; each equals its request
+    run alone on a fresh engine (seeded: whatever the batch); at most 4 run at once; every answer
+    is saved with what made it and comes back on resume."""
+    from pagechat.core.config import EngineConfig
+    from pagechat.core.engine import Engine
+    from pagechat.tui.app import MAX_BRANCHES
+    from pagechat.tui.session import ChatSession
+
+    app = make_app(model_dir, tmp_path, replace(PARAMS, max_tokens=20))
+    async with app.run_test(size=SIZE) as pilot:
+        await type_prompt(pilot, "branch me twice")
+        await wait_reply_done(pilot)
+        reply, engine = app.session.messages[-1], app.loop.engine
+        app.loop.pause()
+        app.set_params(replace(PARAMS, max_tokens=12, temperature=0.5, seed=11))
+        await pilot.press("ctrl+r", "left", "left", "left", "left", "left", "b")  # at token 15
+        app.set_params(replace(PARAMS, max_tokens=12, temperature=1.3, seed=12))
+        await pilot.press("ctrl+r", "a")  # the turn asked again
+        await wait_until(pilot, lambda: len(reply.samples) == 3, 5, "two branches")
+        await advance(pilot, 2)
+        branches = reply.samples[1:]
+        ran = {b.seq_id for b in app.session.latest.batch}
+        assert {b.request_id for b in branches} <= ran  # decoded together in one step
+        for k in range(MAX_BRANCHES - 2):
+            app.branch(reply.samples[0], 3 + k)
+        assert sum(a.streaming for a in reply.samples) == MAX_BRANCHES
+        app.branch(reply.samples[0], 9)
+        assert len(reply.samples) == 1 + MAX_BRANCHES  # refused: four run already
+        app.loop.resume()
+        await wait_reply_done(pilot)
+        alone = Engine(model_dir, EngineConfig(device="cpu", dtype="float32"))
+        for b in reply.samples[1:]:
+            seq = engine.requests[b.request_id]
+            p = seq.sampling.params
+            ref = alone.generate([seq.token_ids[: seq.num_prompt_tokens]], p)[0]
+            assert seq.output_ids == ref.output_ids and not b.streaming
+        made = [b.produced_by for b in branches]
+        assert [(m["params"]["temperature"], m["params"]["seed"]) for m in made] == [
+            (0.5, 11),
+            (1.3, 12),
+        ]
+        assert made[0]["branch"] == {"of": 1, "at_token": 14}
+        assert made[1]["branch"] == {"again": True}
+        assert branches[1].tokens[0].record is not None  # asked again: nothing given
+        texts = [a.content for a in reply.samples]
+    record = app.store.load(app.session.record.id)
+    resumed = ChatSession(record, PARAMS).messages[-1]
+    assert [a.content for a in resumed.samples] == texts
+    assert resumed.samples[1].produced_by == made[0] and resumed.picked is None

@@ -25,7 +25,7 @@ from pagechat.tui.protocol import (
     Started,
 )
 from pagechat.tui.screens import PANELS, HelpScreen, MainScreen, StatusBar, status_line
-from pagechat.tui.session import ChatSession, Message, engine_facts
+from pagechat.tui.session import ChatSession, Message, ReplyToken, engine_facts
 from pagechat.tui.widgets.blocks import BlocksPanel
 from pagechat.tui.widgets.chat import PromptInput, ReplyView
 from pagechat.tui.widgets.controls import ControlsPanel
@@ -78,6 +78,7 @@ PALETTE = {
 THEME = replace(BUILTIN_THEMES["textual-dark"], name="pagechat", variables=PALETTE)
 GRID_MIN = (150, 40)  # terminal size from which every panel is shown at once
 MAX_ANSWERS = 8  # samples, beams or branches of one turn
+MAX_BRANCHES = 4  # branches of a turn running at once
 FPS = 20  # the UI renders the latest report at most this often
 UI_CPU_BUDGET = 0.03  # while decoding, the UI thread's share of one core (see within_budget)
 MAX_FRAME_GAP = 0.5  # ...but draw at least twice a second
@@ -704,40 +705,53 @@ class PagechatApp(App[None]):
         self.branch(event.message, event.index)
 
     def branch(self, source: Message, index: int) -> None:
-        """Another answer to the last turn: `source`'s tokens before `index`, then the best
-        candidate that was not chosen there, then what the model makes of it."""
+        """Another answer to the last turn with the settings now: `source`'s tokens before
+        `index`, then the best candidate not chosen there, then what the model makes of it; or,
+        with index -1, the turn asked again. Up to MAX_BRANCHES run at once, beside each other."""
         reply = self.session.messages[-1] if self.session.messages else None
-        if self.session.streaming is not None:
-            self.notify("a reply is still streaming: Esc stops it", severity="warning")
-            return
         if reply is None or (source is not reply and source not in reply.samples):
             self.notify("a branch starts in the last reply", severity="warning")
             return
-        if len(reply.samples) >= MAX_ANSWERS:
-            self.notify(f"at most {MAX_ANSWERS} answers to a turn", severity="warning")
+        why = self.no_branch(reply)
+        if why:
+            self.notify(why, severity="warning")
             return
-        picked = source.tokens[index]
-        rec = picked.record
-        alt = next((c for c in rec.candidates if not c.chosen), None) if rec else None
-        if alt is None:
-            self.notify("no other candidate recorded for this token", severity="warning")
-            return
+        given, what = [], "the turn asked again"
+        if index >= 0:
+            picked = source.tokens[index]
+            rec = picked.record
+            alt = next((c for c in rec.candidates if not c.chosen), None) if rec else None
+            if alt is None:
+                self.notify("no other candidate recorded for this token", severity="warning")
+                return
+            given = [*source.tokens[:index], ReplyToken(alt.token_id, alt.text, None)]
+            what = (
+                f"branch at token {index + 1}: '{token_label(alt.text)}' instead of "
+                f"'{token_label(picked.text)}'"
+            )
         plain = not reply.samples
-        answer, conversation, prefix = self.session.branch(source, index, alt.token_id, alt.text)
-        log = self.main.chat_log
+        at = index if index >= 0 else None
+        answer, conversation, prefix = self.session.branch(source, given, at)
         if plain:  # the reply becomes its first answer, beside the branch
-            log.remount(reply)
+            self.main.chat_log.remount(reply)
         else:
-            log.views[id(reply)].add_answer(answer)
+            self.main.chat_log.views[id(reply)].add_answer(answer)
         self.pinned = None
         self.main.prompt.focus()
         params = replace(self.session.params, n=1, beam_width=1)  # one answer per branch
-        self.loop.send(answer.ticket, conversation, params, prefix=prefix)
-        self.notify(
-            f"branch at token {index + 1}: '{token_label(alt.text)}' instead of "
-            f"'{token_label(picked.text)}'",
-            timeout=4,
-        )
+        self.loop.send(answer.ticket, conversation, params, prefix=prefix, beside=True)
+        self.notify(what, timeout=4)
+
+    def no_branch(self, reply: Message) -> str | None:
+        """Why the last reply can take no branch now, if it cannot."""
+        running = [a for a in reply.samples if a.streaming]
+        if reply.streaming and not all(a.ticket is not None for a in running):
+            return "a reply is still streaming: Esc stops it"  # not its branches alone
+        if len(running) >= MAX_BRANCHES:
+            return f"at most {MAX_BRANCHES} branches run at once"
+        if len(reply.samples) >= MAX_ANSWERS:
+            return f"at most {MAX_ANSWERS} answers to a turn"
+        return None
 
     def keep_answer(self, m: Message) -> None:
         others = m.pick(m.shown)

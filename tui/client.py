@@ -104,6 +104,7 @@ class EngineClient:
         hold: bool = False,
         prefix: tuple[int, ...] = (),
         when_full: str = "drop",
+        beside: bool = False,
     ) -> None:
         """Start a reply to the conversation `messages`.
 
@@ -112,8 +113,9 @@ class EngineClient:
         prefix: token ids the reply starts with (a branch: an earlier reply's first tokens, then
         another candidate).
         when_full: what a conversation too long for the context does (context.WHEN_FULL).
+        beside: run beside the reply's answers in flight (a branch) instead of replacing them.
         """
-        cmd = Send(ticket, messages, params, prefix, when_full)
+        cmd = Send(ticket, messages, params, prefix, when_full, beside)
         if hold:
             self.release()
             self._held = cmd

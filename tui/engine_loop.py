@@ -65,7 +65,8 @@ class EngineLoop:
 
     def __init__(self, engine: Engine, port: Port) -> None:
         self.engine, self.port = engine, port
-        self.active: int | None = None  # the request of the reply in flight
+        self.active: int | None = None  # the newest request of the reply in flight
+        self.beside: list[int] = []  # the reply's other requests still running (its branches)
         self._paused = False
         self._first_seen: set[int] = set()
         self._snapshot = engine.block_map.snapshot()  # the last block snapshot the app was sent
@@ -142,11 +143,14 @@ class EngineLoop:
                 cmd.messages, self.engine.encode_chat, context, room, cmd.when_full
             )
             ids += cmd.prefix
-            self._abort_active()  # one reply at a time: a new prompt replaces the one in flight
+            if not cmd.beside:  # one reply at a time: a new prompt replaces the one in flight
+                self._abort_active()
             rid = self.engine.add_request(ids, cmd.params)
         except Exception as e:  # noqa: BLE001 - said in the reply, whatever raised
             self.port.emit(Refused(cmd.ticket, one_line(e)))
             return
+        if cmd.beside and self.active is not None:
+            self.beside.append(self.active)
         self.active = rid
         self.port.emit(Started(cmd.ticket, rid, len(ids), dropped=dropped))
 
@@ -225,9 +229,9 @@ class EngineLoop:
 
     # -- stepping ----------------------------------------------------------------------------------
     def _abort_active(self) -> None:
-        """Abort the reply in flight: its request and the samples forked from it."""
-        rid = self.active
-        if rid is not None:
+        """Abort the reply in flight: its requests (branches too) and the samples forked from
+        them."""
+        for rid in [*self.beside, *([] if self.active is None else [self.active])]:
             self._abort((rid, *self.engine.requests[rid].children))
 
     def _abort(self, request_ids) -> None:
@@ -258,8 +262,9 @@ class EngineLoop:
                 seq.beams,
             )
         )
+        self.beside = [r for r in self.beside if not self._done(r)]
         if self.active is not None and self._done(self.active):
-            self.active = None
+            self.active = self.beside.pop() if self.beside else None
 
     def _step(self) -> None:
         # A failure inside a step's work fails the requests it ran (Engine.step); one outside it

@@ -219,6 +219,14 @@ def check_message(m: object, i: int, bad) -> None:
         raise bad(f"message {i}'s stats are not numbers")
     if not isinstance(m.get("produced_by", {}), dict):
         raise bad(f"message {i}'s produced_by is not an object")
+    answers = m.get("answers", {})
+    each = answers.get("each", []) if isinstance(answers, dict) else None
+    kept = answers.get("kept") if isinstance(answers, dict) else None
+    in_range = kept is None or type(kept) is int and (not each or 0 <= kept < len(each))
+    if not isinstance(each, list) or not in_range:
+        raise bad(f"message {i}'s answers are not a list with the index of the one kept")
+    for a in each:
+        check_message(a, i, bad)
 
 
 def write_atomic(path: Path, text: str) -> None:

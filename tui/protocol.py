@@ -29,6 +29,7 @@ class Send:
     params: SamplingParams
     prefix: tuple[int, ...] = ()  # the reply's first tokens, given (a branch of an earlier one)
     when_full: str = "drop"  # the context cannot hold it: drop the oldest turns, or refuse
+    beside: bool = False  # a branch: run beside the reply's answers in flight, not instead
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from pagechat.core.blockmap import BlockSnapshot
@@ -201,11 +201,32 @@ class Message:
                 d["error"] = self.error
             if self.produced_by is not None:
                 d["produced_by"] = self.produced_by
-            if self.samples:  # the kept answer is the content; the others are not saved
+            if self.samples:  # the content is the kept answer's; each answer is kept too
                 kept = self.shown if self.picked is None else self.picked
                 d["content"] = self.samples[kept].content
-                d["answers"] = {"of": len(self.samples), "kept": self.picked}
+                each = [a.as_dict() for a in self.samples]
+                d["answers"] = {"of": len(self.samples), "kept": self.picked, "each": each}
         return d
+
+    @classmethod
+    def from_dict(cls, m: dict) -> Message:
+        """A saved message (checked by history.check_message), its answers too."""
+        msg = cls(
+            m["role"],
+            m["content"],
+            finish_reason=m.get("finish_reason"),
+            error=m.get("error"),
+            produced_by=m.get("produced_by"),
+            saved=m,
+        )
+        if m.get("stats"):
+            msg.timing = TurnTiming.from_dict(m["stats"])
+        answers = m.get("answers") or {}
+        msg.samples = [cls.from_dict(a) for a in answers.get("each", ())]
+        if msg.samples:
+            msg.picked = answers.get("kept")
+            msg.shown = msg.picked or 0
+        return msg
 
 
 def _end(m: Message, ev: Finished) -> None:
@@ -232,19 +253,7 @@ class ChatSession:
         self.save_error: str | None = None  # why the latest autosave failed; None once it works
         self.saved = False  # the chats folder holds the latest autosave
         self.rescued: Path | None = None  # where the chat went when its folder could not take it
-        self.messages: list[Message] = []
-        for m in record.messages:
-            msg = Message(
-                m["role"],
-                m["content"],
-                finish_reason=m.get("finish_reason"),
-                error=m.get("error"),
-                produced_by=m.get("produced_by"),
-                saved=m,
-            )
-            if m.get("stats"):
-                msg.timing = TurnTiming.from_dict(m["stats"])
-            self.messages.append(msg)
+        self.messages = [Message.from_dict(m) for m in record.messages]
         self.steps: deque[tuple[str, float]] = deque(maxlen=STEP_HISTORY)  # (kind, elapsed_s)
         # the engine's DraftRecords (speculation), newest last
         self.drafts: deque[DraftRecord] = deque(maxlen=STEP_HISTORY)
@@ -384,24 +393,26 @@ class ChatSession:
             msg.produced_by.setdefault("changes", []).append(at | change)
 
     def branch(
-        self, source: Message, index: int, token_id: int, text: str
+        self, source: Message, given: list[ReplyToken], at: int | None
     ) -> tuple[Message, list[dict], tuple[int, ...]]:
-        """Another answer to the last turn: `source`'s tokens before `index`, then `token_id`
-        (`text`) instead of the one sampled there, and what the engine makes after it. Returns
-        the new answer (streaming), the conversation before the turn and the answer's given
-        tokens."""
+        """Another answer to the last turn, with the settings now: the `given` tokens (`source`'s
+        first tokens, then another candidate in place of its token `at`; none: the turn asked
+        again), then what the engine makes after them. Returns the new answer (streaming), the
+        conversation before the turn and the given token ids."""
         reply = self.messages[-1]
         if not reply.samples:  # the reply becomes its first answer
             first = Message("assistant", reply.content, reply.tokens, reply.timing)
             first.finish_reason, first.error = reply.finish_reason, reply.error
-            first.request_id = reply.request_id
+            first.request_id, first.produced_by = reply.request_id, reply.produced_by
             reply.samples = [first]
         self._next_ticket += 1
-        given = source.tokens[:index] + [ReplyToken(token_id, text, None)]
-        answer = Message(
-            "assistant", "".join(t.text for t in given), list(given), TurnTiming(), streaming=True
-        )
-        answer.ticket = self._next_ticket
+        made = self.producer()
+        made["params"] = params_to_dict(replace(self.params, n=1, beam_width=1))
+        of = reply.samples.index(source) + 1 if source in reply.samples else 1
+        made["branch"] = {"again": True} if at is None else {"of": of, "at_token": at}
+        text = "".join(t.text for t in given)
+        answer = Message("assistant", text, list(given), TurnTiming(), streaming=True)
+        answer.ticket, answer.produced_by = self._next_ticket, made
         reply.samples.append(answer)
         reply.shown, reply.picked, reply.streaming = len(reply.samples) - 1, None, True
         return answer, self.conversation(), tuple(t.token_id for t in given)

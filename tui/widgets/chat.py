@@ -126,7 +126,14 @@ class ReplyView(Vertical, can_focus=True):
             "Branch",
             show=False,
             tooltip="branch the last reply at the picked token: its best other candidate, then "
-            "the model goes on (another answer beside it)",
+            "the model goes on (another answer beside it, with the settings now)",
+        ),
+        Binding(
+            "a",
+            "again",
+            "Again",
+            show=False,
+            tooltip="ask the last turn again with the settings now (another answer beside it)",
         ),
     ]
 
@@ -140,7 +147,7 @@ class ReplyView(Vertical, can_focus=True):
             self.view, self.message, self.index = view, message, index
 
     class BranchAsked(TMessage):
-        """The user asked for a branch of `message` at its token `index`."""
+        """The user asked for a branch of `message` at its token `index` (-1: the turn again)."""
 
         def __init__(self, message: Message, index: int) -> None:
             super().__init__()
@@ -296,6 +303,9 @@ class ReplyView(Vertical, can_focus=True):
     def action_branch(self) -> None:
         if self.selected >= 0:
             self.post_message(self.BranchAsked(self.message, self.selected))
+
+    def action_again(self) -> None:
+        self.post_message(self.BranchAsked(self.message, -1))
 
     def action_sibling(self, delta: int) -> None:
         replies = self.log.replies()
