@@ -129,6 +129,26 @@ async def beams_screen(model: Path, store: Path) -> None:
         save(app, "beams")
 
 
+async def branches_screen(model: Path, store: Path) -> None:
+    """Two branches of a reply decoding beside each other: one at its 6th token with the next
+    candidate, one the turn asked again at another temperature; the history's blocks shared."""
+    params = SamplingParams(temperature=0.7, top_p=0.95, max_tokens=48, seed=8)
+    app = make_app(model, store, params, "grid", kv_blocks=96, block_size=4)
+    async with app.run_test(size=(180, 50)) as pilot:
+        await quiet(pilot)
+        await type_prompt(pilot, "Tell me about copy-on-write.")
+        await wait_reply_done(pilot)
+        app.loop.pause()
+        reply = app.session.messages[-1]
+        app.branch(reply, 5)
+        app.set_params(SamplingParams(temperature=1.2, top_p=0.95, max_tokens=48, seed=9))
+        app.branch(reply.samples[0], -1)
+        await advance(pilot, 10)
+        pilot.app.set_focus(None)
+        await pilot.pause(0.3)
+        save(app, "branches")
+
+
 async def load_screen(model: Path, store: Path) -> None:
     """Background load in a 64-block pool: batching, prefix hits and preemption, a chat among."""
     params = SamplingParams(temperature=0.7, top_p=0.95, max_tokens=60, seed=6)
@@ -152,6 +172,7 @@ async def run(model: Path, store: Path, speculation: dict) -> None:
     await main_screen(model, store)
     await samples_screen(model, store)
     await beams_screen(model, store)
+    await branches_screen(model, store)
     await load_screen(model, store)
     await sampling_screen(model, store)
     await speculation_screen(model, store, speculation)

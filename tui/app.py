@@ -495,8 +495,10 @@ class PagechatApp(App[None]):
         return on, why + ("" if on else " · switched off in Controls"), k
 
     def refresh_memory(self) -> None:
+        """Every second (an interval that can fire while the app closes: query, never query_one)."""
         if self.visible("memory"):
-            self.main.query_one(MemoryPanel).show(self.session.blocks, self.readings)
+            for panel in self.main.query(MemoryPanel):
+                panel.show(self.session.blocks, self.readings)
 
     def show_sampling(self) -> None:
         panel = self.main.query_one(SamplingPanel)
