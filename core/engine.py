@@ -287,9 +287,11 @@ class Engine:
             raise PagechatError(f"the chat template failed: {str(e).splitlines()[0]}") from None
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> int:
+    def add_request(
+        self, prompt: str | list[int], params: SamplingParams | None = None, priority: int = 0
+    ) -> int:
         """Queue a prompt (text or token ids); returns its request id. The next step() may admit
-        it."""
+        it. A lower priority is admitted before and preempted after a higher one."""
         params = (params or SamplingParams()).validate()
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
@@ -307,7 +309,7 @@ class Engine:
             )
         seq_id = self._new_id()
         sampling = SamplingState(params, self._generator(params.seed))
-        seq = Sequence(seq_id, ids, len(ids), sampling, time.perf_counter())
+        seq = Sequence(seq_id, ids, len(ids), sampling, time.perf_counter(), priority=priority)
         if params.beam_width > 1:
             self._beams[seq_id] = self._beam_of[seq_id] = BeamGroup(
                 seq, self.eos_ids, self.max_model_len
@@ -590,6 +592,7 @@ class Engine:
                 num_computed=it.start,
                 parent=parent.seq_id,
                 sample_index=j,
+                priority=parent.priority,
             )
             self.blocks.fork(parent.seq_id, kid.seq_id)
             self.scheduler.running.append(kid)
@@ -644,13 +647,14 @@ class Engine:
             parent.arrival,
             status=parent.status,
             num_computed=parent.num_computed,
+            priority=parent.priority,
         )
         if parent.status is Status.RUNNING:
             self.blocks.fork(parent.seq_id, beam.seq_id)
             self.scheduler.running.append(beam)
         else:
             beam.num_computed = 0
-            self.scheduler.waiting.appendleft(beam)
+            self.scheduler.add(beam, front=True)
         return beam
 
     def _drop_beams(self, group: BeamGroup) -> None:

@@ -74,8 +74,18 @@ class Scheduler:
         self.parked: list[Sequence] = []
         self.ended: list[Sequence] = []  # finished since the engine last listed its sequences
 
-    def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+    def add(self, seq: Sequence, front: bool = False) -> None:
+        """Queue seq behind the waiting sequences of its priority and the more urgent ones; front:
+        before those of its own priority (a preempted sequence goes first again)."""
+        at = next(
+            (
+                i
+                for i, s in enumerate(self.waiting)
+                if s.priority > seq.priority or front and s.priority == seq.priority
+            ),
+            len(self.waiting),
+        )
+        self.waiting.insert(at, seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.swapped or self.parked)
@@ -84,14 +94,31 @@ class Scheduler:
         """Pick this step's chunks: running sequences first (decodes, unfinished prefills), then new
         ones. lookahead > 0 (speculation) reserves that many extra slots for each decoding sequence,
         where blocks allow without preempting anyone."""
-        batch = Batch()
-        budget = self._continue_running(batch, self.max_batch_tokens, lookahead)
+        batch, budget = Batch(), self.max_batch_tokens
+        if self._yield_to_urgent(batch):  # admitted first, whatever else must wait
+            budget = self._admit_waiting(batch, budget, most=1)
+        urgent = len(batch.preempted)
+        budget = self._continue_running(batch, budget, lookahead)
         # Resume or admit only when nothing had to be preempted: memory is tight otherwise.
-        if not batch.preempted:
+        if len(batch.preempted) == urgent:
             budget = self._swap_in(batch, budget)
             if not self.swapped:
                 self._admit_waiting(batch, budget)
         return batch
+
+    def _yield_to_urgent(self, batch: Batch) -> bool:
+        """Whether the first waiting sequence is more urgent than one running or swapped (the
+        app's chat under its background load); if so, preempt the less urgent running ones,
+        least urgent and newest first, until it fits."""
+        head = self.waiting[0] if self.waiting else None
+        if head is None or all(s.priority <= head.priority for s in self.running + [*self.swapped]):
+            return False
+        while not self.blocks.can_allocate(head.token_ids):
+            lesser = [s for s in self.running if s.priority > head.priority]
+            if not lesser:
+                break
+            self.preempt(max(reversed(lesser), key=lambda s: s.priority), batch)
+        return True
 
     def _swap_in(self, batch: Batch, budget: int) -> int:
         """Resume swapped-out sequences, oldest first, while blocks and limits allow; the budget
@@ -113,12 +140,15 @@ class Scheduler:
         return budget
 
     def _continue_running(self, batch: Batch, budget: int, lookahead: int) -> int:
-        """Schedule every running sequence the budget allows, oldest first; the budget left."""
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            if seq.num_computed == len(seq.token_ids):  # a beam waiting for its group's pick
-                i += 1
+        """Schedule every running sequence the budget allows, the most urgent first, oldest first
+        among equals: a victim (the least urgent, newest) is never one already scheduled."""
+        admitted = {id(it.seq) for it in batch.items}  # this step's urgent admission
+        for seq in sorted(self.running, key=lambda s: s.priority):
+            if budget <= 0:
+                break
+            if seq not in self.running or seq.num_computed == len(seq.token_ids):
+                continue  # preempted to make room for another; or a beam awaiting its pick
+            if id(seq) in admitted:
                 continue
             decoding = len(seq.token_ids) - seq.num_computed == 1
             beam = seq.sampling.params.beam_width > 1  # a beam's next token is the group's pick
@@ -127,17 +157,19 @@ class Scheduler:
             if extra and need > 0 and not self.blocks.can_append(seq.seq_id, need):
                 extra = 0  # speculation never preempts anyone: decode this one plainly
             if not self._make_room(seq, batch, extra):
-                continue  # seq itself was preempted or failed; the list shifted under i
+                continue  # seq itself was preempted or failed
             count = min(len(seq.token_ids) - seq.num_computed, budget)
             batch.items.append(ScheduledSeq(seq, seq.num_computed, count, lookahead=extra))
             budget -= count + extra
-            i += 1
         return budget
 
-    def _admit_waiting(self, batch: Batch, budget: int) -> None:
-        """Admit waiting sequences, oldest first, while the budget, max_seqs and free blocks
-        allow."""
+    def _admit_waiting(self, batch: Batch, budget: int, most: int | None = None) -> int:
+        """Admit waiting sequences (at most `most`), the most urgent first and oldest among
+        equals, while the budget, max_seqs and free blocks allow; the budget left."""
+        admitted = 0
         while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
+            if most is not None and admitted >= most:
+                break
             seq = self.waiting[0]
             if self.blocks.blocks_needed(len(seq.token_ids) + 1) > self.blocks.num_blocks:
                 self.waiting.popleft()
@@ -162,6 +194,8 @@ class Scheduler:
             count = min(len(seq.token_ids) - hit, budget)
             batch.items.append(ScheduledSeq(seq, hit, count))
             budget -= count
+            admitted += 1
+        return budget
 
     def _park_idle(self, batch: Batch) -> bool:
         """Free the newest running sequence that has nothing to compute (a beam whose logits wait
@@ -183,7 +217,7 @@ class Scheduler:
         """A parked beam got its next token: it waits, first in line, to be computed again."""
         if seq in self.parked:
             self.parked.remove(seq)
-            self.waiting.appendleft(seq)
+            self.add(seq, front=True)
 
     def _make_room(self, seq: Sequence, batch: Batch, extra: int = 0) -> bool:
         """Reserve slots for seq's new tokens (+ extra), preempting the newest sequences if blocks
@@ -200,12 +234,19 @@ class Scheduler:
                     "tokens) is full with this request alone; raise --kv-blocks or --kv-memory",
                 )
                 return False
-            victim = self.running[-1]
+            victim = self._victim(seq, batch)
             self.preempt(victim, batch)
             if victim is seq:
                 return False
         batch.copies += self.blocks.append(seq.seq_id, missing)
         return True
+
+    def _victim(self, seq: Sequence, batch: Batch) -> Sequence:
+        """Whom to preempt for seq: the least urgent running sequence, newest first, that this
+        step has not scheduled yet (seq itself at worst)."""
+        done = {id(it.seq) for it in batch.items}
+        free_to_go = [s for s in self.running if id(s) not in done]
+        return max(reversed(free_to_go), key=lambda s: s.priority)
 
     def preempt(self, seq: Sequence, batch: Batch) -> None:
         """Free seq's blocks: its KV goes to the host pool when swapping can hold it (resumed
@@ -222,7 +263,7 @@ class Scheduler:
             return
         self.blocks.free(seq.seq_id, seq.token_ids, seq.num_computed)
         seq.status, seq.num_computed = Status.WAITING, 0
-        self.waiting.appendleft(seq)
+        self.add(seq, front=True)
 
     def _can_swap(self, seq: Sequence) -> bool:
         """Swapping is on, the host pool has room, and seq is no beam (beams are re-picked

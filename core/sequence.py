@@ -51,6 +51,7 @@ class Sequence:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
     fault: bool = False  # the error is the engine's own (a step failed), not the request's
+    priority: int = 0  # lower is admitted first and preempted last (the app's chat 0, load 1)
     first_token_time: float | None = None
     finish_time: float | None = None
     text: str = ""  # detokenised output so far (stop strings already cut)

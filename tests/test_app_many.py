@@ -167,7 +167,9 @@ async def test_background_load_batches_hits_the_prefix_cache_and_preempts(model_
         engine = app.loop.engine
         await wait_until(pilot, lambda: len(engine.requests) >= 15, 10, "the load to start")
         await wait_reply_done(pilot)
-        assert app.session.messages[-1].finish_reason == "length"
+        reply = app.session.messages[-1]
+        assert reply.finish_reason == "length"
+        assert engine.requests[reply.request_id].num_preemptions == 0  # the chat goes first
         load = [r for r, what in app.sched.labels.items() if what.startswith("load")]
         assert sorted(app.sched.labels[r] for r in load) == sorted(
             f"load {k}" for k in range(1, 15)

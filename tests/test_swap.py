@@ -95,3 +95,27 @@ def test_bad_preempt_mode():
 
     with pytest.raises(PagechatError, match="--preempt must be recompute or swap, got 'page'"):
         EngineConfig(preempt="page").validate()
+
+
+@pytest.mark.parametrize("preempt", ["recompute", "swap"])
+def test_the_chat_goes_first_under_background_load(preempt, tiny_llama):
+    """Requests of priority 1 (the app's background load) fill a tight pool; one of priority 0
+    (the chat) that comes later is admitted before the waiting ones and never preempted, while
+    the others are; every output equals the one computed with room for all."""
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [f"load {i} " + "word " * 12 for i in range(6)]
+    chat = "the chat " + "word " * 10
+    roomy = Engine(tiny_llama, EngineConfig(kv_blocks=512, block_size=4))
+    want = [s.output_ids for s in roomy.generate([*prompts, chat], greedy)]
+    tight = Engine(tiny_llama, EngineConfig(kv_blocks=30, block_size=4, preempt=preempt))
+    load = [tight.add_request(p, greedy, priority=1) for p in prompts]
+    for _ in range(3):
+        tight.step()
+    rid = tight.add_request(chat, greedy)
+    tight.step()
+    assert tight.requests[rid].status is Status.RUNNING  # admitted ahead of waiting load
+    while tight.has_unfinished():
+        tight.step()
+    seqs = [tight.requests[i] for i in [*load, rid]]
+    assert [s.output_ids for s in seqs] == want
+    assert seqs[-1].num_preemptions == 0 and sum(s.num_preemptions for s in seqs[:-1]) > 0

@@ -199,7 +199,8 @@ class EngineLoop:
         self.load_ids = [i for i in self.load_ids if not self.engine.requests[i].finished]
         for k in due:
             ids = self.engine.encode_chat(load_prompt(k))
-            rid = self.engine.add_request(ids, load_params(k, self._load_tokens))
+            # behind the chat: admitted after it and preempted before it
+            rid = self.engine.add_request(ids, load_params(k, self._load_tokens), priority=1)
             self.load_ids.append(rid)
             self.port.emit(Started(None, rid, len(ids), f"load {k + 1}"))
         self.port.emit(LoadSet(plan.left))
