@@ -26,6 +26,20 @@ def tiny_models(tmp_path_factory) -> dict:
     return {arch: make_model(root / arch, arch, "tiny", seed=1) for arch in ARCHS}
 
 
+@pytest.fixture
+def anyio_backend():
+    """The app's Pilot tests run on asyncio, as the app does."""
+    return "asyncio"
+
+
+@pytest.fixture(scope="session")
+def model_dir():
+    """The tiny llama the app's tests drive (drive.tiny_model_dir: one per process)."""
+    from drive import tiny_model_dir
+
+    return tiny_model_dir()
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_models):
     return tiny_models["llama"]

@@ -10,7 +10,6 @@ from drive import (
     advance,
     send_and_advance,
     tabs_app,
-    tiny_model_dir,
     type_prompt,
     wait_reply_done,
     wait_tokens,
@@ -37,16 +36,6 @@ from textual.widgets import Input, Static, Tabs
 pytestmark = pytest.mark.anyio
 SIZE = (120, 36)
 LONG = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=400, seed=3, ignore_eos=True)
-
-
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
-@pytest.fixture(scope="module")
-def model_dir():
-    return tiny_model_dir()
 
 
 def make_app(model_dir, tmp_path, params: SamplingParams = LONG, **config) -> PagechatApp:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from drive import advance, tabs_app, tiny_model_dir, type_prompt, wait_reply_done, wait_until
+from drive import advance, tabs_app, type_prompt, wait_reply_done, wait_until
 from pagechat.core.params import SamplingParams
 from pagechat.tui.app import PagechatApp
 from pagechat.tui.widgets.chat import AnswersView, AnswerView, ChatLog
@@ -17,16 +17,6 @@ from textual.widgets import Input
 pytestmark = pytest.mark.anyio
 SIZE = (120, 36)
 PARAMS = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=24, seed=5, ignore_eos=True)
-
-
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
-@pytest.fixture(scope="module")
-def model_dir():
-    return tiny_model_dir()
 
 
 def make_app(model_dir, tmp_path, params: SamplingParams = PARAMS, **config) -> PagechatApp:

@@ -11,7 +11,7 @@ import signal
 import time
 
 import pytest
-from drive import tiny_model_dir, type_prompt, wait_reply_done, wait_tokens, wait_until
+from drive import type_prompt, wait_reply_done, wait_tokens, wait_until
 from pagechat.core.config import EngineConfig
 from pagechat.core.engine import Engine
 from pagechat.core.params import SamplingParams
@@ -24,16 +24,6 @@ pytestmark = pytest.mark.anyio
 SIZE = (120, 36)
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 CONFIG = EngineConfig(device="cpu", dtype="float32")
-
-
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
-@pytest.fixture(scope="module")
-def model_dir():
-    return tiny_model_dir()
 
 
 def app_on(client, tmp_path) -> PagechatApp:

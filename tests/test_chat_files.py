@@ -356,11 +356,6 @@ SIZE = (120, 36)
 PARAMS = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=40, seed=7, ignore_eos=True)
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 def make_app(store: ChatStore, params: SamplingParams = PARAMS) -> PagechatApp:
     engine = Engine(tiny_model_dir(), EngineConfig(device="cpu", dtype="float32"))
     return PagechatApp(ThreadedEngine(engine), params=params, store=store, layout="tabs")

@@ -61,11 +61,6 @@ def test_the_reply_keeps_room_but_at_most_a_quarter_of_the_context():
     assert reply_room(512, 512) == 128 and reply_room(40, 512) == 40 and reply_room(9, 2) == 1
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 @pytest.mark.anyio
 async def test_a_long_chat_in_the_app_goes_on_with_a_marker_and_a_meter(tmp_path):
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
