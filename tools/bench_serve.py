@@ -109,7 +109,7 @@ async def _stream(client: httpx.AsyncClient, spec: LoadSpec, prompt: str) -> Req
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    res = RequestResult(ok=False)
+    res, first = RequestResult(ok=False), True
     start = last = time.perf_counter()
     async with client.stream("POST", "/v1/completions", json=body, headers=_headers(spec)) as r:
         if r.status_code != 200:
@@ -123,9 +123,12 @@ async def _stream(client: httpx.AsyncClient, spec: LoadSpec, prompt: str) -> Req
             if chunk.get("usage"):
                 res.prompt_tokens = chunk["usage"]["prompt_tokens"]
                 res.output_tokens = chunk["usage"]["completion_tokens"]
-            if any(c.get("text") for c in chunk.get("choices", ())):
-                if res.ttft == 0.0:
-                    res.ttft = now - start
+            # A chunk with a choice carries tokens, even when their text is empty (a special
+            # token, or bytes that are not yet a whole character): count it, as vLLM's own
+            # benchmark does; the last chunk (usage only) has no choice.
+            if chunk.get("choices"):
+                if first:
+                    res.ttft, first = now - start, False
                 else:
                     res.itl.append(now - last)
                 last = now
