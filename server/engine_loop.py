@@ -214,7 +214,7 @@ class EngineLoop:
         if out.token_ids:
             self._observe_output(route, now)
         if not out.finished:
-            return ChoiceDelta(route.index, out.text_delta, logprobs)
+            return ChoiceDelta(route.index, out.text_delta, logprobs, tokens=len(out.token_ids))
         seq = self.engine.requests[out.request_id]
         self._end(route, out.request_id, seq, now)
         return ChoiceDelta(

@@ -48,6 +48,7 @@ class ChoiceDelta:
     error: str | None = None
     usage: ChoiceUsage | None = None  # on the last delta
     fault: bool = False  # the error is the engine's own (a 500), not the request's (a 400)
+    tokens: int = 0  # tokens it carries (their text may be held back: part of a character)
 
     @property
     def finished(self) -> bool:

@@ -84,8 +84,10 @@ class ChunkWriter:
         return self._chunk(choice)
 
     def delta(self, d: ChoiceDelta) -> str | None:
-        """A delta's chunk; None when it carries nothing (text held back for a stop string)."""
-        if not (d.text or d.logprobs or d.finished):
+        """A delta's chunk; None when it carries nothing. A token whose text is held back (part of
+        a character, or of a stop string) still gets its chunk with empty text, as vLLM sends it:
+        clients count and time tokens by chunks."""
+        if not (d.text or d.logprobs or d.finished or d.tokens):
             return None
         offset = self._offsets.get(d.index, 0)
         self._offsets[d.index] = offset + sum(len(t.token) for t in d.logprobs)
