@@ -89,9 +89,6 @@ class BlockMap:
         elif kind == "copied":
             self._drop(seq, event.source)
             self._hold(seq, block)
-        if kind in ("hit", "copied"):
-            self._serial += 1
-            self._marks[block] = (self._serial, kind)
         elif kind == "released":
             self._drop(seq, block)
         elif kind in ("freed", "cached"):
@@ -105,6 +102,9 @@ class BlockMap:
         elif kind == "lookup":
             self._queried += event.queried
             self._hit += event.tokens
+        if kind in ("hit", "copied"):
+            self._serial += 1
+            self._marks[block] = (self._serial, kind)
         self._snap = None
 
     def _hold(self, seq: int, block: int) -> None:

@@ -149,8 +149,9 @@ def top_p_removed(x: Tensor, tops: list[float]) -> Tensor:
     return removed
 
 
-def tempered(pen: Tensor, rows: Sequence[SampleRow]) -> Tensor:
-    """The penalised logits divided by each row's temperature (greedy rows: by 1).
+def tempered(pen: Tensor, rows: Sequence[SampleRow], top: Tensor | None = None) -> Tensor:
+    """The penalised logits divided by each row's temperature (greedy rows: by 1); `top`: each
+    row's largest penalised logit ([n, 1]), when the caller has it already.
 
     A temperature so small that a row's top logit overflows (1e-38, say) takes the row's limit
     instead: its top logits 0, the others -inf, so softmax gives the argmax (ties shared), not NaN.
@@ -160,11 +161,10 @@ def tempered(pen: Tensor, rows: Sequence[SampleRow]) -> Tensor:
         return pen
     t = _column(temps, pen)
     x = pen / t
-    over = ~torch.isfinite(x.amax(dim=-1))
+    top = pen.amax(dim=-1, keepdim=True) if top is None else top
+    over = ~torch.isfinite(top / t).squeeze(1)  # dividing by t > 0 keeps the maximum's place
     if over.any():
-        rows_over = pen[over]
-        top = rows_over.amax(dim=-1, keepdim=True)
-        x[over] = torch.where(rows_over == top, 0.0, _NEG_INF)
+        x[over] = torch.where(pen[over] == top[over], 0.0, _NEG_INF)
     return x
 
 
@@ -173,7 +173,8 @@ def _process(
 ) -> tuple[Tensor, Tensor, list[Tensor | None]]:
     """(penalised logits, processed logits, [top-k, top-p, min-p] masks, None if not applied)."""
     pen = penalised_logits(logits, rows)
-    if not torch.isfinite(pen.amax(dim=-1)).all():
+    top = pen.amax(dim=-1, keepdim=True)
+    if not torch.isfinite(top).all():
         raise PagechatError(
             "the model's logits are not finite (NaN or inf): its weights are broken or its "
             "precision overflowed"
@@ -184,7 +185,7 @@ def _process(
     ks = [0 if p.greedy or p.top_k >= vocab else p.top_k for p in ps]
     tops = [1.0 if p.greedy else p.top_p for p in ps]
     min_ps = [0.0 if p.greedy else p.min_p for p in ps]
-    x = tempered(pen, rows)
+    x = tempered(pen, rows, top)
     cuts: list[Tensor | None] = [None, None, None]
     if any(ks):
         k = torch.tensor(ks, device=pen.device).unsqueeze(1)

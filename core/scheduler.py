@@ -146,7 +146,7 @@ class Scheduler:
         for seq in sorted(self.running, key=lambda s: s.priority):
             if budget <= 0:
                 break
-            if seq not in self.running or seq.num_computed == len(seq.token_ids):
+            if seq.status is not Status.RUNNING or seq.num_computed == len(seq.token_ids):
                 continue  # preempted to make room for another; or a beam awaiting its pick
             if id(seq) in admitted:
                 continue
