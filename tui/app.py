@@ -733,14 +733,14 @@ class PagechatApp(App[None]):
             )
         plain = not reply.samples
         at = index if index >= 0 else None
-        answer, conversation, prefix = self.session.branch(source, given, at)
+        params = replace(self.session.params, n=1, beam_width=1)  # one answer per branch
+        answer, conversation, prefix = self.session.branch(source, given, at, params)
         if plain:  # the reply becomes its first answer, beside the branch
             self.main.chat_log.remount(reply)
         else:
             self.main.chat_log.views[id(reply)].add_answer(answer)
         self.pinned = None
         self.main.prompt.focus()
-        params = replace(self.session.params, n=1, beam_width=1)  # one answer per branch
         self.loop.send(answer.ticket, conversation, params, prefix=prefix, beside=True)
         self.notify(what, timeout=4)
 

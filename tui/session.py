@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pagechat.core.blockmap import BlockSnapshot
@@ -393,12 +393,12 @@ class ChatSession:
             msg.produced_by.setdefault("changes", []).append(at | change)
 
     def branch(
-        self, source: Message, given: list[ReplyToken], at: int | None
+        self, source: Message, given: list[ReplyToken], at: int | None, params: SamplingParams
     ) -> tuple[Message, list[dict], tuple[int, ...]]:
         """Another answer to the last turn, with the settings now: the `given` tokens (`source`'s
         first tokens, then another candidate in place of its token `at`; none: the turn asked
-        again), then what the engine makes after them. Returns the new answer (streaming), the
-        conversation before the turn and the given token ids."""
+        again), then what the engine makes after them with `params`. Returns the new answer
+        (streaming), the conversation before the turn and the given token ids."""
         reply = self.messages[-1]
         if not reply.samples:  # the reply becomes its first answer
             first = Message("assistant", reply.content, reply.tokens, reply.timing)
@@ -407,7 +407,7 @@ class ChatSession:
             reply.samples = [first]
         self._next_ticket += 1
         made = self.producer()
-        made["params"] = params_to_dict(replace(self.params, n=1, beam_width=1))
+        made["params"] = params_to_dict(params)
         of = reply.samples.index(source) + 1 if source in reply.samples else 1
         made["branch"] = {"again": True} if at is None else {"of": of, "at_token": at}
         text = "".join(t.text for t in given)
