@@ -14,11 +14,12 @@ from drive import tiny_model_dir
 from pagechat.core.config import EngineConfig
 from pagechat.core.engine import Engine
 from pagechat.core.errors import PagechatError
+from pagechat.core.events import BlocksChanged, Finished, FirstToken, MemoryRead, Started
 from pagechat.core.params import SamplingParams
 from pagechat.core.report import StepReport
+from pagechat.core.wire import pack, unpack
 from pagechat.tui.client import ThreadedEngine
-from pagechat.tui.engine_process import EngineProcess, pack, unpack
-from pagechat.tui.protocol import BlocksChanged, Finished, FirstToken, MemoryRead, Started
+from pagechat.tui.engine_process import EngineProcess
 
 PARAMS = SamplingParams(temperature=0.8, max_tokens=50, seed=1, ignore_eos=True)
 CHAT = [{"role": "user", "content": "hello"}]
@@ -164,7 +165,7 @@ def test_a_model_the_engine_process_cannot_load_is_a_one_line_error(tmp_path: Pa
 
 def test_the_client_tells_a_process_that_died_or_went_silent_from_an_idle_one():
     """An idle engine process keeps saying it is alive (heartbeats), so silence means stopped."""
-    from pagechat.tui.engine_process import SILENT_S
+    from pagechat.core.wire import SILENT_S
 
     killed, stopped = (EngineProcess(tiny_model_dir(), CONFIG).start() for _ in range(2))
     try:

@@ -8,22 +8,14 @@ from dataclasses import replace
 from pathlib import Path
 
 from pagechat.core.errors import PagechatError, one_line
+from pagechat.core.events import BlocksChanged, Finished, FirstToken, MemoryRead, Started
 from pagechat.core.params import SamplingParams
 from pagechat.core.report import StepReport
 from pagechat.tui.client import EngineClient
 from pagechat.tui.export_screen import ExportScreen
 from pagechat.tui.heap import settle_heap
 from pagechat.tui.history import ChatRecord, ChatStore, export_markdown
-from pagechat.tui.protocol import (
-    BlocksChanged,
-    Finished,
-    FirstToken,
-    LoadSet,
-    MemoryRead,
-    Refused,
-    SpeculationSet,
-    Started,
-)
+from pagechat.tui.protocol import LoadSet, Refused, SpeculationSet
 from pagechat.tui.screens import PANELS, HelpScreen, MainScreen, StatusBar, status_line
 from pagechat.tui.session import ChatSession, Message, ReplyToken, engine_facts
 from pagechat.tui.widgets.blocks import BlocksPanel

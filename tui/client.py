@@ -14,6 +14,7 @@ from collections import deque
 
 from pagechat.core.engine import Engine
 from pagechat.core.errors import one_line
+from pagechat.core.events import EngineInfo
 from pagechat.core.params import SamplingParams
 from pagechat.tui.engine_loop import NOTHING, EngineLoop
 from pagechat.tui.protocol import (
@@ -21,7 +22,6 @@ from pagechat.tui.protocol import (
     Advance,
     Close,
     Command,
-    EngineInfo,
     Event,
     Pause,
     Resume,

@@ -13,19 +13,16 @@ from typing import Protocol
 
 from pagechat.core.engine import Engine
 from pagechat.core.errors import PagechatError, one_line
+from pagechat.core.events import BlocksChanged, Finished, FirstToken, MemoryRead, Started
 from pagechat.core.memory import read_memory
 from pagechat.tui.context import fit_turns, reply_room
 from pagechat.tui.load import LoadPlan, load_params, load_prompt
 from pagechat.tui.protocol import (
     Abort,
     Advance,
-    BlocksChanged,
     Close,
     Command,
-    Finished,
-    FirstToken,
     LoadSet,
-    MemoryRead,
     ParamsApplied,
     Pause,
     Refused,
@@ -33,7 +30,6 @@ from pagechat.tui.protocol import (
     Send,
     SetSpeculation,
     SpeculationSet,
-    Started,
     StartLoad,
     Stop,
     StopLoad,
@@ -248,21 +244,7 @@ class EngineLoop:
         return seq.finished and all(self.engine.requests[c].finished for c in seq.children)
 
     def _finish(self, rid: int) -> None:
-        seq = self.engine.requests[rid]
-        ttft = seq.first_token_time - seq.arrival if seq.first_token_time else None
-        total = (seq.finish_time or time.perf_counter()) - seq.arrival
-        self.port.emit(
-            Finished(
-                rid,
-                seq.finish_reason,
-                seq.error,
-                seq.num_output_tokens,
-                seq.num_cached_tokens,
-                ttft,
-                total,
-                seq.beams,
-            )
-        )
+        self.port.emit(Finished.of(self.engine.requests[rid]))
         self.beside = [r for r in self.beside if not self._done(r)]
         if self.active is not None and self._done(self.active):
             self.active = self.beside.pop() if self.beside else None
@@ -277,7 +259,6 @@ class EngineLoop:
             rid = out.request_id
             if out.token_ids and rid not in self._first_seen:
                 self._first_seen.add(rid)
-                seq = self.engine.requests[rid]
-                self.port.emit(FirstToken(rid, seq.first_token_time - seq.arrival))
+                self.port.emit(FirstToken.of(self.engine.requests[rid]))
             if out.finished:
                 self._finish(rid)

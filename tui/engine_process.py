@@ -9,94 +9,31 @@ has when an event the UI must show at once is pending (a reply started, its firs
 refusal, an answer to a command), when the engine goes idle, and otherwise at most FLUSH_HZ times a
 second, so pickling costs the engine a few batches a second rather than a message per token. The
 block map crosses as a delta: the BlockInfos that are not the ones last sent (the block map keeps
-unchanged ones as the same objects), applied to the UI's copy of the last snapshot.
+unchanged ones as the same objects; core/wire.py), applied to the UI's copy of the last snapshot.
 """
 
 from __future__ import annotations
 
-import itertools
 import multiprocessing
-import operator
 import os
 import signal
 import sys
 import threading
 import time
-from dataclasses import replace
 from multiprocessing.connection import Connection
 from pathlib import Path
 
 from pagechat.core.blockmap import BlockSnapshot
 from pagechat.core.config import EngineConfig
 from pagechat.core.errors import PagechatError, one_line
-from pagechat.core.report import StepReport
+from pagechat.core.events import EngineInfo, Finished, FirstToken, Started
+from pagechat.core.wire import BEAT_S, FLUSH_HZ, SILENT_S, pack, unpack
 from pagechat.tui.client import EngineClient
 from pagechat.tui.engine_loop import NOTHING, EngineLoop
 from pagechat.tui.heap import settle_heap
-from pagechat.tui.protocol import (
-    BlocksChanged,
-    Command,
-    EngineInfo,
-    Finished,
-    FirstToken,
-    LoadSet,
-    ParamsApplied,
-    Refused,
-    SpeculationSet,
-    Started,
-    Synced,
-)
+from pagechat.tui.protocol import Command, LoadSet, ParamsApplied, Refused, SpeculationSet, Synced
 
-FLUSH_HZ = 20  # batches a second at most while decoding; the UI draws at most this often
-BEAT_S = 0.25  # the child says it is alive at least this often (an empty batch when idle)
-SILENT_S = 1.5  # a child silent this long has stopped answering (hung, or stopped by a signal)
 URGENT = (Started, FirstToken, Finished, Refused, ParamsApplied, SpeculationSet, Synced, LoadSet)
-
-# (the new snapshot with no blocks, the BlockInfos that changed)
-Delta = tuple[BlockSnapshot, tuple]
-
-
-def blocks_delta(old: BlockSnapshot, new: BlockSnapshot) -> Delta:
-    """What turns `old` into `new`: the totals and every block record that is not old's own
-    object."""
-    changed = tuple(itertools.compress(new.blocks, map(operator.is_not, new.blocks, old.blocks)))
-    return replace(new, blocks=()), changed
-
-
-def apply_delta(old: BlockSnapshot, delta: Delta) -> BlockSnapshot:
-    totals, changed = delta
-    blocks = list(old.blocks)
-    for info in changed:
-        blocks[info.block_id] = info
-    return replace(totals, blocks=tuple(blocks))
-
-
-def pack(events: list, sent: BlockSnapshot) -> tuple[tuple[list, Delta | None], BlockSnapshot]:
-    """A batch to send: the events with their snapshots taken out, and the newest snapshot as a
-    delta from `sent`."""
-    snap, out = sent, []
-    for ev in events:
-        if isinstance(ev, StepReport):
-            snap, ev = ev.blocks, replace(ev, blocks=None)
-        elif isinstance(ev, BlocksChanged):
-            snap, ev = ev.snapshot, replace(ev, snapshot=None)
-        out.append(ev)
-    return (out, None if snap is sent else blocks_delta(sent, snap)), snap
-
-
-def unpack(batch: tuple[list, Delta | None], held: BlockSnapshot) -> tuple[list, BlockSnapshot]:
-    """The events of a batch, each snapshot field set to the batch's newest snapshot (the UI draws
-    only that)."""
-    events, delta = batch
-    snap = held if delta is None else apply_delta(held, delta)
-    out = []
-    for ev in events:
-        if isinstance(ev, StepReport):
-            ev = replace(ev, blocks=snap)
-        elif isinstance(ev, BlocksChanged):
-            ev = replace(ev, snapshot=snap)
-        out.append(ev)
-    return out, snap
 
 
 class _PipePort:

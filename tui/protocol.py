@@ -8,14 +8,16 @@ them, a StepReport per step among them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
-import torch
-from pagechat.core.blockmap import BlockSnapshot
-from pagechat.core.engine import Engine
-from pagechat.core.memory import EngineMemory, Readings
+from pagechat.core.events import (
+    BlocksChanged,
+    Finished,
+    FirstToken,
+    MemoryRead,
+    Started,
+)
 from pagechat.core.params import SamplingParams
-from pagechat.core.report import BeamResult, SeqRecord, StepReport
+from pagechat.core.report import StepReport
 
 # -- commands: app -> engine -----------------------------------------------------------------------
 
@@ -123,53 +125,11 @@ Command = (
 
 
 @dataclass(frozen=True, slots=True)
-class Started:
-    """A reply's request was admitted to the engine's queue."""
-
-    ticket: int | None  # None: a request the engine's loop started itself (background load)
-    request_id: int
-    prompt_tokens: int
-    label: str = "chat"  # what the request is, as the scheduler panel names it
-    dropped: int = 0  # the conversation's oldest messages left out so that it fits the context
-
-
-@dataclass(frozen=True, slots=True)
-class FirstToken:
-    """The request produced its first token; ttft_s is the engine's arrival-to-first-token time."""
-
-    request_id: int
-    ttft_s: float
-
-
-@dataclass(frozen=True, slots=True)
-class Finished:
-    """The request finished (stop, length, abort or error), with the engine's own timestamps."""
-
-    request_id: int
-    reason: str | None
-    error: str | None
-    output_tokens: int
-    cached_tokens: int
-    ttft_s: float | None
-    total_s: float
-    beams: tuple[BeamResult, ...] = ()  # a beam search's hypotheses, best first
-
-
-@dataclass(frozen=True, slots=True)
 class Refused:
     """The engine refused a command; message is its one-line reason."""
 
     ticket: int | None
     message: str
-
-
-@dataclass(frozen=True, slots=True)
-class BlocksChanged:
-    """The pool changed outside a step (an abort freed blocks): the block map's new snapshot, and
-    the scheduler's sequences as they are now."""
-
-    snapshot: BlockSnapshot
-    seqs: tuple[SeqRecord, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,14 +147,6 @@ class SpeculationSet:
 
     enabled: bool
     num_draft: int
-
-
-@dataclass(frozen=True, slots=True)
-class MemoryRead:
-    """The engine's process or device memory, read where the engine runs (at start, when it goes
-    idle, and every MEMORY_EVERY_S while it works)."""
-
-    readings: Readings
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,39 +175,3 @@ Event = (
     | MemoryRead
     | LoadSet
 )
-
-
-@dataclass(frozen=True, slots=True)
-class EngineInfo:
-    """What the app shows of the loaded engine before its first event."""
-
-    model_dir: str
-    precision: str
-    device: torch.device
-    graphs: bool  # decode steps replayed from traced graphs
-    threads: int  # torch's CPU threads where the engine runs
-    memory: EngineMemory
-    blocks: BlockSnapshot  # the pool before any command
-    proposer: str | None  # the speculation proposer's name, if one was loaded
-    speculate: bool
-    num_draft: int
-
-    @classmethod
-    def of(cls, engine: Engine) -> EngineInfo:
-        proposer = engine.proposer.name if engine.proposer is not None else None
-        return cls(
-            str(engine.model_dir),
-            engine.precision,
-            engine.device,
-            engine.graphs,
-            torch.get_num_threads(),
-            EngineMemory.of(engine),
-            engine.block_map.snapshot(),
-            proposer,
-            engine.speculate,
-            engine.num_draft,
-        )
-
-    @property
-    def model_name(self) -> str:
-        return Path(self.model_dir).name

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
+from pagechat.core.events import EngineInfo
 from pagechat.core.memory import EngineMemory
 from pagechat.core.params import SamplingParams
-from pagechat.tui.protocol import EngineInfo
 from pagechat.tui.session import ChatSession
 from pagechat.tui.widgets.blocks import BlocksPanel
 from pagechat.tui.widgets.chat import ChatColumn, ChatLog, PromptInput

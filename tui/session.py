@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pagechat.core.blockmap import BlockSnapshot
+from pagechat.core.events import BlocksChanged, EngineInfo, Finished, FirstToken, Started
 from pagechat.core.params import SamplingParams
 from pagechat.core.report import DraftRecord, SpecTotals, StepReport
 from pagechat.core.sampler import SampleRecord
@@ -19,16 +20,7 @@ from pagechat.tui.history import (
     rescue_chat,
     write_atomic,
 )
-from pagechat.tui.protocol import (
-    BlocksChanged,
-    EngineInfo,
-    Event,
-    Finished,
-    FirstToken,
-    Refused,
-    SpeculationSet,
-    Started,
-)
+from pagechat.tui.protocol import Event, Refused, SpeculationSet
 
 STEP_HISTORY = 512  # steps kept for the latency sparkline
 EXPORT_KEY = "Ctrl+O"  # the app's key for writing the chat to a path the user types
