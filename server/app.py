@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import re
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -19,6 +20,7 @@ from pagechat.server.prompts import PromptEncoder
 from pagechat.server.responses import DONE, ChunkWriter, Header, sse, whole
 from pagechat.server.sampling import Options, chat_options, completion_options
 from pagechat.server.schema import ChatRequest, CompletionRequest, SamplingFields
+from pagechat.server.watch import Watchers
 from prometheus_client import CONTENT_TYPE_LATEST
 
 
@@ -28,6 +30,7 @@ class ServerState:
 
     loop: EngineLoop
     metrics: ServerMetrics
+    watchers: Watchers
     encoder: PromptEncoder
     model_name: str
     api_key: str | None = None
@@ -113,6 +116,22 @@ async def _chunks(job: Job, writer: ChunkWriter) -> AsyncIterator[str]:
     yield DONE
 
 
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
+
+
+def _request_id(request: Request) -> str | None:
+    """The client's X-Request-Id, which names the request to watchers and in the response id."""
+    value = request.headers.get("x-request-id")
+    if value is not None and not _REQUEST_ID.fullmatch(value):
+        raise APIError(
+            400,
+            "X-Request-Id must be 1 to 128 letters, digits, '.', '_' or '-'",
+            "x-request-id",
+            "invalid_request_id",
+        )
+    return value
+
+
 async def _answer(
     state: ServerState,
     kind: str,
@@ -121,8 +140,8 @@ async def _answer(
     options: Options,
     request: Request,
 ) -> Response:
-    job = Job(state.loop, prompts, options, state.encoder.limits)
-    header = Header.new(kind, state.model_name)
+    header = Header.new(kind, state.model_name, _request_id(request))
+    job = Job(state.loop, prompts, options, state.encoder.limits, (kind, header.id))
     logprobs = options.logprobs is not None
     if not req.stream:
         return await _whole(job, header, request, logprobs)
@@ -165,6 +184,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        state.watchers.start(asyncio.get_running_loop())
         state.loop.start(asyncio.get_running_loop())
         try:
             yield
@@ -174,6 +194,15 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="pagechat", lifespan=lifespan, docs_url=None, redoc_url=None)
     install_error_handlers(app)
     app.include_router(_v1_routes(state))
+
+    @app.get("/pagechat/events", dependencies=[Depends(_authorizer(state))])
+    async def events() -> Response:
+        """The engine's records as `pagechat watch` reads them (core/wire.py): server-sent events,
+        the EngineInfo first, then a JSON batch a message."""
+        headers = {"cache-control": "no-cache"}
+        return StreamingResponse(
+            state.watchers.stream(), media_type="text/event-stream", headers=headers
+        )
 
     @app.get("/health")
     async def health() -> Response:

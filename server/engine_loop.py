@@ -13,16 +13,20 @@ import queue
 import threading
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pagechat.core.engine import Engine
 from pagechat.core.errors import PagechatError
+from pagechat.core.events import BlocksChanged, Finished, FirstToken, MemoryRead, Started
+from pagechat.core.memory import read_memory
+from pagechat.core.params import SamplingParams
 from pagechat.core.report import StepReport, TokenOutput
 from pagechat.core.sampler import SampleRecord
 from pagechat.core.sequence import Sequence, Status
 from pagechat.server.logprobs import token_logprob
 from pagechat.server.messages import ChoiceDelta, ChoiceUsage, Submission
 from pagechat.server.metrics import ServerMetrics
+from pagechat.server.watch import Watchers
 
 log = logging.getLogger("pagechat.server")
 
@@ -53,13 +57,16 @@ class _Route:
 
 
 _STOP = object()
+MEMORY_EVERY_S = 1.0  # memory readings for watchers while the engine works
+WATCHED_CANDIDATES = SamplingParams().num_candidates  # as many as the app's own requests record
 
 
 class EngineLoop:
     """Runs one Engine on a background thread for the server's event loop."""
 
-    def __init__(self, engine: Engine, metrics: ServerMetrics) -> None:
-        self.engine, self.metrics = engine, metrics
+    def __init__(self, engine: Engine, metrics: ServerMetrics, watchers: Watchers) -> None:
+        self.engine, self.metrics, self.watchers = engine, metrics, watchers
+        self._read_at = 0.0
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._pending: dict[int, _Pending] = {}  # root request id -> its submission
         self._routes: dict[int, _Route] = {}  # sequence id -> where its outputs go
@@ -97,7 +104,13 @@ class EngineLoop:
     # -- the engine's thread ---------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            while self._take(block=not self.engine.has_unfinished()):
+            working = False
+            while True:
+                idle = not self.engine.has_unfinished()
+                self._watched(went_idle=working and idle)
+                working = not idle
+                if not self._take(block=idle):
+                    return
                 if self.engine.has_unfinished():
                     self._step()
         except Exception as e:  # a bug, not bad input: fail what runs, report it, stop
@@ -123,9 +136,24 @@ class EngineLoop:
                 self._add(item)
         if aborted:
             self._observe_load()
+            if self.watchers.watched:
+                snapshot = self.engine.block_map.snapshot()
+                self.watchers.emit(BlocksChanged(snapshot, self.engine.sequences()))
         return True
 
+    def _watched(self, went_idle: bool) -> None:
+        """Once a turn: a memory reading for watchers now and then, and their pending batch."""
+        watchers = self.watchers
+        now = time.perf_counter()
+        if watchers.watched and (went_idle or now - self._read_at >= MEMORY_EVERY_S):
+            self._read_at = now
+            watchers.emit(MemoryRead(read_memory(self.engine.device)))
+        watchers.flush(idle=not self.engine.has_unfinished())
+
     def _add(self, sub: Submission) -> None:
+        if self.watchers.watched and sub.params.num_candidates < WATCHED_CANDIDATES:
+            # watchers see the candidates of every request (the app's sampling panel)
+            sub.params = replace(sub.params, num_candidates=WATCHED_CANDIDATES)
         try:
             sub.request_id = self.engine.add_request(sub.prompt_ids, sub.params)
         except PagechatError as e:
@@ -133,6 +161,9 @@ class EngineLoop:
             return
         pending = _Pending(sub, sub.params.n, [sub.request_id])
         self._pending[sub.request_id] = pending
+        if self.watchers.watched:
+            ids = len(sub.prompt_ids)
+            self.watchers.emit(Started(None, sub.request_id, ids, sub.label, ref=sub.ref))
         self._routes[sub.request_id] = _Route(pending, sub.first_index, root=True)
 
     def _abort(self, sub: Submission) -> bool:
@@ -145,12 +176,20 @@ class EngineLoop:
         for seq_id in pending.seq_ids:
             route = self._routes.pop(seq_id, None)
             if route is not None and seq_id in self.engine.requests:
-                self.engine.abort(seq_id)
+                self._end_seq(seq_id)
                 self.metrics.observe_finished("abort", now - sub.arrival)
         for child in self.engine.requests[sub.request_id].children:
-            self.engine.abort(child)  # forked in a step whose outputs reached no route yet
+            self._end_seq(child)  # forked in a step whose outputs reached no route yet
         self.engine.release(sub.request_id)
         return True
+
+    def _end_seq(self, seq_id: int) -> None:
+        """Abort one sequence (nothing happens to one that finished), telling watchers."""
+        seq = self.engine.requests[seq_id]
+        if not seq.finished:
+            self.engine.abort(seq_id)
+            if self.watchers.watched:
+                self.watchers.emit(Finished.of(seq))
 
     def _step(self) -> None:
         started = time.perf_counter()
@@ -159,7 +198,22 @@ class EngineLoop:
         self._observe_scheduled(started)
         self.metrics.observe_step(report)
         self._observe_load(report.blocks.num_used)
+        self._tell_watchers(report)
         self._deliver(self._route(report, now))
+
+    def _tell_watchers(self, report: StepReport) -> None:
+        """The step's report, and each sequence's first token and end, before routing releases
+        finished requests."""
+        watchers = self.watchers
+        watchers.emit(report)
+        if not watchers.watched:
+            return
+        for out in report.outputs:
+            seq = self.engine.requests[out.request_id]
+            if out.token_ids and seq.num_output_tokens == len(out.token_ids):
+                watchers.emit(FirstToken.of(seq))
+            if out.finished:
+                watchers.emit(Finished.of(seq))
 
     def _observe_load(self, used_blocks: int | None = None) -> None:
         if used_blocks is None:

@@ -51,8 +51,14 @@ class Job:
     """The submissions of one request (a prompt each, n choices each) and their deltas."""
 
     def __init__(
-        self, loop: EngineLoop, prompts: list[list[int]], options: Options, limits: Limits
+        self,
+        loop: EngineLoop,
+        prompts: list[list[int]],
+        options: Options,
+        limits: Limits,
+        ref: tuple[str, str] = ("chat", ""),
     ) -> None:
+        """ref: the API the request came through and its response's id, as watchers see them."""
         if not loop.alive:
             raise APIError(503, f"the engine is not running: {loop.error or 'stopped'}")
         self._loop = loop
@@ -60,7 +66,7 @@ class Job:
         n = options.params.n
         params = [options.for_prompt(len(ids), limits) for ids in prompts]  # may refuse: 400
         self._subs = [
-            Submission(ids, p, options.logprobs, i * n, self._queue)
+            Submission(ids, p, options.logprobs, i * n, self._queue, label=ref[0], ref=ref[1])
             for i, (ids, p) in enumerate(zip(prompts, params))
         ]
         self.num_choices = n * len(prompts)

@@ -29,9 +29,11 @@ class Header:
     created: int = field(default_factory=lambda: int(time.time()))
 
     @classmethod
-    def new(cls, kind: str, model: str) -> Header:
+    def new(cls, kind: str, model: str, request_id: str | None = None) -> Header:
+        """request_id: the client's own id for the request (its X-Request-Id header), which the
+        response's id then carries, as vLLM does; a fresh one when None."""
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
-        return cls(kind, model, f"{prefix}-{uuid.uuid4().hex}")
+        return cls(kind, model, f"{prefix}-{request_id or uuid.uuid4().hex}")
 
     def body(self, chunk: bool) -> dict:
         if self.kind == "chat":

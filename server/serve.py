@@ -10,10 +10,12 @@ from pathlib import Path
 import uvicorn
 from pagechat.core.config import EngineConfig
 from pagechat.core.engine import Engine
+from pagechat.core.events import EngineInfo
 from pagechat.server.app import ServerState, create_app
 from pagechat.server.engine_loop import EngineLoop
 from pagechat.server.metrics import ServerMetrics
 from pagechat.server.prompts import Limits, PromptEncoder
+from pagechat.server.watch import Watchers
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,9 +58,11 @@ def build_state(engine: Engine, settings: ServerSettings) -> ServerState:
         engine.max_model_len, blocks.num_blocks * blocks.block_size, engine.spec.vocab_size
     )
     metrics = ServerMetrics(name, blocks.num_blocks)
+    watchers = Watchers(EngineInfo.of(engine))
     return ServerState(
-        loop=EngineLoop(engine, metrics),
+        loop=EngineLoop(engine, metrics, watchers),
         metrics=metrics,
+        watchers=watchers,
         encoder=PromptEncoder(engine.model_dir, limits),
         model_name=name,
         api_key=settings.api_key,

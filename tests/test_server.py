@@ -64,16 +64,12 @@ class Served:
 
 
 @contextmanager
-def serving(model_dir, config: EngineConfig, **settings) -> Iterator[Served]:
-    """A real uvicorn server on a free 127.0.0.1 port, in a thread, for the block's duration."""
-    engine = Engine(model_dir, config)
-    state = build_state(engine, ServerSettings(model_name=MODEL, **settings))
+def listening(app) -> Iterator[str]:
+    """An ASGI app under a real uvicorn server on a free 127.0.0.1 port, in a thread; its URL."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(state), log_level="warning", http="h11", lifespan="on")
-    )
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", http="h11", lifespan="on"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     end = time.monotonic() + 30
@@ -81,11 +77,20 @@ def serving(model_dir, config: EngineConfig, **settings) -> Iterator[Served]:
         assert thread.is_alive() and time.monotonic() < end, "the server did not start"
         time.sleep(0.01)
     try:
-        yield Served(f"http://127.0.0.1:{port}", engine, state)
+        yield f"http://127.0.0.1:{port}"
     finally:
         server.should_exit = True
         thread.join(timeout=30)
         sock.close()
+
+
+@contextmanager
+def serving(model_dir, config: EngineConfig, **settings) -> Iterator[Served]:
+    """pagechat's server on a tiny model, listening for the block's duration."""
+    engine = Engine(model_dir, config)
+    state = build_state(engine, ServerSettings(model_name=MODEL, **settings))
+    with listening(create_app(state)) as url:
+        yield Served(url, engine, state)
 
 
 def tiny_config(**kw) -> EngineConfig:

@@ -590,9 +590,17 @@ def serve(
     max_seqs: Annotated[int, typer.Option(help="sequences running at once")] = 64,
     eager: Eager = False,
     threads: Threads = None,
+    watch: Annotated[
+        bool,
+        typer.Option(
+            "--watch",
+            help="open the console on the server in this terminal (the server's log goes to a "
+            "file); quitting it stops the server",
+        ),
+    ] = False,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (chat, completions, streaming), with
-    Prometheus metrics at /metrics."""
+    Prometheus metrics at /metrics and the engine's records at /pagechat/events."""
     from pagechat.server.serve import ServerSettings
     from pagechat.server.serve import serve as serve_model
     from pagechat.tools.demo import model_or_demo
@@ -600,8 +608,33 @@ def serve(
     if not 0 <= port <= 65535:
         raise PagechatError(f"--port must be in 0..65535, got {port}")
     config = engine_config(locals())
+    if watch:
+        from pagechat.tui.watch import serve_and_watch
+
+        args = sys.argv[sys.argv.index("serve") + 1 :]
+        raise typer.Exit(
+            serve_and_watch([a for a in args if a != "--watch"], host, port, api_key or None)
+        )
     settings = ServerSettings(host, port, api_key or None, served_model_name)
     serve_model(model_or_demo(model_dir, quant), config, settings)
+
+
+@app.command()
+def watch(
+    url: Annotated[str, typer.Argument(help="the server, e.g. http://127.0.0.1:8000")],
+    api_key: Annotated[
+        str | None,
+        typer.Option(envvar="PAGECHAT_API_KEY", help="the server's key, if it has one"),
+    ] = None,
+    layout: Annotated[
+        str, typer.Option(help="auto | tabs | grid (a pagechat server's console)")
+    ] = "auto",
+) -> None:
+    """Watch a running server live: a pagechat server in the full app (every client's requests in
+    the panels, a chat through its API); a vLLM or llama.cpp server as gauges of what it exposes."""
+    from pagechat.tui.watch import watch as watch_server
+
+    raise typer.Exit(watch_server(url, api_key or None, layout))
 
 
 def main() -> None:

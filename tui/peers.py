@@ -1,0 +1,245 @@
+"""What a vLLM server or a llama.cpp llama-server exposes, read and turned into the figures the
+peer console shows: one Scrape per poll (its /metrics, and llama.cpp's /slots), Figures from two
+of them (rates and latency percentiles over the time between), and for each figure a server does
+not expose, the one line that says why.
+
+Names are the servers' own: vLLM's `vllm:` families (its v1 engine), llama.cpp's `llamacpp:`
+families (served with --metrics) and its /slots and /props JSON.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+PREFIX = {"vllm": "vllm:", "llamacpp": "llamacpp:"}
+
+# Figures a server cannot give, and why (shown in the panel in their place)
+NOT_EXPOSED = {
+    "vllm": {
+        "blocks": "vLLM exposes the KV cache as one usage fraction, not which blocks each "
+        "request holds or shares",
+        "requests": "vLLM counts requests (running, waiting) but lists none of them",
+        "sampling": "vLLM exposes no sampling candidates (a client sees its own with logprobs)",
+    },
+    "llamacpp": {
+        "blocks": "llama.cpp keeps one contiguous context per slot, not blocks: context use is "
+        "per slot (/slots)",
+        "requests": "llama.cpp lists its slots (KV cache), not the requests waiting for one",
+        "preemptions": "llama.cpp does not preempt: a request waits for a free slot (deferred)",
+        "latency": "llama.cpp has no latency histograms: mean times per token from its counters",
+        "spec_positions": "llama.cpp counts accepted drafts but not by draft position",
+        "sampling": "llama.cpp exposes no sampling candidates (a client sees its own with n_probs)",
+    },
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Histogram:
+    """A Prometheus histogram's cumulative buckets: (upper bound, count) ascending, and its sum."""
+
+    buckets: tuple[tuple[float, float], ...]
+    total: float  # _sum
+
+    @property
+    def count(self) -> float:
+        return self.buckets[-1][1] if self.buckets else 0.0
+
+    def since(self, old: Histogram | None) -> Histogram:
+        """The observations made after `old` (the same buckets, counts subtracted)."""
+        if old is None or len(old.buckets) != len(self.buckets):
+            return self
+        buckets = tuple((le, n - m) for (le, n), (_, m) in zip(self.buckets, old.buckets))
+        return Histogram(buckets, self.total - old.total)
+
+    def quantile(self, q: float) -> float | None:
+        """The q-quantile, linear within its bucket as Prometheus' histogram_quantile does."""
+        n = self.count
+        if n <= 0:
+            return None
+        rank, lower, below = q * n, 0.0, 0.0
+        for le, cum in self.buckets:
+            if cum >= rank:
+                if le == float("inf"):
+                    return lower
+                inside = cum - below
+                return lower + (le - lower) * ((rank - below) / inside if inside else 1.0)
+            lower, below = le, cum
+        return lower
+
+
+@dataclass(frozen=True, slots=True)
+class Scrape:
+    """One poll of a server: its metric samples by name (prefix removed; labels summed away except
+    where kept), histograms, and llama.cpp's slots."""
+
+    at: float
+    values: dict[str, float]
+    per_label: dict[str, dict[str, float]]  # name -> {label value: value} (spec positions)
+    histograms: dict[str, Histogram]
+    slots: tuple[dict, ...] | None = None
+    slots_why: str | None = None  # why there are no slots
+
+    @classmethod
+    def parse(cls, kind: str, text: str, at: float, slots=None, slots_why=None) -> Scrape:
+        prefix = PREFIX[kind]
+        values: dict[str, float] = {}
+        per_label: dict[str, dict[str, float]] = {}
+        histograms: dict[str, Histogram] = {}
+        for family in text_string_to_metric_families(text):
+            if not family.name.startswith(prefix):
+                continue
+            name = family.name[len(prefix) :]
+            if family.type == "histogram":
+                histograms[name] = _histogram(family.samples)
+                continue
+            for s in family.samples:
+                if s.name.endswith("_created"):
+                    continue
+                key = s.name[len(prefix) :]
+                values[key] = values.get(key, 0.0) + s.value
+                if "position" in s.labels:
+                    per_label.setdefault(key, {})[s.labels["position"]] = s.value
+        return cls(at, values, per_label, histograms, slots, slots_why)
+
+
+def _histogram(samples) -> Histogram:
+    buckets: dict[float, float] = {}
+    total = 0.0
+    for s in samples:
+        if s.name.endswith("_bucket"):
+            le = float(s.labels["le"])
+            buckets[le] = buckets.get(le, 0.0) + s.value
+        elif s.name.endswith("_sum"):
+            total += s.value
+    return Histogram(tuple(sorted(buckets.items())), total)
+
+
+@dataclass(frozen=True, slots=True)
+class SlotUse:
+    """One llama.cpp slot: its context size and the tokens of the request it holds."""
+
+    id: int
+    n_ctx: int
+    busy: bool
+    tokens: int  # the prompt plus what it has decoded, while it runs
+    cached: int  # of the prompt, tokens reused from the slot's last request
+
+
+def slot_uses(slots: tuple[dict, ...]) -> tuple[SlotUse, ...]:
+    out = []
+    for s in slots:
+        busy = bool(s.get("is_processing"))
+        decoded = sum(t.get("n_decoded", 0) for t in s.get("next_token", ()) if isinstance(t, dict))
+        tokens = s.get("n_prompt_tokens", 0) + decoded if busy else 0
+        cached = s.get("n_prompt_tokens_cache", 0) if busy else 0
+        out.append(SlotUse(s.get("id", len(out)), s.get("n_ctx", 0), busy, tokens, cached))
+    return tuple(out)
+
+
+@dataclass(frozen=True, slots=True)
+class Figures:
+    """What the console shows after a poll; None where the server does not say."""
+
+    kv_usage: float | None  # 0..1 of the KV cache in use
+    running: float | None
+    waiting: float | None
+    preemptions: float | None  # since the server started
+    prefix_hit: float | None  # hit tokens over queried tokens, since the server started
+    gen_tok_s: float | None  # generated tokens a second since the last poll
+    prompt_tok_s: float | None
+    latency: dict[str, tuple[float | None, float | None]] = field(default_factory=dict)
+    spec_rate: float | None = None  # accepted over drafted tokens
+    spec_positions: tuple[float, ...] = ()  # acceptance at each draft position
+    slots: tuple[SlotUse, ...] = ()
+
+
+LATENCIES = {  # vLLM histogram -> the console's name
+    "time_to_first_token_seconds": "TTFT",
+    "inter_token_latency_seconds": "ITL",
+    "e2e_request_latency_seconds": "E2E",
+    "request_queue_time_seconds": "queue",
+}
+
+
+def _rate(new: Scrape, old: Scrape | None, name: str) -> float | None:
+    if old is None or name not in new.values or new.at <= old.at:
+        return None
+    return max(0.0, new.values[name] - old.values.get(name, 0.0)) / (new.at - old.at)
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def figures(kind: str, new: Scrape, old: Scrape | None) -> Figures:
+    """The console's figures from this poll and the one before (rates need both)."""
+    v = new.values
+    if kind == "vllm":
+        latency = {}
+        for name, label in LATENCIES.items():
+            h = new.histograms.get(name)
+            if h is not None:
+                recent = h.since(old.histograms.get(name) if old else None)
+                shown = recent if recent.count else h  # nothing new: the whole run's
+                latency[label] = (shown.quantile(0.5), shown.quantile(0.9))
+        drafts = v.get("spec_decode_num_drafts_total")
+        per_pos = new.per_label.get("spec_decode_num_accepted_tokens_per_pos_total", {})
+        positions = tuple(per_pos[k] / drafts for k in sorted(per_pos, key=int)) if drafts else ()
+        return Figures(
+            v.get("kv_cache_usage_perc"),
+            v.get("num_requests_running"),
+            v.get("num_requests_waiting"),
+            v.get("num_preemptions_total"),
+            _ratio(v.get("prefix_cache_hits_total"), v.get("prefix_cache_queries_total")),
+            _rate(new, old, "generation_tokens_total"),
+            _rate(new, old, "prompt_tokens_total"),
+            latency,
+            _ratio(
+                v.get("spec_decode_num_accepted_tokens_total"),
+                v.get("spec_decode_num_draft_tokens_total"),
+            ),
+            positions,
+        )
+    slots = slot_uses(new.slots) if new.slots is not None else ()
+    cached, computed = v.get("prompt_tokens_cached_total"), v.get("prompt_tokens_total")
+    per_token = {
+        "prompt token": _ratio(v.get("prompt_seconds_total"), computed),
+        "decode token": _ratio(
+            v.get("tokens_predicted_seconds_total"), v.get("tokens_predicted_total")
+        ),
+    }
+    ctx = sum(s.n_ctx for s in slots)
+    return Figures(
+        sum(s.tokens for s in slots) / ctx if ctx else None,
+        v.get("requests_processing"),
+        v.get("requests_deferred"),
+        None,
+        _ratio(cached, (cached or 0) + (computed or 0)),
+        _rate(new, old, "tokens_predicted_total"),
+        _rate(new, old, "prompt_tokens_total"),
+        {name: (mean, None) for name, mean in per_token.items()},
+        _ratio(
+            v.get("spec_decode_num_accepted_tokens_total"),
+            v.get("spec_decode_num_draft_tokens_total"),
+        ),
+        (),
+        slots,
+    )
+
+
+def scrape(http: httpx.Client, kind: str) -> Scrape:
+    """Poll the server once (raises httpx.HTTPError when it does not answer)."""
+    at = time.monotonic()
+    text = http.get("/metrics").raise_for_status().text
+    slots, why = None, None
+    if kind == "llamacpp":
+        r = http.get("/slots")
+        if r.status_code == 200:
+            slots = tuple(r.json())
+        else:
+            why = f"/slots answered {r.status_code} (llama-server lists slots unless --no-slots)"
+    return Scrape.parse(kind, text, at, slots, why)
