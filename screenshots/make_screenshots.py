@@ -2,7 +2,8 @@
 
 Drives the real app headless (Textual Pilot) on the demo chat model (speculating with the demo
 draft), or on --model DIR (speculating by n-gram lookup), and writes SVGs here; PNGs too when
-`rsvg-convert` is installed (Debian: librsvg2-bin).
+`rsvg-convert` is installed (Debian: librsvg2-bin). The console on a vLLM server is drawn only with
+`--vllm URL` (a running vLLM server, which the script loads with requests while it watches).
 """
 
 from __future__ import annotations
@@ -12,20 +13,34 @@ import asyncio
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
+import httpx
 from pagechat.core.config import EngineConfig
 from pagechat.core.engine import Engine
 from pagechat.core.params import SamplingParams
+from pagechat.server.app import create_app
+from pagechat.server.serve import ServerSettings, build_state
 from pagechat.tools.demo import chat_model_dir, draft_model_dir
 from pagechat.tui.app import PagechatApp
 from pagechat.tui.client import ThreadedEngine
 from pagechat.tui.history import ChatRecord, ChatStore
+from pagechat.tui.load import load_prompt
+from pagechat.tui.peer_app import PeerApp
+from pagechat.tui.remote import RemoteEngine
 from pagechat.tui.widgets.chat import PromptInput
 
 OUT = Path(__file__).resolve().parent
 sys.path.insert(0, str(OUT.parent / "tests"))  # the Pilot helpers the tests drive the app with
-from drive import advance, send_and_advance, type_prompt, wait_reply_done  # noqa: E402
+from drive import (  # noqa: E402
+    advance,
+    listening,
+    send_and_advance,
+    type_prompt,
+    wait_reply_done,
+    wait_until,
+)
 
 
 def save(app: PagechatApp, name: str) -> None:
@@ -168,7 +183,75 @@ async def load_screen(model: Path, store: Path) -> None:
         save(app, "load")
 
 
-async def run(model: Path, store: Path, speculation: dict) -> None:
+def clients(url: str, model: str, count: int, max_tokens: int) -> threading.Event:
+    """Other clients of a server: `count` threads sending streamed chat requests of the built-in
+    prompts one after another, until the event returned is set or the server goes."""
+    stop = threading.Event()
+
+    def client(k: int) -> None:
+        while not stop.is_set():
+            body = {
+                "model": model,
+                "messages": load_prompt(k),
+                "max_tokens": max_tokens,
+                "ignore_eos": True,
+                "stream": True,
+            }
+            try:
+                with httpx.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+                    for _ in r.iter_lines():
+                        if stop.is_set():
+                            return
+            except httpx.HTTPError:
+                return
+            k += count
+
+    for k in range(count):
+        threading.Thread(target=client, args=(k,), daemon=True).start()
+    return stop
+
+
+async def watch_screen(model: Path, store: Path) -> None:
+    """`pagechat watch` on a pagechat server that six other clients load: their requests in the
+    block map and scheduler (a 128-block pool: some preempted), the console's own chat among them."""
+    engine = Engine(model, EngineConfig(device="cpu", dtype="float32", kv_blocks=128, block_size=4))
+    state = build_state(engine, ServerSettings(model_name="chat"))
+    with listening(create_app(state)) as url:
+        params = SamplingParams(temperature=0.7, top_p=0.95, max_tokens=200, seed=6)
+        app = PagechatApp(
+            RemoteEngine(url),
+            chat=ChatRecord(id="20250101-120000-demo", model=f"{url} chat"),
+            params=params,
+            store=ChatStore(store),
+            layout="grid",
+            autosave=False,
+        )
+        async with app.run_test(size=(180, 50)) as pilot:
+            await quiet(pilot)
+            others = clients(url, "chat", 6, 120)
+            await wait_until(pilot, lambda: len(app.sched.live) >= 6, 30, "the load")
+            await type_prompt(pilot, "What is a KV cache?")
+            await wait_until(pilot, lambda: len(app.session.messages[-1].tokens) >= 12, 30)
+            pilot.app.set_focus(None)
+            save(app, "watch")
+            others.set()
+
+
+async def vllm_screen(url: str) -> None:
+    """The console on a running vLLM server, loaded by four clients for 25 polls."""
+    model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+    app = PeerApp(url, "vllm", model)
+    async with app.run_test(size=(160, 40)) as pilot:
+        others = clients(url, model, 4, 64)
+        await wait_until(pilot, lambda: len(app.history) >= 25, 60, "25 polls")
+        save(app, "watch-vllm")
+        others.set()
+
+
+async def run(model: Path, store: Path, speculation: dict, vllm: str | None) -> None:
+    if vllm:
+        await vllm_screen(vllm)
+    await watch_screen(model, store)
     await main_screen(model, store)
     await samples_screen(model, store)
     await beams_screen(model, store)
@@ -181,9 +264,10 @@ async def run(model: Path, store: Path, speculation: dict) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, help="model directory (default: the demo chat model)")
+    parser.add_argument("--vllm", help="a running vLLM server's URL: its console's screenshot too")
     args = parser.parse_args()
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
         speculation = {"ngram": True} if args.model else {"draft": str(draft_model_dir())}
-        asyncio.run(run(args.model or chat_model_dir(), Path(tmp), speculation))
+        asyncio.run(run(args.model or chat_model_dir(), Path(tmp), speculation, args.vllm))

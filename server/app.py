@@ -141,7 +141,8 @@ async def _answer(
     request: Request,
 ) -> Response:
     header = Header.new(kind, state.model_name, _request_id(request))
-    job = Job(state.loop, prompts, options, state.encoder.limits, (kind, header.id))
+    label = "api chat" if kind == "chat" else "api cmpl"  # as watchers' scheduler lists it
+    job = Job(state.loop, prompts, options, state.encoder.limits, (label, header.id))
     logprobs = options.logprobs is not None
     if not req.stream:
         return await _whole(job, header, request, logprobs)

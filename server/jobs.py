@@ -56,7 +56,7 @@ class Job:
         prompts: list[list[int]],
         options: Options,
         limits: Limits,
-        ref: tuple[str, str] = ("chat", ""),
+        ref: tuple[str, str] = ("api chat", ""),
     ) -> None:
         """ref: the API the request came through and its response's id, as watchers see them."""
         if not loop.alive:

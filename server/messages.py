@@ -67,5 +67,5 @@ class Submission:
     deltas: asyncio.Queue
     arrival: float = field(default_factory=time.perf_counter)
     request_id: int | None = None  # the engine's id, set by the engine's thread
-    label: str = "chat"  # what watchers call it: the API it came through
+    label: str = "api chat"  # what watchers call it: the API it came through
     ref: str = ""  # its response's id, which watchers match to the client's request

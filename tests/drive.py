@@ -1,14 +1,18 @@
-"""Driving the app headless (Pilot): waits on engine work, sending prompts; used by the tests and
-the screenshot script."""
+"""Driving the app headless (Pilot): waits on engine work, sending prompts; a server listening on
+127.0.0.1; used by the tests and the screenshot script."""
 
 from __future__ import annotations
 
 import functools
+import socket
 import tempfile
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+import uvicorn
 from pagechat.tui.app import PagechatApp
 from textual.pilot import Pilot
 
@@ -102,3 +106,24 @@ async def advance(pilot: Pilot, steps: int) -> None:
         pilot, lambda: not app.render_pending, 10, "the UI to draw the engine's events"
     )
     await pilot.pause(0.05)
+
+
+@contextmanager
+def listening(app) -> Iterator[str]:
+    """An ASGI app under a real uvicorn server on a free 127.0.0.1 port, in a thread; its URL."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", http="h11", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    end = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < end, "the server did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()

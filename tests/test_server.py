@@ -8,8 +8,6 @@ from __future__ import annotations
 import asyncio
 import random
 import re
-import socket
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,7 +16,7 @@ from dataclasses import dataclass
 import httpx
 import openai
 import pytest
-import uvicorn
+from drive import listening
 from pagechat.core.config import EngineConfig
 from pagechat.core.engine import Engine
 from pagechat.core.params import SamplingParams
@@ -61,27 +59,6 @@ class Served:
                 key = re.sub(r'model_name="[^"]*",?', "", key).replace(",}", "}")
                 out[key.replace("{}", "")] = float(value)
         return out
-
-
-@contextmanager
-def listening(app) -> Iterator[str]:
-    """An ASGI app under a real uvicorn server on a free 127.0.0.1 port, in a thread; its URL."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", http="h11", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    end = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < end, "the server did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-        sock.close()
 
 
 @contextmanager

@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import cli
+from drive import listening
 from pagechat.core.engine import Engine
 from pagechat.core.events import EngineInfo, Finished, FirstToken, Started
 from pagechat.core.params import SamplingParams
@@ -25,7 +26,7 @@ from pagechat.tui.peers import Histogram, Scrape, figures
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
-from test_server import HELLO, MODEL, listening, serving, tiny_config
+from test_server import HELLO, MODEL, serving, tiny_config
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -148,8 +149,8 @@ def test_events_carry_every_clients_requests(tiny_llama):
             time.sleep(0.05)
         watcher.close()
         started = [e for e in watcher.events if isinstance(e, Started)]
-        assert [(e.label, e.ref) for e in started][0] == ("chat", "chatcmpl-mine-1")
-        assert started[1].label == "completion" and started[1].ref == done.id
+        assert [(e.label, e.ref) for e in started][0] == ("api chat", "chatcmpl-mine-1")
+        assert started[1].label == "api cmpl" and started[1].ref == done.id
         text = "".join(
             o.text_delta
             for e in watcher.events
@@ -241,7 +242,7 @@ async def test_the_app_on_a_server_chats_through_its_api(model_dir, tmp_path):
                 daemon=True,
             ).start()
             app.set_load(True, 3, 50.0)
-            await wait_until(pilot, lambda: {"completion", "load 1", "load 3"} <= names(), 20)
+            await wait_until(pilot, lambda: {"api cmpl", "load 1", "load 3"} <= names(), 20)
             await wait_until(pilot, lambda: app.load_left == 0 and not app.load_running(), 30)
     assert client.failure() is None  # closed by the app: not a failure
 
