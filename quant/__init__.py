@@ -1,6 +1,7 @@
 """Quantised linear layers (int8, AWQ) that the engine's model can swap in, and their tools.
 
 pack: 4-bit group quantisation and AutoAWQ packing · layers: AWQLinear, Int8WOLinear, bitsandbytes
-int8 · loaders: --quant / quantization_config -> LinearLoader · awq: the AWQ search for one block ·
-checkpoint: `quantize` · evaluate: perplexity and greedy agreement · bench: `bench-quant`.
+int8 · kernels: pagechat's AVX2 int8 matmul (kernels.cpp), built on first use · loaders: --quant /
+quantization_config -> LinearLoader · awq: the AWQ search for one block · checkpoint: `quantize` ·
+evaluate: perplexity and greedy agreement · bench: `bench-quant`.
 """

@@ -30,7 +30,7 @@ QUANT_MODES = ("int8", "int8-wo", "bf16-wo", "awq")
 MODE_LABELS = {
     None: "none (weights in the model dtype)",
     "int8": "int8 LLM.int8 (bitsandbytes Linear8bitLt, outlier threshold 6.0)",
-    "int8-wo": "int8 weight-only (torch _weight_int8pack_mm, bf16 activations)",
+    "int8-wo": "int8 weight-only (pagechat's AVX2 kernel where it builds, else torch's int8pack)",
     "bf16-wo": "bf16 weight-only (bf16 matmul for decode rows, float32 for prefill)",
     "awq": "AWQ 4-bit (torch int4 weight-only matmul, bf16 activations)",
 }

@@ -147,7 +147,8 @@ def test_awq_path_falls_back_where_the_kernel_does_not_fit():
 def test_int8_weight_only_layer():
     w = torch.randn(96, 256)
     layer = Int8WOLinear.from_float(w, None, CPU)
-    assert layer.path == "int8pack-cpu" and layer.weight.dtype == torch.int8
+    # torch's int8pack kernel, behind pagechat's for up to 16 rows where it builds (test_kernels)
+    assert layer.path.endswith("int8pack-cpu") and layer.weight.dtype == torch.int8
     x = torch.randn(4, 256)
     deq = layer.weight.float() * layer.scales.float().unsqueeze(1)
     assert rel(layer(x), x @ deq.t()) <= 5e-3
