@@ -408,6 +408,8 @@ def test_llamacpp_figures_from_its_recorded_metrics_and_slots():
                 "TTFT",
                 "KV cache in use 1.1%",
                 "vLLM exposes the KV cache as one usage fraction",
+                "364 blocks of 128 tokens (46592 tokens), prefix caching on",
+                "requests ended length 10",
             ],
         ),
         (
@@ -430,6 +432,7 @@ def test_llamacpp_figures_from_its_recorded_metrics_and_slots():
                 "waiting 1",
                 "llama.cpp does not preempt",
                 "per decode token",
+                "slots 2 of 512 tokens each",
             ],
         ),
     ],

@@ -178,6 +178,32 @@ class PeerApp(App):
             t.append("\nno speculative decoding on this server", "dim")
         return t.append(f"\n{NOT_EXPOSED[self.kind]['sampling']}", "dim")
 
+    def server(self, f: Figures) -> Text:
+        """How the server keeps its KV cache, and how its requests ended."""
+        s, t = self.last, Text()
+        if s is None:
+            return t
+        if self.kind == "vllm":
+            i = s.info
+            t.append("KV cache ", "bold").append(
+                f"{i.get('num_gpu_blocks', '?')} blocks of {i.get('block_size', '?')} tokens "
+                f"({i.get('kv_cache_size_tokens', '?')} tokens), prefix caching "
+                f"{'on' if i.get('enable_prefix_caching') == 'True' else 'off'}\n"
+            )
+            ended = s.per_label.get("request_success_total", {})
+            t.append("requests ended ", "bold")
+            counts = [f"{why} {n:.0f}" for why, n in sorted(ended.items()) if n]
+            t.append(" · ".join(counts) or "none yet")
+            return t
+        if f.slots:
+            t.append("slots ", "bold").append(f"{len(f.slots)} of {f.slots[0].n_ctx} tokens each\n")
+        elif s.slots_why:
+            t.append(s.slots_why + "\n", "dim")
+        v = s.values
+        t.append("decode calls ", "bold").append(_num(v.get("n_decode_total")))
+        t.append(" · longest sequence ", "bold").append(_num(v.get("n_tokens_max")))
+        return t
+
 
 PANELS = (
     ("kv", "KV cache"),
@@ -185,6 +211,7 @@ PANELS = (
     ("throughput", "Throughput"),
     ("latency", "Latency"),
     ("cache", "Prefix cache · speculation"),
+    ("server", "Server"),
 )
 DRAW = {
     "kv": PeerApp.kv,
@@ -192,4 +219,5 @@ DRAW = {
     "throughput": PeerApp.throughput,
     "latency": PeerApp.latency,
     "cache": PeerApp.cache,
+    "server": PeerApp.server,
 }

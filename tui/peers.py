@@ -80,6 +80,7 @@ class Scrape:
     values: dict[str, float]
     per_label: dict[str, dict[str, float]]  # name -> {label value: value} (spec positions)
     histograms: dict[str, Histogram]
+    info: dict[str, str] = field(default_factory=dict)  # the labels of vLLM's *_info gauges
     slots: tuple[dict, ...] | None = None
     slots_why: str | None = None  # why there are no slots
 
@@ -89,6 +90,7 @@ class Scrape:
         values: dict[str, float] = {}
         per_label: dict[str, dict[str, float]] = {}
         histograms: dict[str, Histogram] = {}
+        info: dict[str, str] = {}
         for family in text_string_to_metric_families(text):
             if not family.name.startswith(prefix):
                 continue
@@ -99,11 +101,14 @@ class Scrape:
             for s in family.samples:
                 if s.name.endswith("_created"):
                     continue
+                if s.name.endswith("_info"):
+                    info.update(s.labels)
                 key = s.name[len(prefix) :]
                 values[key] = values.get(key, 0.0) + s.value
-                if "position" in s.labels:
-                    per_label.setdefault(key, {})[s.labels["position"]] = s.value
-        return cls(at, values, per_label, histograms, slots, slots_why)
+                for label in ("position", "finished_reason"):
+                    if label in s.labels:
+                        per_label.setdefault(key, {})[s.labels[label]] = s.value
+        return cls(at, values, per_label, histograms, info, slots, slots_why)
 
 
 def _histogram(samples) -> Histogram:
