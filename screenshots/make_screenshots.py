@@ -213,7 +213,7 @@ def clients(url: str, model: str, count: int, max_tokens: int) -> threading.Even
 
 async def watch_screen(model: Path, store: Path) -> None:
     """`pagechat watch` on a pagechat server that six other clients load: their requests in the
-    block map and scheduler (a 128-block pool: some preempted), the console's own chat among them."""
+    block map and scheduler (a 128-block pool), the console's own chat among them."""
     engine = Engine(model, EngineConfig(device="cpu", dtype="float32", kv_blocks=128, block_size=4))
     state = build_state(engine, ServerSettings(model_name="chat"))
     with listening(create_app(state)) as url:
