@@ -12,7 +12,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import httpx
 import uvicorn
+from pagechat.core.events import EngineInfo
+from pagechat.core.wire import loads, unpack
 from pagechat.tui.app import PagechatApp
 from textual.pilot import Pilot
 
@@ -127,3 +130,35 @@ def listening(app) -> Iterator[str]:
         server.should_exit = True
         thread.join(timeout=30)
         sock.close()
+
+
+class Watcher:
+    """Reads /pagechat/events on a thread, rebuilding the records as RemoteEngine does."""
+
+    def __init__(self, url: str) -> None:
+        self.events: list = []
+        self.info: EngineInfo | None = None
+        self.snapshot = None
+        self._stop = False
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._read, args=(url,), daemon=True)
+        self._thread.start()
+        assert self._ready.wait(10), "no EngineInfo"
+
+    def _read(self, url: str) -> None:
+        with httpx.stream("GET", url + "/pagechat/events", timeout=30) as r:
+            for line in r.iter_lines():
+                if self._stop:
+                    return
+                if not line.startswith("data: "):
+                    continue
+                obj = loads(line[6:])
+                if isinstance(obj, EngineInfo):
+                    self.info, self.snapshot = obj, obj.blocks
+                    self._ready.set()
+                    continue
+                evs, self.snapshot = unpack(obj, self.snapshot)
+                self.events += evs
+
+    def close(self) -> None:
+        self._stop = True

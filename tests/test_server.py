@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import httpx
 import openai
 import pytest
-from drive import listening
+from drive import Watcher, listening
 from pagechat.core.config import EngineConfig
 from pagechat.core.engine import Engine
 from pagechat.core.params import SamplingParams
@@ -280,13 +280,14 @@ async def _crowd(served: Served, count: int) -> list[str]:
 
 
 def test_concurrent_requests_with_clients_leaving(served):
-    """120 concurrent requests of random lengths in a pool that must preempt: every one completes
-    in full or is aborted when its client leaves; afterwards every block is back and the server
-    keeps nothing of them."""
+    """200 concurrent requests of random lengths in a pool that must preempt, watched: every one
+    completes in full or is aborted when its client leaves; afterwards every block is back, the
+    server keeps nothing of them, and the watcher's block map is the engine's."""
     before = served.metrics()
-    ends = asyncio.run(_crowd(served, 120))
+    watcher = Watcher(served.url)
+    ends = asyncio.run(_crowd(served, 200))
     served.wait_idle()
-    assert ends.count("completed") + ends.count("left") == 120 and ends.count("left") > 5
+    assert ends.count("completed") + ends.count("left") == 200 and ends.count("left") > 5
     assert served.engine.block_map.snapshot().num_used == 0
     assert not served.engine.scheduler.running and not served.engine.scheduler.waiting
     assert served.state.loop.num_active == 0
@@ -298,6 +299,11 @@ def test_concurrent_requests_with_clients_leaving(served):
     assert 0 < aborted
     assert after["pagechat:num_preemptions_total"] > before["pagechat:num_preemptions_total"]
     assert after["pagechat:kv_cache_usage_perc"] == 0
+    end = time.monotonic() + 10
+    while watcher.snapshot != served.engine.block_map.snapshot():
+        assert time.monotonic() < end, "the watcher's block map is not the engine's"
+        time.sleep(0.05)
+    watcher.close()
 
 
 def test_a_client_leaving_a_whole_response_aborts_it(served):

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import cli
-from drive import listening
+from drive import Watcher, listening
 from pagechat.core.engine import Engine
 from pagechat.core.events import EngineInfo, Finished, FirstToken, Started
 from pagechat.core.params import SamplingParams
@@ -93,38 +93,6 @@ def test_a_slow_watcher_is_dropped_and_told(tiny_llama, monkeypatch):
 
 
 # -- a pagechat server's events ------------------------------------------------------------------
-class Watcher:
-    """Reads /pagechat/events on a thread, rebuilding the records as RemoteEngine does."""
-
-    def __init__(self, url: str) -> None:
-        self.events: list = []
-        self.info: EngineInfo | None = None
-        self.snapshot = None
-        self._stop = False
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._read, args=(url,), daemon=True)
-        self._thread.start()
-        assert self._ready.wait(10), "no EngineInfo"
-
-    def _read(self, url: str) -> None:
-        with httpx.stream("GET", url + "/pagechat/events", timeout=30) as r:
-            for line in r.iter_lines():
-                if self._stop:
-                    return
-                if not line.startswith("data: "):
-                    continue
-                obj = loads(line[6:])
-                if isinstance(obj, EngineInfo):
-                    self.info, self.snapshot = obj, obj.blocks
-                    self._ready.set()
-                    continue
-                evs, self.snapshot = unpack(obj, self.snapshot)
-                self.events += evs
-
-    def close(self) -> None:
-        self._stop = True
-
-
 def test_events_carry_every_clients_requests(tiny_llama):
     """Two clients' requests (one names itself with X-Request-Id) start, decode and finish in the
     stream; the candidates are recorded for a request that asked for no logprobs; once idle, the
