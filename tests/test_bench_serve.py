@@ -74,6 +74,32 @@ def test_every_request_is_counted(server, tiny_llama, capsys):
         assert level["itl_ms"] and level["tpot_ms"]["p50"] > 0
 
 
+def test_watched_levels_read_the_event_stream(server, capsys):
+    """--watched runs each level again with a watcher on /pagechat/events, which reads the
+    engine's records (at least its EngineInfo and a batch per request's start and end)."""
+    code, out, err = cli(
+        [
+            "bench-serve",
+            server,
+            "--requests",
+            "4",
+            "--concurrency",
+            "2",
+            "--prompt-words",
+            "8",
+            "--output-tokens",
+            "4",
+            "--watched",
+            "--json",
+        ],
+        capsys,
+    )
+    assert code == 0, err
+    plain, watched = json.loads(out)["levels"]
+    assert plain["watched_bytes"] is None and plain["completed"] == 4
+    assert watched["completed"] == 4 and watched["watched_bytes"] > 10_000
+
+
 def test_a_missing_server_is_one_line(capsys):
     url = f"http://127.0.0.1:{free_port()}"
     code, _, err = cli(["bench-serve", url, "--requests", "1"], capsys)

@@ -11,7 +11,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import httpx
 
@@ -72,6 +72,7 @@ class LevelReport:
     tpot_ms: dict[str, float]
     e2e_ms: dict[str, float]
     first_error: str = ""
+    watched_bytes: int | None = None  # with a watcher on /pagechat/events: what it read
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
@@ -149,14 +150,17 @@ async def _one(client, spec, prompt, gate, done: Callable[[], None]) -> RequestR
 
 
 async def run_level(
-    spec: LoadSpec, concurrency: int, done: Callable[[], None] = lambda: None
+    spec: LoadSpec, concurrency: int, done: Callable[[], None] = lambda: None, watched=False
 ) -> LevelReport:
-    """Send every prompt, at most `concurrency` in flight, arrivals at spec.rate."""
+    """Send every prompt, at most `concurrency` in flight, arrivals at spec.rate; `watched`: with
+    a watcher reading a pagechat server's /pagechat/events all the while (what watching costs)."""
     rng = random.Random(spec.seed + 1)
     gate = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency + 4)
     timeout = httpx.Timeout(600.0, connect=10.0)
     async with httpx.AsyncClient(base_url=spec.url, limits=limits, timeout=timeout) as client:
+        read = [0]
+        watcher = asyncio.create_task(_watch(client, spec, read)) if watched else None
         start = time.perf_counter()
         tasks = []
         for prompt in prompts(spec):
@@ -165,7 +169,18 @@ async def run_level(
                 await asyncio.sleep(rng.expovariate(spec.rate))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
-    return summarise(results, concurrency, duration)
+        if watcher is not None:
+            watcher.cancel()
+    report = summarise(results, concurrency, duration)
+    return replace(report, watched_bytes=read[0]) if watched else report
+
+
+async def _watch(client: httpx.AsyncClient, spec: LoadSpec, read: list[int]) -> None:
+    """Read the event stream as a watcher does, counting its bytes in read[0]."""
+    async with client.stream("GET", "/pagechat/events", headers=_headers(spec)) as r:
+        r.raise_for_status()
+        async for chunk in r.aiter_bytes():
+            read[0] += len(chunk)
 
 
 def summarise(results: list[RequestResult], concurrency: int, duration: float) -> LevelReport:

@@ -21,8 +21,11 @@ ROWS = (  # (row label, LevelReport field holding percentiles in ms, percentiles
 )
 
 
-def bench_serve_command(spec: LoadSpec, levels: list[int], json_out: bool) -> int:
-    """Run every level against the server; returns the exit code (2 when requests failed)."""
+def bench_serve_command(
+    spec: LoadSpec, levels: list[int], json_out: bool, watched: bool = False
+) -> int:
+    """Run every level against the server; returns the exit code (2 when requests failed).
+    watched: each level twice, without and then with a watcher on /pagechat/events."""
     url = spec.url.rstrip("/")
     try:
         model = spec.model or served_model(url, spec.api_key)
@@ -32,10 +35,13 @@ def bench_serve_command(spec: LoadSpec, levels: list[int], json_out: bool) -> in
     console = Console(stderr=True)
     reports = []
     for level in levels:
-        columns = (BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-        with Progress(f"concurrency {level}", *columns, console=console, transient=json_out) as bar:
-            task = bar.add_task("requests", total=spec.requests)
-            reports.append(asyncio.run(run_level(spec, level, partial(bar.advance, task))))
+        for watch in (False, True) if watched else (False,):
+            columns = (BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+            label = f"concurrency {level}{' watched' if watch else ''}"
+            with Progress(label, *columns, console=console, transient=json_out) as bar:
+                task = bar.add_task("requests", total=spec.requests)
+                advance = partial(bar.advance, task)
+                reports.append(asyncio.run(run_level(spec, level, advance, watch)))
     if json_out:
         print(as_json(reports, spec))
     else:
@@ -64,11 +70,17 @@ def _table(reports: list[LevelReport], spec: LoadSpec) -> Table:
     )
     table.add_column("concurrency")
     for r in reports:
-        table.add_column(str(r.concurrency), justify="right")
+        watched = "" if r.watched_bytes is None else " watched"
+        table.add_column(f"{r.concurrency}{watched}", justify="right")
     table.add_row("completed / failed", *(f"{r.completed} / {r.failed}" for r in reports))
     table.add_row("output tok/s", *(f"{r.output_tok_s:.1f}" for r in reports))
     table.add_row("requests/s", *(f"{r.request_s:.2f}" for r in reports))
     for label, field, keys in ROWS:
         for key in keys:
             table.add_row(f"{label} {key}", *(_ms(getattr(r, field), key) for r in reports))
+    if any(r.watched_bytes is not None for r in reports):
+        read = (
+            f"{r.watched_bytes / 1e6:.1f}" if r.watched_bytes is not None else "-" for r in reports
+        )
+        table.add_row("events read MB", *read)
     return table

@@ -505,6 +505,14 @@ def bench_serve(
     as_json: Annotated[
         bool, typer.Option("--json", help="print one JSON object instead of the table")
     ] = False,
+    watched: Annotated[
+        bool,
+        typer.Option(
+            "--watched",
+            help="each level twice: then again with a watcher reading /pagechat/events (a "
+            "pagechat server), to see what watching costs",
+        ),
+    ] = False,
 ) -> None:
     """Load any OpenAI-compatible server (pagechat serve, vLLM, llama-server) with streamed
     completions: TTFT, ITL, TPOT and end-to-end latency percentiles and throughput per
@@ -519,7 +527,7 @@ def bench_serve(
         raise PagechatError(f"URL must start with http:// or https://, got {url!r}")
     spec = LoadSpec(url, model or "", requests, rate, prompt_words, output_tokens, seed, api_key)
     raise typer.Exit(
-        bench_serve_command(spec, positive_ints(concurrency, "--concurrency"), as_json)
+        bench_serve_command(spec, positive_ints(concurrency, "--concurrency"), as_json, watched)
     )
 
 
