@@ -5,7 +5,8 @@ torch's int4 / int8 weight-only matmuls want bf16 activations (other dtypes hit 
 so activations are cast to bf16 around the call and back; where the op is missing or the shapes
 don't fit it, the weights are dequantised on every call (exact in fp32, memory stays quantised).
 int8 weight-only layers on an AVX2 CPU run pagechat's own kernel (quant/kernels.py) for up to 16
-rows, about twice as fast as torch's for decode, and torch's for more rows (prefill).
+rows, about twice as fast as torch's for decode, and for more rows (prefill) a float32 matmul on the
+weights dequantised for the call, 1.6x faster than torch's int8pack there (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -179,10 +180,10 @@ class Int8WOLinear(_WeightOnlyLinear):
         super().__init__()
         self.out_features, self.in_features = q.shape
         self.kernel = None if path else int8_wo_kernel(self.in_features, device)
-        self.torch_path = path or int8_wo_path(device)  # for every call the kernel does not take
+        self.torch_path = path or int8_wo_path(device)  # every call, where the kernel cannot run
         self.path = self.torch_path
         if self.kernel is not None:
-            self.path = f"{kernels.INT8_PATH} <= {kernels.MAX_ROWS} rows, else {self.torch_path}"
+            self.path = f"{kernels.INT8_PATH} <= {kernels.MAX_ROWS} rows, else fp32"
         self.register_buffer("weight", q.to(device=device, dtype=torch.int8).contiguous())
         # the int8pack kernels take scales in the activations' dtype (bf16), and pagechat's kernel
         # reads the same bf16 scales, so both compute with the same weights; dequant keeps fp32
@@ -200,8 +201,13 @@ class Int8WOLinear(_WeightOnlyLinear):
         return cls(q, scales, bias, device)
 
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
-        if self.kernel is not None and x2.shape[0] <= kernels.MAX_ROWS:
-            return self.kernel(x2, self.weight, self.scales).to(x2.dtype)
+        if self.kernel is not None:
+            if x2.shape[0] <= kernels.MAX_ROWS:
+                return self.kernel(x2, self.weight, self.scales).to(x2.dtype)
+            # many rows are a GEMM: float32's (MKL) beats int8pack's, whatever the model's dtype,
+            # as on a CPU without native bf16 a bf16 GEMM is several times slower (Bf16WOLinear)
+            y = F.linear(x2.float(), self.weight.float()) * self.scales.float()
+            return y.to(x2.dtype)
         if (
             self.torch_path == "dequant"
         ):  # x @ (q * s)^T == (x @ q^T) * s: scale the output, not the weight
