@@ -96,9 +96,10 @@ def paged_attention(
     meta: AttentionMetadata,
     window: int | None,
 ) -> torch.Tensor:
-    """Write k/v [T, KV, D] into the caches [slots, KV, D], then attend q [T, H, D] -> [T, H, D]."""
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
+    """Write k/v [T, KV, D] into the caches [slots, KV, D], then attend q [T, H, D] -> [T, H, D].
+    A cache kept in another dtype than q's (16 bits under a float32 model) is cast both ways."""
+    k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
     # The batch size is read from a tensor, so a traced step follows it; other sizes are -1 or flat.
     b = meta.q_pos.shape[0]
     if meta.q_rows is None:
@@ -111,8 +112,8 @@ def paged_attention(
         )
     # keys and values [B, KV, ctx, D] by index_select, not k_cache[meta.gather]: on CPU, advanced
     # indexing copies several times slower
-    keys = k_cache.index_select(0, meta.gather).unflatten(0, (b, -1)).transpose(1, 2)
-    values = v_cache.index_select(0, meta.gather).unflatten(0, (b, -1)).transpose(1, 2)
+    keys = k_cache.index_select(0, meta.gather).to(q.dtype).unflatten(0, (b, -1)).transpose(1, 2)
+    values = v_cache.index_select(0, meta.gather).to(q.dtype).unflatten(0, (b, -1)).transpose(1, 2)
     if not _SDPA_GQA and keys.shape[1] != q.shape[1]:
         keys = keys.repeat_interleave(q.shape[1] // keys.shape[1], dim=1)
         values = values.repeat_interleave(q.shape[1] // values.shape[1], dim=1)

@@ -31,6 +31,8 @@ class EngineConfig:
 
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    # the KV cache's: auto = float16 where the model computes in float32 on a CPU, else the same
+    kv_dtype: str = "auto"
     block_size: int = 16
     kv_blocks: int | None = None  # fixed pool size; wins over kv_memory
     kv_memory: int | None = None  # bytes for the KV pool; default: see kv.default_kv_bytes
@@ -57,6 +59,7 @@ class EngineConfig:
         if self.device not in ("auto", "cpu", "cuda"):
             raise PagechatError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         check_dtype(self.dtype)
+        check_dtype(self.kv_dtype, "--kv-dtype")
         modes = quant_modes()
         if self.quant is not None and self.quant not in modes:
             if not modes:
@@ -85,11 +88,13 @@ class EngineConfig:
         return self
 
 
-def check_dtype(name: str) -> None:
-    """Raise PagechatError unless name is auto or a dtype the engine runs: the one --dtype check."""
+def check_dtype(name: str, option: str = "--dtype") -> None:
+    """Raise PagechatError unless name is auto or a dtype the engine runs: the one check of
+    --dtype and --kv-dtype."""
     if name != "auto" and name not in DTYPES:
         names = ["auto", *DTYPES]
-        raise PagechatError(f"--dtype must be {', '.join(names[:-1])} or {names[-1]}, got {name!r}")
+        choices = f"{', '.join(names[:-1])} or {names[-1]}"
+        raise PagechatError(f"{option} must be {choices}, got {name!r}")
 
 
 def parse_bytes(text: str) -> int:

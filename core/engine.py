@@ -77,6 +77,14 @@ def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str | None)
     return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
 
 
+def resolve_kv_dtype(name: str, compute: torch.dtype, device: torch.device) -> torch.dtype:
+    """auto -> float16 where the model computes in float32 on a CPU (half the KV memory, and half
+    the bytes attention reads a step, as llama.cpp keeps its cache), else the compute dtype."""
+    if name != "auto":
+        return DTYPES[name]
+    return torch.float16 if device.type == "cpu" and compute == torch.float32 else compute
+
+
 def resolve_quant_mode(cfg: EngineConfig, spec: ModelSpec, device: torch.device) -> str | None:
     """--quant, else bf16-wo for a bf16 checkpoint under --dtype auto on a CPU without native bf16:
     its linear weights stay in bf16 as stored, so decode streams half the bytes float32 would,
@@ -186,8 +194,9 @@ class Engine:
         self.spec = spec = target.spec
         self.quant, self.tokenizer, self.model = target.quant, target.tokenizer, target.model
         self.dtype, self.max_model_len = target.dtype, target.max_len
-        num_blocks = pool_blocks(spec, cfg, self.dtype, self.device, self.max_model_len)
-        self.pool = allocate_pool(spec, num_blocks, cfg.block_size, self.dtype, self.device)
+        self.kv_dtype = resolve_kv_dtype(cfg.kv_dtype, self.dtype, self.device)
+        num_blocks = pool_blocks(spec, cfg, self.kv_dtype, self.device, self.max_model_len)
+        self.pool = allocate_pool(spec, num_blocks, cfg.block_size, self.kv_dtype, self.device)
         self._block_events: list[BlockEvent] = []  # since the last report
         self.blocks = BlockManager(
             num_blocks, cfg.block_size, cfg.prefix_cache, (self._block_events.append,)
@@ -443,7 +452,7 @@ class Engine:
         copy_between(src, dst, plan.pairs)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        size = len(plan.pairs) * block_bytes(self.spec, self.blocks.block_size, self.dtype)
+        size = len(plan.pairs) * block_bytes(self.spec, self.blocks.block_size, self.kv_dtype)
         seconds = time.perf_counter() - t0
         return SwapRecord(plan.seq.seq_id, plan.direction, len(plan.pairs), size, seconds)
 

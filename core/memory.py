@@ -130,7 +130,7 @@ class EngineMemory:
             engine.blocks.block_size,
             engine.max_model_len,
             engine.device,
-            dtype_name(engine.dtype),
+            dtype_name(engine.kv_dtype),
         )
 
     def seqs_that_fit(self, tokens: int) -> int:

@@ -150,12 +150,17 @@ async def test_background_load_batches_hits_the_prefix_cache_and_preempts(model_
     app = make_app(model_dir, tmp_path, replace(PARAMS, max_tokens=30), kv_blocks=40, block_size=4)
     async with app.run_test(size=SIZE) as pilot:
         app.show_panel("sched")
-        await set_load_fields(pilot, 14, 50)
+        await set_load_fields(pilot, 14, 5)
+        # paused until every request is in (they come over 2.6 s): on a fast machine a load
+        # that ran as it came would end before the chat comes, and nothing would be preempted
+        app.loop.pause()
         await pilot.press("ctrl+l")
         assert app.query_one(ControlsPanel).load_on
-        await type_prompt(pilot, "hello under load")  # the chat is answered among them
         engine = app.loop.engine
-        await wait_until(pilot, lambda: len(engine.requests) >= 15, 10, "the load to start")
+        await wait_until(pilot, lambda: len(engine.requests) >= 14, 10, "the load to start")
+        await type_prompt(pilot, "hello under load")  # the chat is answered among them
+        await wait_until(pilot, lambda: len(engine.requests) >= 15, 10, "the chat to start")
+        app.loop.resume()
         await wait_reply_done(pilot)
         reply = app.session.messages[-1]
         assert reply.finish_reason == "length"

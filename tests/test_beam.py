@@ -59,7 +59,7 @@ def hf_models(tiny_models):
 
 
 def engine(path, **cfg):
-    return Engine(path, EngineConfig(device="cpu", dtype="float32", **cfg))
+    return Engine(path, EngineConfig(device="cpu", dtype="float32", kv_dtype="float32", **cfg))
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -52,7 +52,11 @@ def edit_weights(model, change) -> None:
         (["--kv-memory", "1e30"], "is more memory than this machine has"),
         (
             ["--kv-blocks", str(10**12)],
-            f"a KV pool of {10**12} blocks (7.63e+06 GiB) is more memory than this machine has",
+            f"a KV pool of {10**12} blocks (3.81e+06 GiB) is more memory than this machine has",
+        ),
+        (
+            ["--kv-dtype", "int4"],
+            "--kv-dtype must be auto, float32, bfloat16 or float16, got 'int4'",
         ),
     ],
 )

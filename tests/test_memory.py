@@ -94,9 +94,9 @@ def test_awq_report_and_estimate_agree(tiny_llama, tmp_path, group, path):
 
 def test_kv_figures_match_the_pool(tiny_llama):
     e = Engine(tiny_llama, EngineConfig(dtype="float32", kv_blocks=8))
-    per_token = kv_bytes_per_token(e.spec, e.dtype)
+    per_token = kv_bytes_per_token(e.spec, e.kv_dtype)
     assert per_token * e.blocks.block_size * e.blocks.num_blocks == e.pool.nbytes
-    assert per_token * 16 == block_bytes(e.spec, 16, e.dtype)
+    assert per_token * 16 == block_bytes(e.spec, 16, e.kv_dtype)
 
 
 def test_plan_capacity_arithmetic(tiny_llama):

@@ -39,7 +39,7 @@ def test_swap_equals_recompute_equals_room_for_all(params, tiny_llama):
     outs = [s for r in reports for s in r.swaps if s.direction == "out"]
     ins = [s for r in reports for s in r.swaps if s.direction == "in"]
     assert outs and sorted(s.seq_id for s in outs) == sorted(s.seq_id for s in ins)
-    per_block = block_bytes(engine.spec, 4, engine.dtype)
+    per_block = block_bytes(engine.spec, 4, engine.kv_dtype)
     assert all(s.bytes == s.blocks * per_block and s.seconds >= 0 for s in outs + ins)
     # swapping saves the recompute: fewer prompt tokens are computed again
     assert sum(r.prefill_tokens for r in reports) < sum(r.prefill_tokens for r in rec_reports)
@@ -105,9 +105,11 @@ def test_the_chat_goes_first_under_background_load(preempt, tiny_llama):
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = [f"load {i} " + "word " * 12 for i in range(6)]
     chat = "the chat " + "word " * 10
-    roomy = Engine(tiny_llama, EngineConfig(kv_blocks=512, block_size=4))
+    # float32 KV: recomputed KV equals the decoded one to the last bits that greedy ties can see
+    exact = {"dtype": "float32", "kv_dtype": "float32", "block_size": 4}
+    roomy = Engine(tiny_llama, EngineConfig(kv_blocks=512, **exact))
     want = [s.output_ids for s in roomy.generate([*prompts, chat], greedy)]
-    tight = Engine(tiny_llama, EngineConfig(kv_blocks=30, block_size=4, preempt=preempt))
+    tight = Engine(tiny_llama, EngineConfig(kv_blocks=30, preempt=preempt, **exact))
     load = [tight.add_request(p, greedy, priority=1) for p in prompts]
     for _ in range(3):
         tight.step()

@@ -18,6 +18,13 @@ Dtype = Annotated[
         "weights kept in bf16 as --quant bf16-wo)"
     ),
 ]
+KvDtype = Annotated[
+    str,
+    typer.Option(
+        help="the KV cache's dtype: auto | float32 | bfloat16 | float16 (auto: float16 where "
+        "the model computes in float32 on a CPU, as llama.cpp keeps it; else the model's)"
+    ),
+]
 Device = Annotated[str, typer.Option(help="auto | cpu | cuda")]
 Draft = Annotated[
     Path | None,
@@ -79,6 +86,7 @@ Threads = Annotated[
 ENGINE_OPTIONS = (  # command options that are EngineConfig fields of the same name
     "device",
     "dtype",
+    "kv_dtype",
     "quant",
     "ngram",
     "num_draft",
