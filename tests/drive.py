@@ -111,6 +111,13 @@ async def advance(pilot: Pilot, steps: int) -> None:
     await pilot.pause(0.05)
 
 
+def free_port() -> int:
+    """A port nothing listens on now (the caller binds it soon)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @contextmanager
 def listening(app) -> Iterator[str]:
     """An ASGI app under a real uvicorn server on a free 127.0.0.1 port, in a thread; its URL."""

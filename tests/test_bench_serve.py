@@ -4,7 +4,6 @@ is counted, token counts match what was asked, and a server that is not there is
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -12,15 +11,10 @@ import time
 import httpx
 import pytest
 from conftest import cli
+from drive import free_port
 from pagechat.tools.bench_serve import RequestResult, percentiles, summarise
 
 MAIN = "from pagechat.tui.cli import main; main()"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

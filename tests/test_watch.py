@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import cli
-from drive import Watcher, listening
+from drive import Watcher, free_port, listening
 from pagechat.core.engine import Engine
 from pagechat.core.events import EngineInfo, Finished, FirstToken, Started
 from pagechat.core.params import SamplingParams
@@ -456,3 +456,15 @@ def test_watch_says_what_is_wrong_in_one_line(capsys):
     assert code == 2 and "owned by 'somebody'" in err
     code, _, err = cli(["serve", "--watch", "--port", "0"], capsys)
     assert code == 2 and err == "error: --watch needs a --port to reach the server on (not 0)\n"
+
+
+def test_serve_watch_says_why_its_server_did_not_start(tmp_path, capsys):
+    """The server runs in a child process; when it exits before it answers /health, its own last
+    line is the error, and its log is kept."""
+    port = free_port()
+    missing = tmp_path / "no-model"
+    code, _, err = cli(["serve", str(missing), "--watch", "--port", str(port)], capsys)
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert lines[-1].startswith("error: the server did not start: ") and str(missing) in lines[-1]
+    assert f"the server's log: /tmp/pagechat-serve-{port}.log" in lines
