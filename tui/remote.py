@@ -42,6 +42,7 @@ from pagechat.tui.protocol import (
 )
 
 CONNECT_S = 5.0
+READ_S = 10.0  # the event stream's heartbeat comes every BEAT_S; a reply may wait longer in line
 
 
 def api_fields(params: SamplingParams, context: int) -> dict:
@@ -78,7 +79,7 @@ class RemoteEngine(EngineClient):
         """Connect to the server's event stream and read its EngineInfo; raises PagechatError
         when the server cannot be reached or is not a pagechat server."""
         self.url, self.api_key = url.rstrip("/"), api_key
-        self._http = self._client()
+        self._http = self._client(READ_S)
         try:
             self.model = self._http.get("/v1/models").raise_for_status().json()["data"][0]["id"]
             self._events = self._http.send(
@@ -106,10 +107,11 @@ class RemoteEngine(EngineClient):
         self._reply: list[str] = []  # the reply in flight: its requests' response ids
         self._load_run = 0  # bumped by each StartLoad and StopLoad: an older load's thread ends
 
-    def _client(self) -> httpx.Client:
-        """A client of the server (one per thread that streams: each owns its connection)."""
+    def _client(self, read: float | None = None) -> httpx.Client:
+        """A client of the server (one per thread that streams: each owns its connection); read:
+        the longest silence it waits out (None: a reply, which may queue behind others)."""
         headers = {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        timeout = httpx.Timeout(None, connect=CONNECT_S)  # silence is told by the heartbeat
+        timeout = httpx.Timeout(read, connect=CONNECT_S)
         return httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
 
     def start(self) -> RemoteEngine:
