@@ -444,7 +444,7 @@ async def test_a_llamacpp_server_without_metrics_says_how_to_get_them():
 
 
 def test_watch_says_what_is_wrong_in_one_line(capsys):
-    code, _, err = cli(["watch", "http://127.0.0.1:9"], capsys)
+    code, _, err = cli(["watch", "http://127.0.0.1:9/v1/"], capsys)  # as a client's base_url
     assert code == 2 and err.startswith("error: cannot reach http://127.0.0.1:9: ")
     assert len(err.strip().splitlines()) == 1
 

@@ -46,6 +46,7 @@ def watch(url: str, api_key: str | None, layout: str = "auto") -> int:
     """Open the console on the server at url until it quits; returns the exit code."""
     if layout not in ("auto", "tabs", "grid"):
         raise PagechatError(f"--layout must be auto, tabs or grid, got {layout!r}")
+    url = url.rstrip("/").removesuffix("/v1")  # an OpenAI client's base_url names the server too
     kind, model = detect(url, api_key)
     if kind != "pagechat":
         from pagechat.tui.peer_app import PeerApp
