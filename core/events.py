@@ -99,7 +99,7 @@ class EngineInfo:
     graphs: bool  # decode steps replayed from traced graphs
     threads: int  # torch's CPU threads where the engine runs
     memory: EngineMemory
-    blocks: BlockSnapshot  # the pool before any command
+    blocks: BlockSnapshot  # the pool as the first event finds it (a watcher: as it joins)
     proposer: str | None  # the speculation proposer's name, if one was loaded
     speculate: bool
     num_draft: int

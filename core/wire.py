@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import json
 import operator
+import time
 from dataclasses import fields, is_dataclass, replace
 
 import torch
@@ -78,6 +79,31 @@ RECORDS = {
     )
 }
 _FIELDS = {cls: tuple(f.name for f in fields(cls)) for cls in RECORDS.values()}
+
+
+class Outbox:
+    """Events waiting to go to a watcher, and when they are due as a batch: at once when one of
+    them is `urgent` (a watcher shows it without waiting for the next tick) or the engine went
+    idle, else at most FLUSH_HZ times a second, so that sending costs the engine a few batches a
+    second rather than a message per step."""
+
+    def __init__(self, urgent: tuple[type, ...]) -> None:
+        self.urgent_types = urgent
+        self.events: list = []
+        self._urgent = False
+        self._last = 0.0
+
+    def add(self, ev) -> None:
+        self.events.append(ev)
+        self._urgent = self._urgent or isinstance(ev, self.urgent_types)
+
+    def take(self, idle: bool) -> list | None:
+        """The events, when a batch is due; None otherwise."""
+        now = time.perf_counter()
+        if not self.events or not (idle or self._urgent or now - self._last >= 1 / FLUSH_HZ):
+            return None
+        out, self.events, self._urgent, self._last = self.events, [], False, now
+        return out
 
 
 def blocks_delta(old: BlockSnapshot, new: BlockSnapshot) -> Delta:
@@ -153,8 +179,11 @@ def _record(d: dict):
         return torch.device(d["type"])
     cls = RECORDS.get(name)
     if cls is None:
-        raise ValueError(f"unknown record {name!r}")
-    return cls(**{k: _tuples(v) for k, v in d.items() if k != "_"})
+        raise ValueError(f"unknown record {name!r}: another pagechat version wrote it")
+    try:
+        return cls(**{k: _tuples(v) for k, v in d.items() if k != "_"})
+    except TypeError:  # fields added or gone
+        raise ValueError(f"a {name} record of another pagechat version") from None
 
 
 def dumps(obj) -> str:

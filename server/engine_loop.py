@@ -117,6 +117,7 @@ class EngineLoop:
             log.exception("the engine loop failed")
             self.error = f"{type(e).__name__}: {e}"
             self._fail_all(self.error)
+            self.watchers.end()
 
     def _take(self, block: bool) -> bool:
         """Apply what the inbox holds (waiting for one item when idle); False on stop. Aborts
@@ -136,9 +137,9 @@ class EngineLoop:
                 self._add(item)
         if aborted:
             self._observe_load()
-            if self.watchers.watched:
-                snapshot = self.engine.block_map.snapshot()
-                self.watchers.emit(BlocksChanged(snapshot, self.engine.sequences()))
+            # watched or not: a watcher joining later starts from this block map
+            snapshot = self.engine.block_map.snapshot()
+            self.watchers.emit(BlocksChanged(snapshot, self.engine.sequences()))
         return True
 
     def _watched(self, went_idle: bool) -> None:

@@ -17,6 +17,8 @@ from pagechat.server.metrics import ServerMetrics
 from pagechat.server.prompts import Limits, PromptEncoder
 from pagechat.server.watch import Watchers
 
+SHUTDOWN_S = 3  # seconds requests and watchers get to end after Ctrl+C
+
 
 @dataclass(frozen=True, slots=True)
 class ServerSettings:
@@ -89,4 +91,6 @@ def serve(model_dir: Path, config: EngineConfig, settings: ServerSettings) -> No
         port=settings.port,
         log_level=settings.log_level,
         http="h11",  # its ASGI spec version makes Starlette watch for disconnects mid-stream
+        # watchers' event streams never end by themselves: Ctrl+C closes them after this long
+        timeout_graceful_shutdown=SHUTDOWN_S,
     )

@@ -3,7 +3,7 @@ app's own engine process sends them (core/wire.py): first the EngineInfo with th
 watchers hold it, then batches of StepReports and request events, each batch written as JSON once
 for every watcher.
 
-Nobody watching costs the engine's thread one attribute read a step. A watcher that falls
+Nobody watching costs the engine's thread a few attribute reads a step. A watcher that falls
 QUEUE_MAX batches behind is dropped (it may connect again), so a slow one never holds memory or
 the engine back.
 """
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
@@ -22,13 +21,15 @@ from pagechat.core.events import (
     EngineInfo,
     Finished,
     FirstToken,
+    MemoryRead,
     Started,
 )
+from pagechat.core.memory import read_memory
 from pagechat.core.report import StepReport
-from pagechat.core.wire import BEAT_S, FLUSH_HZ, dumps, pack
+from pagechat.core.wire import BEAT_S, Outbox, dumps, pack
 
 QUEUE_MAX = 256  # batches a watcher may be behind (at FLUSH_HZ, over ten seconds)
-URGENT = (Started, FirstToken, Finished)  # sent at once: a watcher shows them without delay
+URGENT = (Started, FirstToken, Finished)  # due at once: a watcher shows them without delay
 
 
 class Watchers:
@@ -40,9 +41,7 @@ class Watchers:
         self._lock = threading.Lock()
         self._queues: list[asyncio.Queue] = []
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._pending: list = []
-        self._urgent = False
-        self._last = 0.0
+        self._outbox = Outbox(URGENT)
         self._sent: BlockSnapshot = info.blocks  # the block map every watcher holds
         self._latest: BlockSnapshot = info.blocks  # the engine's newest, watched or not
 
@@ -56,23 +55,29 @@ class Watchers:
         elif isinstance(ev, BlocksChanged):
             self._latest = ev.snapshot
         if self.watched:
-            self._pending.append(ev)
-            self._urgent = self._urgent or isinstance(ev, URGENT)
+            self._outbox.add(ev)
 
     def flush(self, idle: bool) -> None:
-        """Send what is pending when something urgent is in it, the engine went idle, or a
-        1/FLUSH_HZ has passed since the last batch."""
-        now = time.perf_counter()
-        if not self._pending or not (idle or self._urgent or now - self._last >= 1 / FLUSH_HZ):
+        """Send the pending events when a batch is due (core/wire.py's Outbox), written once."""
+        events = self._outbox.take(idle)
+        if events is None:
             return
-        with self._lock:
-            batch, self._sent = pack(self._pending, self._sent)
+        with self._lock:  # a watcher joining now gets the block map this batch starts from
+            batch, self._sent = pack(events, self._sent)
             targets = tuple(self._queues)
-            text = dumps(batch) if targets else None
-        self._pending, self._urgent, self._last = [], False, now
-        if text is not None and self._loop is not None:
+        if targets:
+            self._post(self._send, targets, dumps(batch))
+
+    def end(self) -> None:
+        """The engine stopped: every watcher's stream ends (they see the server stop sending)."""
+        with self._lock:
+            targets = tuple(self._queues)
+        self._post(self._send_end, targets)
+
+    def _post(self, call, *args) -> None:
+        if self._loop is not None:
             try:
-                self._loop.call_soon_threadsafe(self._send, targets, text)
+                self._loop.call_soon_threadsafe(call, *args)
             except RuntimeError:  # the event loop closed: the server is shutting down
                 pass
 
@@ -82,6 +87,11 @@ class Watchers:
             if q.qsize() < QUEUE_MAX:
                 q.put_nowait(text)
             elif self._drop(q):  # what it has, then the end: no batch after a gap
+                q.put_nowait(None)
+
+    def _send_end(self, targets: tuple[asyncio.Queue, ...]) -> None:
+        for q in targets:
+            if self._drop(q):
                 q.put_nowait(None)
 
     def _drop(self, q: asyncio.Queue) -> bool:
@@ -94,17 +104,20 @@ class Watchers:
         return there
 
     async def stream(self) -> AsyncIterator[str]:
-        """One watcher's server-sent events: the EngineInfo, then a batch per message, and a
-        comment line every BEAT_S without one (the watcher tells an idle server from a gone one)."""
+        """One watcher's server-sent events: the EngineInfo, a memory reading, then a batch per
+        message, and a comment line every BEAT_S without one (the watcher tells an idle server
+        from a gone one)."""
         q: asyncio.Queue = asyncio.Queue()  # bounded by _send
         with self._lock:
             if not self._queues:  # nobody held a block map: watchers start from the newest
                 self._sent = self._latest
-            hello = dumps(replace(self.info, blocks=self._sent))
+            hello = replace(self.info, blocks=self._sent)
             self._queues.append(q)
             self.watched = True
         try:
-            yield f"data: {hello}\n\n"
+            yield f"data: {dumps(hello)}\n\n"
+            # the process's memory now: an idle engine reads none until it works again
+            yield f"data: {dumps(([MemoryRead(read_memory(self.info.device))], None))}\n\n"
             while True:
                 try:
                     text = await asyncio.wait_for(q.get(), BEAT_S)

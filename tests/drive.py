@@ -124,7 +124,10 @@ def listening(app) -> Iterator[str]:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", http="h11", lifespan="on"))
+    config = uvicorn.Config(
+        app, log_level="warning", http="h11", lifespan="on", timeout_graceful_shutdown=1
+    )
+    server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     end = time.monotonic() + 30
@@ -169,3 +172,17 @@ class Watcher:
 
     def close(self) -> None:
         self._stop = True
+
+    def __enter__(self) -> Watcher:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()  # a failed assert too: the stream ends, the server can shut down
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
+    @property
+    def ended(self) -> bool:
+        """The server ended the stream."""
+        return not self._thread.is_alive() and not self._stop

@@ -25,7 +25,7 @@ def test_samples_and_beams_share_their_prompt(tiny_llama):
 def test_preempt_cost_counts_the_sequences_blocks(tiny_llama):
     engine = kv_engine(tiny_llama, EngineConfig(device="cpu", dtype="float32"), 64)
     cost = preempt_cost(engine, 40, rounds=1)
-    assert cost.blocks == 3 and cost.bytes == 3 * block_bytes(engine.spec, 16, engine.dtype)
+    assert cost.blocks == 3 and cost.bytes == 3 * block_bytes(engine.spec, 16, engine.kv_dtype)
     assert cost.swap_ms > 0 and cost.recompute_ms > 0
 
 

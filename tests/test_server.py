@@ -284,7 +284,11 @@ def test_concurrent_requests_with_clients_leaving(served):
     completes in full or is aborted when its client leaves; afterwards every block is back, the
     server keeps nothing of them, and the watcher's block map is the engine's."""
     before = served.metrics()
-    watcher = Watcher(served.url)
+    with Watcher(served.url) as watcher:
+        check_the_crowd(served, watcher, before)
+
+
+def check_the_crowd(served: Served, watcher: Watcher, before: dict) -> None:
     ends = asyncio.run(_crowd(served, 200))
     served.wait_idle()
     assert ends.count("completed") + ends.count("left") == 200 and ends.count("left") > 5
@@ -303,7 +307,6 @@ def test_concurrent_requests_with_clients_leaving(served):
     while watcher.snapshot != served.engine.block_map.snapshot():
         assert time.monotonic() < end, "the watcher's block map is not the engine's"
         time.sleep(0.05)
-    watcher.close()
 
 
 def test_a_client_leaving_a_whole_response_aborts_it(served):

@@ -17,7 +17,7 @@ import pytest
 from conftest import cli
 from drive import Watcher, free_port, listening
 from pagechat.core.engine import Engine
-from pagechat.core.events import EngineInfo, Finished, FirstToken, Started
+from pagechat.core.events import EngineInfo, Finished, FirstToken, MemoryRead, Started
 from pagechat.core.params import SamplingParams
 from pagechat.core.report import StepReport
 from pagechat.core.wire import dumps, loads, pack, unpack
@@ -59,11 +59,9 @@ def test_every_record_survives_json(tiny_llama):
         if ev is not None:
             assert loads(dumps(ev)) == ev
     # a batch with its snapshot as a delta, through JSON, gives the same snapshot back
-    first = EngineInfo.of(engine).blocks
     batch, sent = pack(reports[-3:], reports[0].blocks)
     got, snap = unpack(loads(dumps(batch)), reports[0].blocks)
     assert snap == sent == reports[-1].blocks and got[-1] == reports[-1]
-    assert first == engine.block_map.snapshot()
 
 
 def test_a_slow_watcher_is_dropped_and_told(tiny_llama, monkeypatch):
@@ -76,7 +74,9 @@ def test_a_slow_watcher_is_dropped_and_told(tiny_llama, monkeypatch):
     async def run() -> tuple[list[str], list[str]]:
         hub.start(asyncio.get_running_loop())
         slow, fast = hub.stream(), hub.stream()
-        got_slow, got_fast = [await anext(slow)], [await anext(fast)]
+        # each starts with the EngineInfo and a memory reading
+        got_slow = [await anext(slow), await anext(slow)]
+        got_fast = [await anext(fast), await anext(fast)]
         assert hub.watched
         engine.add_request([1, 2, 3], SamplingParams(max_tokens=6))
         for _ in range(6):
@@ -88,8 +88,9 @@ def test_a_slow_watcher_is_dropped_and_told(tiny_llama, monkeypatch):
         return got_slow, got_fast
 
     got_slow, got_fast = asyncio.run(run())
-    assert len(got_fast) == 7 and len(got_slow) == 3  # the hello, two batches, then the end
+    assert len(got_fast) == 8 and len(got_slow) == 4  # hello, memory, two batches, the end
     assert all(t.startswith("data: ") for t in got_fast)
+    assert isinstance(loads(got_fast[1][6:])[0][0], MemoryRead)
 
 
 # -- a pagechat server's events ------------------------------------------------------------------
@@ -97,8 +98,7 @@ def test_events_carry_every_clients_requests(tiny_llama):
     """Two clients' requests (one names itself with X-Request-Id) start, decode and finish in the
     stream; the candidates are recorded for a request that asked for no logprobs; once idle, the
     block map the watcher rebuilt from deltas is the engine's own, and nothing is held."""
-    with serving(tiny_llama, tiny_config(kv_blocks=48)) as s:
-        watcher = Watcher(s.url)
+    with serving(tiny_llama, tiny_config(kv_blocks=48)) as s, Watcher(s.url) as watcher:
         assert watcher.info.memory.num_blocks == 48
         client = s.client()
         chat = client.chat.completions.create(
@@ -115,7 +115,6 @@ def test_events_carry_every_clients_requests(tiny_llama):
         while sum(isinstance(e, Finished) for e in watcher.events) < 3:
             assert time.monotonic() < end, [type(e).__name__ for e in watcher.events]
             time.sleep(0.05)
-        watcher.close()
         started = [e for e in watcher.events if isinstance(e, Started)]
         assert [(e.label, e.ref) for e in started][0] == ("api chat", "chatcmpl-mine-1")
         assert started[1].label == "api cmpl" and started[1].ref == done.id
@@ -137,6 +136,34 @@ def test_events_carry_every_clients_requests(tiny_llama):
 def keyed(tiny_llama):
     with serving(tiny_llama, tiny_config(), api_key="sesame") as s:
         yield s
+
+
+def test_a_watcher_joining_later_starts_from_the_engines_block_map(tiny_llama):
+    """A client leaves mid-stream while nobody watches (its blocks are freed between steps), then
+    a watcher joins the idle server: its first block map is the engine's, not the one before."""
+    with serving(tiny_llama, tiny_config(kv_blocks=48)) as s:
+        body = {"prompt": "a b c d e", "max_tokens": 200, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=30) as r:
+            next(line for line in r.iter_lines() if '"text"' in line)  # decoding: it holds blocks
+        s.wait_idle()
+        assert s.engine.block_map.snapshot().num_used == 0
+        with Watcher(s.url) as watcher:
+            assert watcher.snapshot == s.engine.block_map.snapshot()
+
+
+def test_an_engine_that_fails_ends_its_watchers_streams(tiny_llama):
+    """When the engine's thread dies, the watchers' streams end (their console says the server
+    stopped) instead of beating on as if the server were idle."""
+    with serving(tiny_llama, tiny_config()) as s, Watcher(s.url) as watcher:
+
+        def broken():
+            raise RuntimeError("boom")
+
+        s.engine.step = broken  # a bug outside any request: the loop itself ends
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "a", "max_tokens": 2})
+        assert r.status_code == 500
+        watcher.join(5)
+        assert watcher.ended and not s.state.watchers.watched
 
 
 def test_events_refuse_a_missing_key(keyed):
@@ -305,35 +332,33 @@ def replay(folder: str, metrics: list[str], slots: list[str] = (), metrics_statu
 def test_a_histograms_quantile_is_prometheus():
     """Linear inside the bucket the rank falls in, as histogram_quantile: 10 observations up to
     0.5 s and 10 more up to 1 s put the median at 0.5 and the 75th percentile at 0.75."""
-    h = Histogram(((0.1, 0.0), (0.5, 10.0), (1.0, 20.0), (float("inf"), 20.0)), 12.0)
+    h = Histogram(((0.1, 0.0), (0.5, 10.0), (1.0, 20.0), (float("inf"), 20.0)))
     assert h.quantile(0.5) == pytest.approx(0.5) and h.quantile(0.75) == pytest.approx(0.75)
-    old = Histogram(((0.1, 0.0), (0.5, 10.0), (1.0, 10.0), (float("inf"), 10.0)), 3.0)
+    old = Histogram(((0.1, 0.0), (0.5, 10.0), (1.0, 10.0), (float("inf"), 10.0)))
     assert h.since(old).count == 10 and h.since(old).quantile(0.5) == pytest.approx(0.75)
-    assert Histogram((), 0.0).quantile(0.5) is None
+    assert Histogram(()).quantile(0.5) is None
 
 
 def test_vllm_figures_from_its_recorded_metrics():
+    """Hand-read from the recordings: 89 generated and 177 prompt tokens between the idle and the
+    loaded scrape (2 s apart here); 14 first tokens, 6 within 0.5 s, 7 within 0.75 s, 10 within
+    1 s and 14 within 2.5 s, so the median is 0.75 s and p90 1 + 1.5 * 2.6 / 4 = 1.975 s; with
+    speculation 27 drafts whose positions 0, 1, 2 were accepted 27, 22 and 22 times, 71 of 71
+    drafted tokens accepted."""
     base = FIXTURES / "vllm"
     idle = Scrape.parse("vllm", (base / "metrics_idle.txt").read_text(), 0.0)
     load = Scrape.parse("vllm", (base / "metrics_load.txt").read_text(), 2.0)
     f = figures("vllm", load, idle)
     assert (f.running, f.waiting, f.preemptions) == (4.0, 0.0, 0.0)
-    assert f.kv_usage == pytest.approx(load.values["kv_cache_usage_perc"]) and 0 < f.kv_usage < 1
-    gen = load.values["generation_tokens_total"] - idle.values["generation_tokens_total"]
-    assert f.gen_tok_s == pytest.approx(gen / 2.0) and f.gen_tok_s > 0
+    assert f.kv_usage == pytest.approx(0.011019283746556474)
+    assert (f.gen_tok_s, f.prompt_tok_s) == (44.5, 88.5)
+    assert f.latency["TTFT"] == pytest.approx((0.75, 1.975))
     assert set(f.latency) == {"TTFT", "ITL", "E2E", "queue"}
-    assert all(p50 is not None and p50 <= p90 for p50, p90 in f.latency.values())
     assert f.spec_rate is None and f.spec_positions == ()
     spec = FIXTURES / "vllm" / "spec"
-    s = Scrape.parse("vllm", (spec / "metrics_load.txt").read_text(), 1.0)
-    f = figures("vllm", s, None)
-    drafts = s.values["spec_decode_num_drafts_total"]
-    per_pos = s.per_label["spec_decode_num_accepted_tokens_per_pos_total"]
-    assert f.spec_positions == tuple(per_pos[k] / drafts for k in ("0", "1", "2"))
-    assert f.spec_rate == pytest.approx(
-        s.values["spec_decode_num_accepted_tokens_total"]
-        / s.values["spec_decode_num_draft_tokens_total"]
-    )
+    f = figures("vllm", Scrape.parse("vllm", (spec / "metrics_load.txt").read_text(), 1.0), None)
+    assert f.spec_positions == pytest.approx((1.0, 22 / 27, 22 / 27)) and f.spec_rate == 1.0
+    assert f.gen_tok_s is None  # a rate needs two scrapes
 
 
 def test_llamacpp_figures_from_its_recorded_metrics_and_slots():
@@ -346,9 +371,8 @@ def test_llamacpp_figures_from_its_recorded_metrics_and_slots():
     first = slots[0]
     assert f.slots[0].tokens == first["n_prompt_tokens"] + first["next_token"][0]["n_decoded"]
     assert f.slots[0].cached == first["n_prompt_tokens_cache"]
-    assert f.kv_usage == pytest.approx(sum(u.tokens for u in f.slots) / 1024)
-    cached, computed = s.values["prompt_tokens_cached_total"], s.values["prompt_tokens_total"]
-    assert f.prefix_hit == pytest.approx(cached / (cached + computed))
+    assert f.kv_usage == pytest.approx((20 + 22) / 1024)  # 18 + 2 and 19 + 3 tokens of 512 each
+    assert f.prefix_hit == pytest.approx(81 / (81 + 29))  # cached over cached + computed prompt
     idle = tuple(json.loads((base / "slots_idle.json").read_text()))
     assert all(
         not u.busy and u.tokens == 0
@@ -401,6 +425,7 @@ def test_llamacpp_figures_from_its_recorded_metrics_and_slots():
                 "llama.cpp does not preempt",
                 "per decode token",
                 "slots 2 of 512 tokens each",
+                "longest sequence 27",
             ],
         ),
     ],
@@ -453,7 +478,11 @@ def test_watch_says_what_is_wrong_in_one_line(capsys):
 
     with listening(Starlette(routes=[Route("/v1/models", models)])) as url:
         code, _, err = cli(["watch", url], capsys)
-    assert code == 2 and "owned by 'somebody'" in err
+        assert code == 2 and "owned by 'somebody'" in err
+        code, _, err = cli(["bench-serve", url, "--watched", "--requests", "1"], capsys)
+    assert code == 2 and err == (
+        f"error: --watched needs a pagechat server: {url}/pagechat/events answered HTTP 404\n"
+    )
     code, _, err = cli(["serve", "--watch", "--port", "0"], capsys)
     assert code == 2 and err == "error: --watch needs a --port to reach the server on (not 0)\n"
 
@@ -467,4 +496,22 @@ def test_serve_watch_says_why_its_server_did_not_start(tmp_path, capsys):
     assert code == 2, err
     lines = err.strip().splitlines()
     assert lines[-1].startswith("error: the server did not start: ") and str(missing) in lines[-1]
-    assert f"the server's log: /tmp/pagechat-serve-{port}.log" in lines
+    logs = [line for line in lines if line.startswith("the server's log: ")]
+    assert len(logs) == 1 and Path(logs[0].split(": ", 1)[1]).name.startswith(
+        f"pagechat-serve-{port}-"
+    )
+
+
+def test_a_watched_servers_request_names_do_not_pile_up():
+    """The scheduler keeps the names of the sequences it lists and the newest others, at most
+    LABELS_KEPT, however many requests a watched server runs."""
+    from pagechat.core.report import SeqRecord
+    from pagechat.tui.widgets.scheduler import LABELS_KEPT, SchedulerLog
+
+    log = SchedulerLog()
+    log.apply_seqs((SeqRecord(3, 3, "request", 0, "running", 4, 1, 5, 1, 0, 0),))
+    for rid in range(3, 3 + 5 * LABELS_KEPT):
+        log.label(rid, f"api chat {rid}")
+    assert len(log.labels) == LABELS_KEPT
+    assert log.what(log.live[0]) == "api chat 3"  # listed: kept though it is the oldest
+    assert log.labels[2 + 5 * LABELS_KEPT] == f"api chat {2 + 5 * LABELS_KEPT}"

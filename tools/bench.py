@@ -258,7 +258,7 @@ def run_bench(
     weights = weight_report(engine.model).total
     p = median_of(ours)
     p["weight_bytes"] = weights
-    p["kv_bytes_per_token"] = kv_bytes_per_token(engine.spec, engine.dtype)
+    p["kv_bytes_per_token"] = kv_bytes_per_token(engine.spec, engine.kv_dtype)
     p["bandwidth_gb_s"] = bandwidth / 1e9
     p["decode_floor_ms"] = 1000 * weights / bandwidth
     p["mbu"] = p["decode_floor_ms"] / p["decode_ms"]

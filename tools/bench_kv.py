@@ -94,7 +94,7 @@ def preempt_cost(engine: Engine, tokens: int, rounds: int = 3) -> PreemptCost:
         swap.append(time.perf_counter() - t0)
         engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1))
         recompute.append(_first_token_s(engine))
-    size = blocks * block_bytes(engine.spec, engine.blocks.block_size, engine.dtype)
+    size = blocks * block_bytes(engine.spec, engine.blocks.block_size, engine.kv_dtype)
     return PreemptCost(
         tokens,
         blocks,

@@ -5,6 +5,7 @@ throughput, per concurrency level (as vLLM's serving benchmark measures them).""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import random
@@ -96,8 +97,9 @@ def prompts(spec: LoadSpec) -> list[str]:
     ]
 
 
-def _headers(spec: LoadSpec) -> dict[str, str]:
-    return {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
+def bearer(api_key: str | None) -> dict[str, str]:
+    """The headers that carry a server's key, as OpenAI clients send it."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
 async def _stream(client: httpx.AsyncClient, spec: LoadSpec, prompt: str) -> RequestResult:
@@ -112,7 +114,9 @@ async def _stream(client: httpx.AsyncClient, spec: LoadSpec, prompt: str) -> Req
     }
     res, first = RequestResult(ok=False), True
     start = last = time.perf_counter()
-    async with client.stream("POST", "/v1/completions", json=body, headers=_headers(spec)) as r:
+    async with client.stream(
+        "POST", "/v1/completions", json=body, headers=bearer(spec.api_key)
+    ) as r:
         if r.status_code != 200:
             res.error = f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}"
             return res
@@ -171,13 +175,15 @@ async def run_level(
         duration = time.perf_counter() - start
         if watcher is not None:
             watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
     report = summarise(results, concurrency, duration)
     return replace(report, watched_bytes=read[0]) if watched else report
 
 
 async def _watch(client: httpx.AsyncClient, spec: LoadSpec, read: list[int]) -> None:
     """Read the event stream as a watcher does, counting its bytes in read[0]."""
-    async with client.stream("GET", "/pagechat/events", headers=_headers(spec)) as r:
+    async with client.stream("GET", "/pagechat/events", headers=bearer(spec.api_key)) as r:
         r.raise_for_status()
         async for chunk in r.aiter_bytes():
             read[0] += len(chunk)
@@ -204,10 +210,15 @@ def summarise(results: list[RequestResult], concurrency: int, duration: float) -
     )
 
 
+def events_status(url: str, api_key: str | None) -> int:
+    """The status a server answers GET /pagechat/events with (200: a pagechat server to watch)."""
+    with httpx.stream("GET", f"{url}/pagechat/events", headers=bearer(api_key), timeout=10.0) as r:
+        return r.status_code
+
+
 def served_model(url: str, api_key: str | None) -> str:
     """The first model a server lists at /v1/models."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    r = httpx.get(f"{url}/v1/models", headers=headers, timeout=10.0)
+    r = httpx.get(f"{url}/v1/models", headers=bearer(api_key), timeout=10.0)
     r.raise_for_status()
     return r.json()["data"][0]["id"]
 

@@ -8,7 +8,14 @@ from functools import partial
 
 import httpx
 from pagechat.core.errors import PagechatError
-from pagechat.tools.bench_serve import LevelReport, LoadSpec, as_json, run_level, served_model
+from pagechat.tools.bench_serve import (
+    LevelReport,
+    LoadSpec,
+    as_json,
+    events_status,
+    run_level,
+    served_model,
+)
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 from rich.table import Table
@@ -32,6 +39,10 @@ def bench_serve_command(
     except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
         raise PagechatError(f"cannot list the models of {url} (GET /v1/models): {e}") from None
     spec = LoadSpec(**{**_fields(spec), "url": url, "model": model})
+    if watched and (status := events_status(url, spec.api_key)) != 200:
+        raise PagechatError(
+            f"--watched needs a pagechat server: {url}/pagechat/events answered HTTP {status}"
+        )
     console = Console(stderr=True)
     reports = []
     for level in levels:

@@ -27,7 +27,7 @@ from pagechat.core.blockmap import BlockSnapshot
 from pagechat.core.config import EngineConfig
 from pagechat.core.errors import PagechatError, one_line
 from pagechat.core.events import EngineInfo, Finished, FirstToken, Started
-from pagechat.core.wire import BEAT_S, FLUSH_HZ, SILENT_S, pack, unpack
+from pagechat.core.wire import BEAT_S, SILENT_S, Outbox, pack, unpack
 from pagechat.tui.client import EngineClient
 from pagechat.tui.engine_loop import NOTHING, EngineLoop
 from pagechat.tui.heap import settle_heap
@@ -41,9 +41,7 @@ class _PipePort:
 
     def __init__(self, conn: Connection, snapshot: BlockSnapshot) -> None:
         self.conn, self.sent = conn, snapshot
-        self.pending: list = []
-        self.urgent = False
-        self.last = 0.0
+        self.outbox = Outbox(URGENT)
         self.idle = True  # the engine had no work at the last flush
         self.lock = threading.Lock()  # the loop's batches and the heartbeat share the pipe
         self.said = time.monotonic()  # when anything last went up the pipe
@@ -73,15 +71,14 @@ class _PipePort:
         return NOTHING
 
     def emit(self, ev) -> None:
-        self.pending.append(ev)
-        self.urgent = self.urgent or isinstance(ev, URGENT)
+        self.outbox.add(ev)
 
     def flush(self, idle: bool) -> None:
-        now, replied = time.perf_counter(), idle and not self.idle
+        replied = idle and not self.idle
         self.idle = idle
-        if self.pending and (idle or self.urgent or now - self.last >= 1 / FLUSH_HZ):
-            batch, self.sent = pack(self.pending, self.sent)
-            self.pending, self.urgent, self.last = [], False, now
+        events = self.outbox.take(idle)
+        if events is not None:
+            batch, self.sent = pack(events, self.sent)
             self.send(batch)
         if replied:  # between replies, after the reply's last events went out
             settle_heap()

@@ -7,6 +7,7 @@ from collections import deque
 
 import httpx
 from pagechat.core.errors import one_line
+from pagechat.tools.bench_serve import bearer
 from pagechat.tui.app import PALETTE, THEME
 from pagechat.tui.peers import NOT_EXPOSED, Figures, Scrape, figures, scrape
 from pagechat.tui.watch import KINDS
@@ -49,8 +50,7 @@ class PeerApp(App):
         self.register_theme(THEME)
         self.theme = THEME.name
         self.url, self.kind, self.model = url.rstrip("/"), kind, model
-        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
-        self.http = httpx.Client(base_url=self.url, headers=headers, timeout=5.0)
+        self.http = httpx.Client(base_url=self.url, headers=bearer(api_key), timeout=5.0)
         self.last: Scrape | None = None
         self.history: deque[Figures] = deque(maxlen=HISTORY)
         self.error: str | None = None  # why the last poll failed
@@ -68,7 +68,7 @@ class PeerApp(App):
         yield Footer()
 
     def on_mount(self) -> None:
-        self.query_one("#about", Static).update(self.about())
+        self.query_one("#about", Static).update(f"watching {KINDS[self.kind]} at {self.url}")
         self.poll()
         self.set_interval(POLL_S, self.poll)
 
@@ -92,11 +92,16 @@ class PeerApp(App):
             t.append(f" · ({one_line(e)})", "dim")
         return t.append("\nCtrl+Q quits", "dim")
 
+    def _show_about(self, text: Text) -> None:
+        self.query_one("#about", Static).update(text)
+
     def poll(self) -> None:
         """Scrape on a worker thread (the server may be slow), then show it on the UI's."""
         self.run_worker(self._scrape, thread=True, group="poll", exclusive=True)
 
     def _scrape(self) -> None:
+        if self.last is None and not self.history:  # the first poll says which server it is
+            self.call_from_thread(self._show_about, self.about())
         try:
             new = scrape(self.http, self.kind)
         except (httpx.HTTPError, ValueError) as e:
@@ -201,7 +206,7 @@ class PeerApp(App):
             t.append(s.slots_why + "\n", "dim")
         v = s.values
         t.append("decode calls ", "bold").append(_num(v.get("n_decode_total")))
-        t.append(" · longest sequence ", "bold").append(_num(v.get("n_tokens_max")))
+        t.append(" · longest sequence ", "bold").append(_num(v.get("n_tokens_max_total")))
         return t
 
 

@@ -39,10 +39,9 @@ NOT_EXPOSED = {
 
 @dataclass(frozen=True, slots=True)
 class Histogram:
-    """A Prometheus histogram's cumulative buckets: (upper bound, count) ascending, and its sum."""
+    """A Prometheus histogram's cumulative buckets: (upper bound, count) ascending."""
 
     buckets: tuple[tuple[float, float], ...]
-    total: float  # _sum
 
     @property
     def count(self) -> float:
@@ -52,8 +51,7 @@ class Histogram:
         """The observations made after `old` (the same buckets, counts subtracted)."""
         if old is None or len(old.buckets) != len(self.buckets):
             return self
-        buckets = tuple((le, n - m) for (le, n), (_, m) in zip(self.buckets, old.buckets))
-        return Histogram(buckets, self.total - old.total)
+        return Histogram(tuple((le, n - m) for (le, n), (_, m) in zip(self.buckets, old.buckets)))
 
     def quantile(self, q: float) -> float | None:
         """The q-quantile, linear within its bucket as Prometheus' histogram_quantile does."""
@@ -107,20 +105,19 @@ class Scrape:
                 values[key] = values.get(key, 0.0) + s.value
                 for label in ("position", "finished_reason"):
                     if label in s.labels:
-                        per_label.setdefault(key, {})[s.labels[label]] = s.value
+                        by = per_label.setdefault(key, {})
+                        by[s.labels[label]] = by.get(s.labels[label], 0.0) + s.value
         return cls(at, values, per_label, histograms, info, slots, slots_why)
 
 
 def _histogram(samples) -> Histogram:
+    """The buckets summed over label sets (several engines of one server)."""
     buckets: dict[float, float] = {}
-    total = 0.0
     for s in samples:
         if s.name.endswith("_bucket"):
             le = float(s.labels["le"])
             buckets[le] = buckets.get(le, 0.0) + s.value
-        elif s.name.endswith("_sum"):
-            total += s.value
-    return Histogram(tuple(sorted(buckets.items())), total)
+    return Histogram(tuple(sorted(buckets.items())))
 
 
 @dataclass(frozen=True, slots=True)

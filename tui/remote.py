@@ -23,6 +23,7 @@ from pagechat.core.errors import PagechatError, one_line
 from pagechat.core.events import EngineInfo, Started
 from pagechat.core.params import SamplingParams
 from pagechat.core.wire import SILENT_S, loads, unpack
+from pagechat.tools.bench_serve import bearer
 from pagechat.tui.client import EngineClient
 from pagechat.tui.load import LoadPlan, load_params, load_prompt
 from pagechat.tui.protocol import (
@@ -90,11 +91,11 @@ class RemoteEngine(EngineClient):
                 raise PagechatError(f"{self.url}/pagechat/events: {why}")
             self._lines = self._events.iter_lines()
             info = loads(next(line[6:] for line in self._lines if line.startswith("data: ")))
+            if not isinstance(info, EngineInfo):
+                raise ValueError("/pagechat/events did not start with an EngineInfo")
         except (httpx.HTTPError, StopIteration, ValueError, KeyError, IndexError) as e:
             self._http.close()
             raise PagechatError(f"cannot watch {self.url}: {one_line(e)}") from None
-        if not isinstance(info, EngineInfo):
-            raise PagechatError(f"{self.url}/pagechat/events did not start with an EngineInfo")
         super().__init__(info)
         self._snapshot = info.blocks
         self._heard = time.monotonic()
@@ -104,15 +105,15 @@ class RemoteEngine(EngineClient):
         self._mine: dict[str, int] = {}  # response id -> the app's ticket
         self._load_names: dict[str, str] = {}  # response id -> "load k"
         self._streams: dict[str, httpx.Response] = {}  # response id -> its open response
+        self._cancelled: set[str] = set()  # stopped before their response was open
         self._reply: list[str] = []  # the reply in flight: its requests' response ids
         self._load_run = 0  # bumped by each StartLoad and StopLoad: an older load's thread ends
 
     def _client(self, read: float | None = None) -> httpx.Client:
         """A client of the server (one per thread that streams: each owns its connection); read:
         the longest silence it waits out (None: a reply, which may queue behind others)."""
-        headers = {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         timeout = httpx.Timeout(read, connect=CONNECT_S)
-        return httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
+        return httpx.Client(base_url=self.url, headers=bearer(self.api_key), timeout=timeout)
 
     def start(self) -> RemoteEngine:
         self._reader.start()
@@ -170,6 +171,9 @@ class RemoteEngine(EngineClient):
             response = http.send(request, stream=True)
             with self._lock:
                 self._streams[ref] = response
+                if ref in self._cancelled:  # Stop came while it was being sent
+                    self._cancelled.discard(ref)
+                    response.close()
             try:
                 if response.status_code != 200:
                     self._refuse(ref, ticket, error_message(response))
@@ -186,6 +190,7 @@ class RemoteEngine(EngineClient):
             with self._lock:
                 self._streams.pop(ref, None)
                 self._load_names.pop(ref, None)
+                self._cancelled.discard(ref)
 
     def _refuse(self, ref: str, ticket: int | None, message: str) -> None:
         with self._lock:
@@ -194,8 +199,11 @@ class RemoteEngine(EngineClient):
             self._deliver(Refused(ticket, f"the server refused it: {message}"))
 
     def _close_streams(self, refs) -> None:
+        """Close these requests' streams (the server aborts them); one still being sent is
+        closed as soon as its response opens."""
         with self._lock:
             streams = [self._streams.get(r) for r in refs]
+            self._cancelled.update(r for r, s in zip(refs, streams) if s is None)
         for response in streams:
             if response is not None:
                 response.close()

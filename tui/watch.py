@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 from pagechat.core.errors import PagechatError, one_line
+from pagechat.tools.bench_serve import bearer
 from pagechat.tui.remote import error_message
 
 KINDS = {"pagechat": "pagechat", "vllm": "vLLM", "llamacpp": "llama.cpp"}
@@ -22,9 +23,8 @@ READY_S = 600.0  # a served model this slow to load is given up on
 def detect(url: str, api_key: str | None = None) -> tuple[str, str]:
     """(kind, model) of the OpenAI-compatible server at url: its /v1/models says who owns the
     model (pagechat, vllm, llamacpp)."""
-    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        r = httpx.get(f"{url.rstrip('/')}/v1/models", headers=headers, timeout=10.0)
+        r = httpx.get(f"{url.rstrip('/')}/v1/models", headers=bearer(api_key), timeout=10.0)
     except httpx.HTTPError as e:
         raise PagechatError(f"cannot reach {url}: {one_line(e)}") from None
     if r.status_code != 200:
@@ -82,10 +82,11 @@ def serve_and_watch(args: list[str], host: str, port: int, api_key: str | None) 
     on it in this terminal; the server stops when the console quits."""
     if port == 0:
         raise PagechatError("--watch needs a --port to reach the server on (not 0)")
-    log_path = Path(tempfile.gettempdir()) / f"pagechat-serve-{port}.log"
-    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+    fd, name = tempfile.mkstemp(prefix=f"pagechat-serve-{port}-", suffix=".log")
+    log_path = Path(name)  # a new file of this user's: nothing else's is written over
+    url = f"http://{_connectable(host)}:{port}"
     code = "from pagechat.tui.cli import main; main()"
-    with open(log_path, "w") as log:
+    with os.fdopen(fd, "w") as log:
         child = subprocess.Popen(
             [sys.executable, "-c", code, "serve", *args], stdout=log, stderr=log, env=os.environ
         )
@@ -99,6 +100,13 @@ def serve_and_watch(args: list[str], host: str, port: int, api_key: str | None) 
         except subprocess.TimeoutExpired:
             child.kill()
         print(f"the server's log: {log_path}", file=sys.stderr)
+
+
+def _connectable(host: str) -> str:
+    """The host part of a URL that reaches a server listening on `host`."""
+    if host in ("0.0.0.0", "::", ""):  # every interface: this machine's loopback is one
+        return "127.0.0.1"
+    return f"[{host}]" if ":" in host else host
 
 
 def wait_ready(url: str, child: subprocess.Popen, log_path: Path) -> None:

@@ -15,6 +15,7 @@ from textual.app import ComposeResult
 
 ENDED_KEPT = 6  # finished sequences listed after the live ones, newest first
 STEPS_KEPT = 8  # recent steps whose batch is listed
+LABELS_KEPT = 1024  # request names: those listed, and the newest others (a watched server's many)
 STATE_COLOURS = {  # theme variables
     "running": "pc-good",
     "waiting": "pc-muted",
@@ -48,8 +49,14 @@ class SchedulerLog:
         self.preemptions = 0
 
     def label(self, request_id: int, what: str) -> None:
-        """Name a request (its samples and beams are named after it)."""
+        """Name a request (its samples and beams are named after it). Past LABELS_KEPT names,
+        the oldest of those no longer listed are forgotten."""
         self.labels[request_id] = what
+        extra = len(self.labels) - LABELS_KEPT
+        if extra > 0:
+            listed = {s.request_id for s in (*self.live, *self.ended)}
+            for rid in [r for r in self.labels if r not in listed][:extra]:
+                del self.labels[rid]
 
     def apply_seqs(self, seqs: tuple[SeqRecord, ...]) -> None:
         """A new list of sequences, from a step or from a command that changed the pool."""
