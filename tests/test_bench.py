@@ -29,6 +29,29 @@ def test_bench_json_vs_hf(tiny_llama, capsys):
     )
     spec = data["pagechat"]["speculation"]
     assert spec["proposer"] == "ngram" and spec["speedup"] > 0
+    step = data["pagechat"]["step"]  # where a decode step's time went, from torch.profiler
+    assert step["matmul_ms"] > 0 and step["attention_ms"] > 0 and step["other_ms"] > 0
+    assert step["python_ms"] >= 0
+
+
+def test_step_ops_are_put_where_they_belong():
+    """An op counts by its own and its enclosing ops' names: a matmul inside linear is a weight
+    matmul, one inside attention is attention, the pool's gather is attention, but an
+    embedding's index_select is not."""
+    from types import SimpleNamespace
+
+    from pagechat.tools.step_profile import kind_of
+
+    def op(name, parent=None):
+        return SimpleNamespace(name=name, cpu_parent=parent)
+
+    assert kind_of(op("aten::addmm", op("aten::linear"))) == "matmul"
+    assert kind_of(op("pagechat::int8_linear")) == "matmul"
+    assert kind_of(op("aten::copy_", op("aten::_weight_int8pack_mm"))) == "matmul"
+    assert kind_of(op("aten::index_select")) == "attention"
+    assert kind_of(op("aten::index_select", op("aten::embedding"))) == "other"
+    assert kind_of(op("aten::bmm", op("aten::scaled_dot_product_attention"))) == "attention"
+    assert kind_of(op("aten::rms_norm", op("step"))) == "other"
 
 
 def test_workload_fits_short_context_and_is_deterministic():

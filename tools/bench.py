@@ -20,6 +20,7 @@ from pagechat.core.errors import PagechatError
 from pagechat.core.loader import dtype_name
 from pagechat.core.memory import kv_bytes_per_token, weight_report
 from pagechat.core.params import SamplingParams
+from pagechat.tools.step_profile import profile_decode
 
 PROMPT_TOKENS, DECODE_TOKENS = 128, 64
 BATCH_PROMPTS = (32, 96, 160, 224, 288, 352, 416, 512)  # 8 requests of mixed lengths
@@ -262,6 +263,7 @@ def run_bench(
     p["bandwidth_gb_s"] = bandwidth / 1e9
     p["decode_floor_ms"] = 1000 * weights / bandwidth
     p["mbu"] = p["decode_floor_ms"] / p["decode_ms"]
+    p["step"] = profile_decode(engine, loads[0].prompt, p["decode_ms"]).as_dict()
     p["dtype"] = dtype_name(engine.dtype)
     p["quant"] = engine.quant.label
     p["graphs"] = engine.graphs

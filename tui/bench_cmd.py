@@ -82,6 +82,13 @@ def bench_command(
         *([f"{t['weight_bytes'] / 2**20:.1f} MiB", ""] if t else []),
     )
     table.add_row("KV bytes per token", str(p["kv_bytes_per_token"]), *(["", ""] if t else []))
+    step = p["step"]
+    table.add_row(
+        "decode step ms: matmul · attn · other · Python",
+        f"{step['matmul_ms']:.2f} · {step['attention_ms']:.2f} · {step['other_ms']:.2f} · "
+        f"{step['python_ms']:.2f}",
+        *(["", ""] if t else []),
+    )
     table.add_row(
         "bandwidth (measured), decode floor",
         f"{p['bandwidth_gb_s']:.1f} GB/s, {p['decode_floor_ms']:.2f} ms",
