@@ -204,6 +204,8 @@ async def test_the_app_on_a_server_chats_through_its_api(model_dir, tmp_path):
     from pagechat.tui.app import PagechatApp
     from pagechat.tui.history import ChatStore
     from pagechat.tui.remote import RemoteEngine
+    from pagechat.tui.widgets.sampling import SamplingPanel
+    from textual.widgets import Static
 
     with serving(model_dir, tiny_config()) as s:
         want = (
@@ -239,6 +241,15 @@ async def test_the_app_on_a_server_chats_through_its_api(model_dir, tmp_path):
             app.set_load(True, 3, 50.0)
             await wait_until(pilot, lambda: {"api cmpl", "load 1", "load 3"} <= names(), 20)
             await wait_until(pilot, lambda: app.load_left == 0 and not app.load_running(), 30)
+            # between replies the sampling panel shows whatever the server samples
+            app.show_panel("sampling")
+            s.client().completions.create(model=MODEL, prompt="p q", max_tokens=2)
+
+            def sampling() -> str:
+                panel = app.query_one(SamplingPanel)
+                return " ".join(str(w.content) for w in panel.query(Static))
+
+            await wait_until(pilot, lambda: "newest token of api cmpl" in sampling(), 10)
     assert client.failure() is None  # closed by the app: not a failure
 
 

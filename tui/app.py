@@ -504,8 +504,12 @@ class PagechatApp(App[None]):
                     self.session.params,
                 )
                 return
-        rec = self.session.latest_sample
-        panel.show(rec, "newest token" if rec else "", self.session.params)
+        rec, label = self.session.latest_sample, "newest token"
+        other = self.session.latest_any
+        if self.session.streaming is None and other is not None and other is not rec:
+            # between replies: whatever else the engine samples (load, a server's other clients)
+            rec, label = other, f"newest token of {self.sched.name(other.seq_id)}"
+        panel.show(rec, label if rec else "", self.session.params)
 
     # -- chat actions ------------------------------------------------------------------------------
     @on(PromptInput.Submitted)

@@ -254,7 +254,8 @@ class ChatSession:
         self.wall = {"prefill": 0.0, "decode": 0.0, "mixed": 0.0}  # step time by kind, this chat
         self.latest: StepReport | None = None
         self.blocks: BlockSnapshot | None = None  # the newest BlockManager snapshot the engine sent
-        self.latest_sample: SampleRecord | None = None
+        self.latest_sample: SampleRecord | None = None  # the newest of the chat's own tokens
+        self.latest_any: SampleRecord | None = None  # the newest any request sampled
         self._next_ticket = 0
         self.context_from = 0  # messages before this one are out of the model's context
         self.context_tokens = 0  # the prompt tokens of the latest reply (its context before it)
@@ -539,6 +540,8 @@ class ChatSession:
         self.drafts.extend(r.drafts)
         for d in r.drafts:
             self.spec_totals[d.seq_id] = d.totals
+        if r.samples:
+            self.latest_any = r.samples[-1]
         msg = self.streaming
         if msg is None or msg.request_id is None:
             return None

@@ -71,6 +71,13 @@ class SchedulerLog:
                 StepBatch(r.step, r.kind, r.batch, r.token_budget, r.preempted, r.swaps)
             )
 
+    def name(self, seq_id: int) -> str:
+        """What a sequence is ('load 3 s2'), found among those listed; else 'seq N'."""
+        for s in (*self.live, *self.ended):
+            if s.seq_id == seq_id:
+                return self.what(s)
+        return f"seq {seq_id}"
+
     def what(self, s: SeqRecord) -> str:
         """'chat', 'chat s2' (sample 2), 'load 3 b1' (beam 1): the request's name and the
         sequence's role in it."""
