@@ -27,7 +27,7 @@ class Started:
     prompt_tokens: int
     label: str = "chat"  # what the request is, as the scheduler panel names it
     dropped: int = 0  # the conversation's oldest messages left out so that it fits the context
-    ref: str = ""  # a served request's id as its client named it (X-Request-Id), else ""
+    ref: str = ""  # a served request's response id (with the client's X-Request-Id in it), or ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,6 +43,7 @@ from pagechat.core.sampler import Candidate, SampleRecord
 FLUSH_HZ = 20  # batches a second at most while decoding; the UI draws at most this often
 BEAT_S = 0.25  # a watcher hears something at least this often, a heartbeat when nothing else
 SILENT_S = 1.5  # an engine silent this long has stopped answering (hung, stopped, or gone)
+MEMORY_EVERY_S = 1.0  # a loop sends a memory reading this often while the engine works
 
 # (the new snapshot with no blocks, the BlockInfos that changed)
 Delta = tuple[BlockSnapshot, tuple]

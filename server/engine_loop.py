@@ -23,6 +23,7 @@ from pagechat.core.params import SamplingParams
 from pagechat.core.report import StepReport, TokenOutput
 from pagechat.core.sampler import SampleRecord
 from pagechat.core.sequence import Sequence, Status
+from pagechat.core.wire import MEMORY_EVERY_S
 from pagechat.server.logprobs import token_logprob
 from pagechat.server.messages import ChoiceDelta, ChoiceUsage, Submission
 from pagechat.server.metrics import ServerMetrics
@@ -57,7 +58,6 @@ class _Route:
 
 
 _STOP = object()
-MEMORY_EVERY_S = 1.0  # memory readings for watchers while the engine works
 WATCHED_CANDIDATES = SamplingParams().num_candidates  # as many as the app's own requests record
 
 
@@ -136,9 +136,9 @@ class EngineLoop:
             else:
                 self._add(item)
         if aborted:
-            self._observe_load()
-            # watched or not: a watcher joining later starts from this block map
             snapshot = self.engine.block_map.snapshot()
+            self._observe_load(snapshot.num_used)
+            # watched or not: a watcher joining later starts from this block map
             self.watchers.emit(BlocksChanged(snapshot, self.engine.sequences()))
         return True
 
@@ -216,9 +216,7 @@ class EngineLoop:
             if out.finished:
                 watchers.emit(Finished.of(seq))
 
-    def _observe_load(self, used_blocks: int | None = None) -> None:
-        if used_blocks is None:
-            used_blocks = self.engine.block_map.snapshot().num_used
+    def _observe_load(self, used_blocks: int) -> None:
         sched = self.engine.scheduler
         swapped = len(getattr(sched, "swapped", ()))  # a scheduler that preempts by swapping
         self.metrics.observe_load(len(sched.running), len(sched.waiting), swapped, used_blocks)

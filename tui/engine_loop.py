@@ -15,6 +15,7 @@ from pagechat.core.engine import Engine
 from pagechat.core.errors import PagechatError, one_line
 from pagechat.core.events import BlocksChanged, Finished, FirstToken, MemoryRead, Started
 from pagechat.core.memory import read_memory
+from pagechat.core.wire import MEMORY_EVERY_S
 from pagechat.tui.context import fit_turns, reply_room
 from pagechat.tui.load import LoadPlan, load_params, load_prompt
 from pagechat.tui.protocol import (
@@ -39,7 +40,6 @@ from pagechat.tui.protocol import (
 )
 
 NOTHING = ...  # a port's take(): no command waiting
-MEMORY_EVERY_S = 1.0  # memory readings while the engine works
 
 
 class Port(Protocol):
