@@ -1,19 +1,28 @@
-// pagechat's CPU matmul kernel for decode: int8 weights times activations quantised per block.
+// pagechat's CPU matmul kernels for decode: a few activation rows times every weight of a layer.
 //
 // Decode multiplies a few rows of activations by every weight, so its time is the weight bytes
-// read from memory; torch's _weight_int8pack_mm converts each int8 weight to float before its
-// multiply and reads them at about half the speed the memory allows on an AVX2 host. As ggml's
-// Q8_0 dot product does, each block of 32 activations is quantised once per call, with one float
-// scale, and the products are summed as integers; the block's sum is scaled in float and the
-// weight row's own scale multiplies the row's total once.
-// The activations are quantised to int16, not to int8 as in Q8_0: _mm256_madd_epi16 then does 16
-// products and pair sums per instruction after a sign extension of the weights, as fast here as
-// the int8 maddubs trick (measured: within 10% either way at 1, 4 and 16 rows), and the matmul's
-// error from the activations' rounding is ~2e-5 of the result instead of ~5e-3 (torch's bf16
-// activations: ~3e-3).
+// read from memory; torch's CPU kernels for int8 / int4 weights convert each weight to float
+// before the multiply and read them at a fraction of the speed the memory allows on an AVX2 host.
+// As ggml's Q8_0 / Q4_1 dot products do, each block of 32 activations is quantised once per call,
+// with one float scale, and the products are summed as integers; the block's sum is scaled in
+// float. The activations are quantised to int16, not to int8 as in ggml: _mm256_madd_epi16 then
+// does 16 products and pair sums per instruction after widening the weights, as fast here as the
+// int8 maddubs trick (measured: within 10% either way at 1, 4 and 16 rows), and the matmul's error
+// from the activations' rounding is ~2e-5 of the result instead of ~5e-3 (torch's bf16
+// activations: ~3e-3). Float weights (fp32, bf16) are multiplied with float activations as they
+// are: the same tiling, so the same bandwidth.
 //
-// Compiled on first use by quant/kernels.py with -mavx2 -mfma (no -march=native, so that a cached
-// build runs on any AVX2 host); registered as torch.ops.pagechat.* so that traced steps record it.
+// Weight formats:
+//   int8:  int8 [N, K], one float scale per output row (w = q * scale).
+//   int4:  AWQ's asymmetric groups (w = (q - zero) * scale, per group of g inputs), repacked at load:
+//          uint8 [N, K/2] where byte j of a block of 32 holds q[j] (low nibble) and q[j + 16]
+//          (high), float32 scales [N, K/g] (AWQ's fp16 ones, exact) and uint8 zeros [N, K/g]; 21
+//          bytes per 32 weights at g = 32 (ggml's Q4_0: 18, Q4_1: 20), 16.6 at AWQ's usual 128.
+//   float: fp32 or bf16 [N, K].
+//
+// Compiled on first use by quant/kernels.py with -mavx2 -mfma -mf16c (no -march=native, so that a
+// cached build runs on any AVX2 host); registered as torch.ops.pagechat.* so that traced steps
+// record it.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -79,27 +88,110 @@ void quantize_row(const float* x, int64_t k, int16_t* q, float* scales) {
   }
 }
 
+// x [M, K] quantised per block of 32, row after row.
 struct QuantRows {
+  explicit QuantRows(const at::Tensor& x) : k(x.size(1)), q(x.size(0) * k), scales(x.size(0) * (k / kBlock)) {
+    const float* xf = x.data_ptr<float>();
+    for (int64_t i = 0; i < x.size(0); ++i) {
+      quantize_row(xf + i * k, k, &q[i * k], &scales[i * (k / kBlock)]);
+    }
+  }
+  const int64_t k;
   std::vector<int16_t> q;
   std::vector<float> scales;
+};
+
+// int8 rows with one scale each.
+struct Int8Weights {
+  static constexpr bool kGroupScales = false;
+  const QuantRows& x;
+  const int8_t* w;
+  const float* row_scales;
+  int64_t k;
+  int64_t row_bytes() const { return k; }
+  const char* row(int64_t j) const { return reinterpret_cast<const char*>(w + j * k); }
+  void unpack(int64_t j, int64_t b, __m256i& lo, __m256i& hi) const {
+    const int8_t* p = w + j * k + b * kBlock;
+    lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+  }
+  float finish(int64_t, int64_t j, float sum) const { return sum * row_scales[j]; }
+  template <int R, int W>
+  void tile(int64_t m0, int64_t j0, float* out, int64_t n) const;
+};
+
+// int4 rows in groups (w = (q - zero) * scale): the products are summed with q as it is, and
+// the zero's share, zero * scale * (the group's activations summed), is taken off once per output.
+// Unpacking then needs one lane-crossing widen per block (port 5 on Intel, the limit at one row)
+// and no broadcast of a zero; the scales are float32 so that their broadcast is a plain load.
+struct Int4Weights {
+  static constexpr bool kGroupScales = true;
+  Int4Weights(const QuantRows& xq, const uint8_t* w, const float* scales, const uint8_t* zeros,
+              int64_t group)
+      : x(xq), w(w), scales(scales), zeros(zeros), k(xq.k), blocks_per_group(group / kBlock),
+        groups(k / group), xsums(xq.q.size() / k * groups) {
+    const int64_t blocks = k / kBlock;
+    for (size_t r = 0; r < xq.q.size() / k; ++r) {
+      for (int64_t b = 0; b < blocks; ++b) {
+        int32_t t = 0;
+        for (int64_t i = 0; i < kBlock; ++i) t += xq.q[r * k + b * kBlock + i];
+        xsums[r * groups + b / blocks_per_group] += t * xq.scales[r * blocks + b];
+      }
+    }
+  }
+  const QuantRows& x;
+  const uint8_t* w;
+  const float* scales;  // [N, K/g]
+  const uint8_t* zeros;  // [N, K/g]
+  const int64_t k, blocks_per_group, groups;
+  std::vector<float> xsums;  // [M, K/g]: each group's quantised activations summed
+  int64_t row_bytes() const { return k / 2; }
+  const char* row(int64_t j) const { return reinterpret_cast<const char*>(w + j * (k / 2)); }
+  void unpack(int64_t j, int64_t b, __m256i& lo, __m256i& hi) const {
+    // lane i holds byte i = q[i] | q[i + 16] << 4
+    const __m256i v = _mm256_cvtepu8_epi16(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * (k / 2) + b * (kBlock / 2))));
+    lo = _mm256_and_si256(v, _mm256_set1_epi16(0x0F));
+    hi = _mm256_srli_epi16(v, 4);
+  }
+  const float* group_scale(int64_t j, int64_t b) const {
+    return scales + j * groups + b / blocks_per_group;
+  }
+  float finish(int64_t r, int64_t j, float sum) const {
+    const float* s = scales + j * groups;
+    const uint8_t* z = zeros + j * groups;
+    const float* xs = &xsums[r * groups];
+    __m256 acc = _mm256_setzero_ps();
+    int64_t g = 0;
+    for (; g + 8 <= groups; g += 8) {
+      const __m256 zf = _mm256_cvtepi32_ps(
+          _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(z + g))));
+      acc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(s + g), zf), _mm256_loadu_ps(xs + g), acc);
+    }
+    float t = sum8(acc);
+    for (; g < groups; ++g) t += s[g] * z[g] * xs[g];
+    return sum - t;
+  }
+  template <int R, int W>
+  void tile(int64_t m0, int64_t j0, float* out, int64_t n) const;
 };
 
 // out[m][j] for R activation rows from m0 and W weight rows from j0: each weight block is loaded
 // once for the R rows and each activation block once for the W weight rows; W rows read at once
 // are W streams from memory, which keeps more loads in flight than one row at a time.
-template <int R, int W>
-inline void tile(const QuantRows& xq, int64_t m0, int64_t k, const int8_t* w,
-                 const float* w_scales, int64_t j0, float* out, int64_t n) {
-  const int64_t blocks = k / kBlock;
+template <class Wt, int R, int W>
+inline void int_tile(const Wt& wt, int64_t m0, int64_t j0, float* out, int64_t n) {
+  const QuantRows& xq = wt.x;
+  const int64_t k = xq.k, blocks = k / kBlock;
   __m256 acc[R][W];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < W; ++c) acc[r][c] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     __m256i wlo[W], whi[W];
+    __m256 ws[W];
     for (int c = 0; c < W; ++c) {
-      const int8_t* p = w + (j0 + c) * k + b * kBlock;
-      wlo[c] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-      whi[c] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+      wt.unpack(j0 + c, b, wlo[c], whi[c]);
+      if constexpr (Wt::kGroupScales) ws[c] = _mm256_broadcast_ss(wt.group_scale(j0 + c, b));
     }
     for (int r = 0; r < R; ++r) {
       const int64_t off = (m0 + r) * k + b * kBlock;
@@ -107,53 +199,85 @@ inline void tile(const QuantRows& xq, int64_t m0, int64_t k, const int8_t* w,
       const __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&xq.q[off + 16]));
       const __m256 d = _mm256_set1_ps(xq.scales[(m0 + r) * blocks + b]);
       for (int c = 0; c < W; ++c) {
-        // |sum| <= 4 * 127 * 32767 < 2^24: exact in int32 and in its float conversion
-        const __m256i s32 = _mm256_add_epi32(_mm256_madd_epi16(wlo[c], xlo),
-                                             _mm256_madd_epi16(whi[c], xhi));
-        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), d, acc[r][c]);
+        // |sum| <= 4 * 128 * 32767 < 2^24 (int4: 4 * 15 * 32767): exact in int32 and in float
+        const __m256 s = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(wlo[c], xlo),
+                                                             _mm256_madd_epi16(whi[c], xhi)));
+        if constexpr (Wt::kGroupScales) {
+          acc[r][c] = _mm256_fmadd_ps(_mm256_mul_ps(s, d), ws[c], acc[r][c]);
+        } else {
+          acc[r][c] = _mm256_fmadd_ps(s, d, acc[r][c]);
+        }
       }
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < W; ++c) out[(m0 + r) * n + j0 + c] = sum8(acc[r][c]) * w_scales[j0 + c];
+    for (int c = 0; c < W; ++c) out[(m0 + r) * n + j0 + c] = wt.finish(m0 + r, j0 + c, sum8(acc[r][c]));
 }
 
-// R activation rows from m0 times weight rows [n0, n1), W rows at a time and the rest one by one.
 template <int R, int W>
-void rows_times_weights(const QuantRows& xq, int64_t m0, int64_t k, const int8_t* w,
-                        const float* w_scales, int64_t n0, int64_t n1, float* out, int64_t n) {
+void Int8Weights::tile(int64_t m0, int64_t j0, float* out, int64_t n) const {
+  int_tile<Int8Weights, R, W>(*this, m0, j0, out, n);
+}
+
+template <int R, int W>
+void Int4Weights::tile(int64_t m0, int64_t j0, float* out, int64_t n) const {
+  int_tile<Int4Weights, R, W>(*this, m0, j0, out, n);
+}
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {  // bf16 is a float's high half: widen and shift
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// fp32 or bf16 rows times float32 activations as they are, tiled as int_tile.
+template <class T>
+struct FloatWeights {
+  const float* x;
+  const T* w;
+  int64_t k;
+  int64_t row_bytes() const { return k * static_cast<int64_t>(sizeof(T)); }
+  const char* row(int64_t j) const { return reinterpret_cast<const char*>(w + j * k); }
+  template <int R, int W>
+  void tile(int64_t m0, int64_t j0, float* out, int64_t n) const {
+    __m256 acc[R][W];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < W; ++c) acc[r][c] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < k; i += 8) {
+      __m256 wv[W];
+      for (int c = 0; c < W; ++c) wv[c] = load8(w + (j0 + c) * k + i);
+      for (int r = 0; r < R; ++r) {
+        const __m256 xv = _mm256_loadu_ps(x + (m0 + r) * k + i);
+        for (int c = 0; c < W; ++c) acc[r][c] = _mm256_fmadd_ps(wv[c], xv, acc[r][c]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < W; ++c) out[(m0 + r) * n + j0 + c] = sum8(acc[r][c]);
+  }
+};
+
+// R activation rows from m0 times weight rows [n0, n1), W rows at a time and the rest one by one.
+template <int R, int W, class Wt>
+void rows_times_weights(const Wt& wt, int64_t m0, int64_t n0, int64_t n1, float* out, int64_t n) {
   int64_t j = n0;
   for (; j + W <= n1; j += W) {
     // one core streams weights from memory only as fast as it has lines in flight: asking for the
-    // rows kPrefetchRows ahead now gave 25% more GB/s on a 106 MB matrix (the hardware prefetcher
-    // alone: 7.0 GB/s on one core here, with this: 8.8)
+    // rows kPrefetchRows ahead now gave 25% more GB/s on a 106 MB int8 matrix (the hardware
+    // prefetcher alone: 7.0 GB/s on one core here, with this: 8.8)
     if (j + kPrefetchRows + W <= n) {
-      const char* ahead = reinterpret_cast<const char*>(w + (j + kPrefetchRows) * k);
-      for (int64_t off = 0; off < W * k; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
+      const char* ahead = wt.row(j + kPrefetchRows);
+      for (int64_t off = 0; off < W * wt.row_bytes(); off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
     }
-    tile<R, W>(xq, m0, k, w, w_scales, j, out, n);
+    wt.template tile<R, W>(m0, j, out, n);
   }
-  for (; j < n1; ++j) tile<R, 1>(xq, m0, k, w, w_scales, j, out, n);
+  for (; j < n1; ++j) wt.template tile<R, 1>(m0, j, out, n);
 }
 
-// y [M, N] float32 = x [M, K] (float32 or bf16) @ (weight int8 [N, K] * scales [N])^T.
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && weight.scalar_type() == at::kChar,
-              "int8_linear: x [M, K] and an int8 weight [N, K]");
-  const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
-  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "int8_linear: CPU tensors only");
-  TORCH_CHECK(weight.size(1) == k && k % kBlock == 0 && scales.numel() == n,
-              "int8_linear: weight [N, K] with K a multiple of 32, scales [N]");
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  const at::Tensor wc = weight.contiguous();
-  const at::Tensor sf = scales.to(at::kFloat).contiguous();
-  QuantRows xq{std::vector<int16_t>(m * k), std::vector<float>(m * (k / kBlock))};
-  for (int64_t i = 0; i < m; ++i) {
-    quantize_row(xf.data_ptr<float>() + i * k, k, &xq.q[i * k], &xq.scales[i * (k / kBlock)]);
-  }
+// out [M, N] = every activation row times every weight row, split over threads by weight rows.
+template <class Wt>
+at::Tensor run(const Wt& wt, const at::Tensor& x, int64_t n) {
+  const int64_t m = x.size(0);
   at::Tensor out = at::empty({m, n}, x.options().dtype(at::kFloat));
-  const int8_t* w = wc.data_ptr<int8_t>();
-  const float* ws = sf.data_ptr<float>();
   float* o = out.data_ptr<float>();
   // 64 rows of 576 bytes or more per task: the split costs far less than the rows take to read
   at::parallel_for(0, n, 64, [&](int64_t n0, int64_t n1) {
@@ -163,12 +287,12 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
       const int64_t p1 = std::min(p0 + kPanel, n1);
       int64_t m0 = 0;
       for (; m0 + kMaxRowsPerPass <= m; m0 += kMaxRowsPerPass) {
-        rows_times_weights<kMaxRowsPerPass, 2>(xq, m0, k, w, ws, p0, p1, o, n);
+        rows_times_weights<kMaxRowsPerPass, 2>(wt, m0, p0, p1, o, n);
       }
       switch (m - m0) {  // the fewer activation rows, the more weight rows per tile
-        case 3: rows_times_weights<3, 2>(xq, m0, k, w, ws, p0, p1, o, n); break;
-        case 2: rows_times_weights<2, 4>(xq, m0, k, w, ws, p0, p1, o, n); break;
-        case 1: rows_times_weights<1, 4>(xq, m0, k, w, ws, p0, p1, o, n); break;
+        case 3: rows_times_weights<3, 2>(wt, m0, p0, p1, o, n); break;
+        case 2: rows_times_weights<2, 4>(wt, m0, p0, p1, o, n); break;
+        case 1: rows_times_weights<1, 4>(wt, m0, p0, p1, o, n); break;
         default: break;
       }
     }
@@ -176,10 +300,104 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   return out;
 }
 
+void check_rows(const at::Tensor& x, const at::Tensor& weight, const char* op) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, op, ": x [M, K] and a 2-d weight");
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), op, ": CPU tensors only");
+}
+
+// y [M, N] float32 = x [M, K] (float32 or bf16) @ (weight int8 [N, K] * scales [N])^T.
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
+  check_rows(x, weight, "int8_linear");
+  const int64_t k = x.size(1), n = weight.size(0);
+  TORCH_CHECK(weight.scalar_type() == at::kChar, "int8_linear: an int8 weight [N, K]");
+  TORCH_CHECK(weight.size(1) == k && k % kBlock == 0 && scales.numel() == n,
+              "int8_linear: weight [N, K] with K a multiple of 32, scales [N]");
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const at::Tensor wc = weight.contiguous();
+  const at::Tensor sf = scales.to(at::kFloat).contiguous();
+  const QuantRows xq(xf);
+  return run(Int8Weights{xq, wc.data_ptr<int8_t>(), sf.data_ptr<float>(), k}, xf, n);
+}
+
+// y [M, N] float32 = x [M, K] @ W^T, W[j, i] = (q[j, i] - zeros[j, i / g]) * scales[j, i / g],
+// q packed as uint8 [N, K/2] (see the top of this file), scales float32 and zeros uint8 [N, K/g].
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                       const at::Tensor& zeros, int64_t group) {
+  check_rows(x, packed, "int4_linear");
+  const int64_t k = x.size(1), n = packed.size(0);
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.size(1) * 2 == k,
+              "int4_linear: packed uint8 [N, K/2]");
+  TORCH_CHECK(group % kBlock == 0 && k % group == 0, "int4_linear: a group size that is a ",
+              "multiple of 32 and divides K");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && zeros.scalar_type() == at::kByte &&
+                  scales.numel() == n * (k / group) && zeros.numel() == n * (k / group),
+              "int4_linear: float32 scales and uint8 zeros [N, K/g]");
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const at::Tensor pc = packed.contiguous(), sc = scales.contiguous(), zc = zeros.contiguous();
+  const QuantRows xq(xf);
+  return run(Int4Weights(xq, pc.data_ptr<uint8_t>(), sc.data_ptr<float>(), zc.data_ptr<uint8_t>(),
+                         group),
+             xf, n);
+}
+
+// int4_linear's weights as float32 [N, K], for prefill's many rows (a GEMM, torch's part).
+at::Tensor int4_dequantize(const at::Tensor& packed, const at::Tensor& scales,
+                           const at::Tensor& zeros, int64_t group) {
+  const int64_t n = packed.size(0), k = packed.size(1) * 2, groups = k / group;
+  TORCH_CHECK(packed.scalar_type() == at::kByte && scales.scalar_type() == at::kFloat &&
+                  zeros.scalar_type() == at::kByte && scales.numel() == n * groups &&
+                  zeros.numel() == n * groups && group % kBlock == 0 && k % group == 0,
+              "int4_dequantize: packed uint8 [N, K/2], float32 scales and uint8 zeros [N, K/g]");
+  const at::Tensor pc = packed.contiguous(), sc = scales.contiguous(), zc = zeros.contiguous();
+  at::Tensor out = at::empty({n, k}, scales.options());
+  const uint8_t* w = pc.data_ptr<uint8_t>();
+  const float* sp = sc.data_ptr<float>();
+  const uint8_t* zp = zc.data_ptr<uint8_t>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, n, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t j = n0; j < n1; ++j) {
+      for (int64_t b = 0; b < k / kBlock; ++b) {
+        const int64_t g = j * groups + b * kBlock / group;
+        const float scale = sp[g], zero = zp[g];
+        const uint8_t* p = w + j * (k / 2) + b * (kBlock / 2);
+        float* dst = o + j * k + b * kBlock;
+        for (int i = 0; i < 16; ++i) {
+          dst[i] = ((p[i] & 0x0F) - zero) * scale;
+          dst[i + 16] = ((p[i] >> 4) - zero) * scale;
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// y [M, N] float32 = x [M, K] @ weight^T for a float32 or bf16 weight, K a multiple of 8.
+at::Tensor float_linear(const at::Tensor& x, const at::Tensor& weight) {
+  check_rows(x, weight, "float_linear");
+  const int64_t k = x.size(1), n = weight.size(0);
+  TORCH_CHECK(weight.size(1) == k && k % 8 == 0, "float_linear: weight [N, K], K a multiple of 8");
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const at::Tensor wc = weight.contiguous();
+  if (wc.scalar_type() == at::kBFloat16) {
+    return run(FloatWeights<at::BFloat16>{xf.data_ptr<float>(), wc.data_ptr<at::BFloat16>(), k},
+               xf, n);
+  }
+  TORCH_CHECK(wc.scalar_type() == at::kFloat, "float_linear: a float32 or bf16 weight");
+  return run(FloatWeights<float>{xf.data_ptr<float>(), wc.data_ptr<float>(), k}, xf, n);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pagechat, m) {
   m.def("int8_linear(Tensor x, Tensor weight, Tensor scales) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor packed, Tensor scales, Tensor zeros, int group) -> Tensor");
+  m.def("int4_dequantize(Tensor packed, Tensor scales, Tensor zeros, int group) -> Tensor");
+  m.def("float_linear(Tensor x, Tensor weight) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(pagechat, CPU, m) { m.impl("int8_linear", &int8_linear); }
+TORCH_LIBRARY_IMPL(pagechat, CPU, m) {
+  m.impl("int8_linear", &int8_linear);
+  m.impl("int4_linear", &int4_linear);
+  m.impl("int4_dequantize", &int4_dequantize);
+  m.impl("float_linear", &float_linear);
+}

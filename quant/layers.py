@@ -4,9 +4,9 @@ Each layer picks its kernel ("path") once, from the device and the shapes, and s
 torch's int4 / int8 weight-only matmuls want bf16 activations (other dtypes hit a slow scalar loop),
 so activations are cast to bf16 around the call and back; where the op is missing or the shapes
 don't fit it, the weights are dequantised on every call (exact in fp32, memory stays quantised).
-int8 weight-only layers on an AVX2 CPU run pagechat's own kernel (quant/kernels.py) for up to 16
-rows, about twice as fast as torch's for decode, and for more rows (prefill) a float32 matmul on the
-weights dequantised for the call, 1.6x faster than torch's int8pack there (docs/benchmarks.md).
+int8 weight-only and AWQ int4 layers on an AVX2 CPU run pagechat's own kernels (quant/kernels.py)
+for up to 16 rows (decode), faster than torch's, and for more rows (prefill) a float32 matmul on the
+weights dequantised for the call, faster than torch's packed kernels there (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -30,6 +30,9 @@ LLM_INT8_THRESHOLD = (
     6.0  # activation magnitude above which a column goes through the fp16 outlier matmul
 )
 _BF16 = torch.bfloat16
+# the paths of layers on pagechat's kernels: decode's few rows run them, prefill's float32 GEMMs
+INT8_KERNEL_PATH = f"{kernels.INT8_PATH} <= {kernels.MAX_ROWS} rows, else fp32"
+INT4_KERNEL_PATH = f"{kernels.INT4_PATH} <= {kernels.MAX_ROWS} rows, else fp32"
 
 
 def _has_kernel(op: str, device: torch.device) -> bool:
@@ -45,7 +48,10 @@ def _sm80(device: torch.device) -> bool:
 
 
 def awq_path(n: int, k: int, group: int, device: torch.device) -> str:
-    """Which kernel an AWQ layer (out=n, in=k) runs on device: int4pack-cpu/-cuda or dequant."""
+    """Which kernel an AWQ layer (out=n, in=k) runs on device: pagechat's int4 kernel on a CPU
+    where it builds, else int4pack-cpu/-cuda or dequant."""
+    if device.type == "cpu" and group % kernels.BLOCK == 0 and k % group == 0 and kernels.loaded():
+        return INT4_KERNEL_PATH
     if group in INT4_GROUPS and k % group == 0:
         if (
             device.type == "cpu"
@@ -76,7 +82,7 @@ def int8_wo_kernel(k: int, device: torch.device):
     """pagechat's int8 kernel for a layer with k inputs on device, or None where it cannot run."""
     if device.type != "cpu" or k % kernels.BLOCK:
         return None
-    return kernels.int8_linear()
+    return kernels.op("int8_linear")
 
 
 def bf16_head(mode: str | None, dtype: torch.dtype) -> bool:
@@ -123,7 +129,14 @@ class AWQLinear(_WeightOnlyLinear):
         k, n = q.shape
         self.in_features, self.out_features, self.group = k, n, group
         self.path = path or awq_path(n, k, group, device)
-        if self.path == "int4pack-cpu":
+        if self.path == INT4_KERNEL_PATH:
+            # byte j of each block of 32 inputs holds q[j] (low nibble) and q[j + 16] (high)
+            halves = q.t().to(torch.uint8).reshape(n, k // kernels.BLOCK, 2, kernels.BLOCK // 2)
+            packed = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2)
+            self.register_buffer("weight_packed", packed.contiguous().to(device))
+            self.register_buffer("scales", scales.t().float().contiguous().to(device))
+            self.register_buffer("zeros", zeros.t().to(torch.uint8).contiguous().to(device))
+        elif self.path == "int4pack-cpu":
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
                 q.t().contiguous().to(torch.int32), 2
             )
@@ -144,6 +157,13 @@ class AWQLinear(_WeightOnlyLinear):
         self.register_buffer("bias", None if bias is None else bias.to(device))
 
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        if self.path == INT4_KERNEL_PATH:
+            args = (self.weight_packed, self.scales, self.zeros, self.group)
+            if x2.shape[0] <= kernels.MAX_ROWS:
+                return torch.ops.pagechat.int4_linear(x2, *args).to(x2.dtype)
+            # many rows are a GEMM: float32's (MKL) on the weights dequantised for this call
+            y = F.linear(x2.float(), torch.ops.pagechat.int4_dequantize(*args))
+            return y.to(x2.dtype)
         if self.path == "dequant":
             return x2 @ dequantize(
                 unpack_awq(self.qweight), unpack_awq(self.qzeros), self.scales, self.group, x2.dtype
@@ -183,7 +203,7 @@ class Int8WOLinear(_WeightOnlyLinear):
         self.torch_path = path or int8_wo_path(device)  # every call, where the kernel cannot run
         self.path = self.torch_path
         if self.kernel is not None:
-            self.path = f"{kernels.INT8_PATH} <= {kernels.MAX_ROWS} rows, else fp32"
+            self.path = INT8_KERNEL_PATH
         self.register_buffer("weight", q.to(device=device, dtype=torch.int8).contiguous())
         # the int8pack kernels take scales in the activations' dtype (bf16), and pagechat's kernel
         # reads the same bf16 scales, so both compute with the same weights; dequant keeps fp32

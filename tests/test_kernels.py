@@ -1,5 +1,6 @@
-"""pagechat's int8 matmul kernel (quant/kernels.cpp) against a dequantise-then-matmul reference,
-its place in Int8WOLinear and the engine, and the fallback to torch's kernels.
+"""pagechat's matmul kernels (quant/kernels.cpp: int8, AWQ int4, float32/bf16) against a
+dequantise-then-matmul reference, their place in the layers and the engine, and the fallback to
+torch's kernels.
 
 The kernel is built once per machine and source (10.6 s with g++ here) into the user cache, and
 loaded from there in milliseconds by every later session. Tolerances: against a float64 reference
@@ -20,8 +21,10 @@ from pagechat.core.config import EngineConfig
 from pagechat.core.engine import Engine
 from pagechat.core.params import SamplingParams
 from pagechat.quant import kernels
+from pagechat.quant.checkpoint import quantize_checkpoint
 from pagechat.quant.evaluate import window_logits
-from pagechat.quant.layers import Int8WOLinear
+from pagechat.quant.layers import INT4_KERNEL_PATH, AWQLinear, Int8WOLinear
+from pagechat.quant.pack import quantize_groups
 
 CPU = torch.device("cpu")
 CAN_BUILD = (
@@ -69,7 +72,7 @@ def reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.T
 
 @pytest.fixture(scope="module")
 def kernel():
-    op = kernels.int8_linear()
+    op = kernels.op("int8_linear")
     assert op is not None, "the kernel did not build on a host that can build it (see the log)"
     return op
 
@@ -141,6 +144,107 @@ def test_layer_runs_the_kernel_for_up_to_16_rows_and_a_float32_matmul_beyond(ker
     assert layer(x[:3].reshape(1, 3, 256)).shape == (1, 3, 96)
 
 
+def int4_weight(n: int, k: int, group: int, seed: int):
+    """Random AWQ-style groups in the kernel's layout: packed [N, K/2], scales, zeros [N, K/g];
+    and the dequantised weight [N, K] they stand for."""
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
+    q, z, s = quantize_groups(w, group)
+    s = s.half().float()  # AWQ's scales are fp16
+    halves = q.reshape(n, k // 32, 2, 16)
+    packed = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+    deq = (
+        q.double().reshape(n, k // group, group) - z.double().unsqueeze(-1)
+    ) * s.double().unsqueeze(-1)
+    return packed, s, z, deq.reshape(n, k)
+
+
+# odd n, groups of 1-4 blocks (96: three), batch sizes 1-16
+@needs_kernel
+@pytest.mark.parametrize(
+    "n,k,group", [(1, 32, 32), (7, 96, 32), (13, 192, 64), (257, 576, 96), (1000, 512, 128)]
+)
+def test_int4_kernel_matches_dequantised_matmul_at_every_batch_size(kernel, n, k, group):
+    packed, s, z, deq = int4_weight(n, k, group, seed=n)
+    op = kernels.op("int4_linear")
+    g = torch.Generator().manual_seed(k)
+    for m in range(1, 17):
+        x = torch.randn(m, k, generator=g) * torch.rand(m, k, generator=g) * 4
+        y = op(x, packed, s, z, group)
+        assert y.shape == (m, n) and y.dtype == torch.float32
+        # the zero's share is taken off in float: a few float32 roundings of the larger sums
+        assert rel(y, quantised_activations(x) @ deq.t()) <= 1e-5, (m, n, k)
+        if n >= 13:
+            assert rel(y, x.double() @ deq.t()) <= 1e-4, (m, n, k)
+    assert torch.equal(kernels.op("int4_dequantize")(packed, s, z, group), deq.float())
+
+
+@needs_kernel
+def test_int4_kernel_passes_on_nan_and_refuses_bad_shapes(kernel):
+    packed, s, z, _ = int4_weight(16, 64, 32, seed=2)
+    op = kernels.op("int4_linear")
+    x = torch.randn(2, 64)
+    x[0, 5] = float("nan")
+    y = op(x, packed, s, z, 32)
+    assert not torch.isfinite(y[0]).any() and torch.isfinite(y[1]).all()
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        op(x, packed, s, z, 16)
+    with pytest.raises(RuntimeError, match="float32 scales"):
+        op(x, packed, s.half(), z, 32)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k", [(1, 8), (7, 40), (13, 200), (257, 576), (1000, 296)])
+def test_float_kernel_matches_matmul_at_every_batch_size(kernel, dtype, n, k):
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(n)).to(dtype)
+    op = kernels.op("float_linear")
+    for m in range(1, 17):
+        x = torch.randn(m, k)
+        assert rel(op(x, w), x.double() @ w.double().t()) <= 1e-6, (m, n, k)
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        op(torch.randn(1, k + 1), torch.randn(n, k + 1).to(dtype))
+
+
+@needs_kernel
+def test_awq_layer_runs_the_int4_kernel_for_up_to_16_rows_and_float32_beyond(kernel):
+    packed, s, z, deq = int4_weight(96, 256, 64, seed=4)
+    q, zt, st = quantize_groups(deq.float(), 64)  # already on the grid: the same groups again
+    layer = AWQLinear(q.t(), zt.t(), st.t(), None, 64, CPU)
+    assert layer.path == INT4_KERNEL_PATH
+    x = torch.randn(17, 256)
+    ref = x.double() @ deq.t()
+    assert rel(layer(x[:16]), ref[:16]) <= 1e-4  # the kernel
+    assert rel(layer(x), ref) <= 1e-6  # 17 rows: float32 on the dequantised weights
+    assert layer(x[:2].bfloat16()).dtype == torch.bfloat16
+
+
+@needs_kernel
+def test_engine_with_the_int4_kernel_decodes_as_the_exact_dequantised_model(
+    kernel, tiny_llama, tmp_path
+):
+    """An AWQ (RTN) checkpoint: greedy tokens with the kernel (traced steps record it) equal those
+    of the same weights dequantised in float32; the logits differ by the head's roundings of
+    slightly different inputs (seen: 1.7e-3 with a bf16 head)."""
+    awq = quantize_checkpoint(tiny_llama, tmp_path / "awq", "rtn", 32).out_dir
+    e = Engine(awq, EngineConfig(kv_blocks=64, dtype="float32"))
+    assert {m.path for m in e.model.modules() if isinstance(m, AWQLinear)} == {INT4_KERNEL_PATH}
+    ref = Engine(awq, EngineConfig(kv_blocks=64, dtype="float32", graphs=False))
+    for name, m in list(ref.model.named_modules()):
+        if isinstance(m, AWQLinear):
+            parent, _, attr = name.rpartition(".")
+            deq = kernels.op("int4_dequantize")(m.weight_packed, m.scales, m.zeros, m.group)
+            layer = torch.nn.Linear(m.in_features, m.out_features, bias=m.bias is not None)
+            layer.weight.data, layer.bias = deq, m.bias
+            setattr(ref.model.get_submodule(parent), attr, layer)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25]]
+    assert [o.output_ids for o in e.generate(prompts, params)] == [
+        o.output_ids for o in ref.generate(prompts, params)
+    ]
+    ids = [5, 9, 3, 77, 120, 6, 7]
+    assert rel(window_logits(e, ids), window_logits(ref, ids)) <= 3e-3
+
+
 def test_a_layer_whose_k_is_no_multiple_of_32_keeps_torch_path():
     # 48, not an odd k: torch 2.13's int8pack kernel crashes at k = 24 or 40 on an AVX512 host
     layer = Int8WOLinear.from_float(torch.randn(16, 48), None, CPU)
@@ -151,13 +255,13 @@ def test_a_layer_whose_k_is_no_multiple_of_32_keeps_torch_path():
 
 @pytest.fixture
 def fresh_kernels(monkeypatch, tmp_path):
-    """kernels.int8_linear() decided again in this test, with an empty cache and PAGECHAT_KERNELS
+    """kernels.loaded() decided again in this test, with an empty cache and PAGECHAT_KERNELS
     unset; as before after."""
     monkeypatch.setenv("PAGECHAT_CACHE", str(tmp_path))
     monkeypatch.delenv("PAGECHAT_KERNELS", raising=False)
-    kernels.int8_linear.cache_clear()
+    kernels.loaded.cache_clear()
     yield
-    kernels.int8_linear.cache_clear()
+    kernels.loaded.cache_clear()
 
 
 def test_pagechat_kernels_0_forces_torch_path(fresh_kernels, monkeypatch, caplog):
@@ -167,14 +271,14 @@ def test_pagechat_kernels_0_forces_torch_path(fresh_kernels, monkeypatch, caplog
         Int8WOLinear.from_float(torch.randn(32, 64), None, CPU)
     assert layer.kernel is None and layer.path == "int8pack-cpu"
     assert [r.message for r in caplog.records] == [
-        "pagechat kernels off: PAGECHAT_KERNELS=0; int8 weight-only layers use torch's"
+        "pagechat kernels off: PAGECHAT_KERNELS=0; layers use torch's"
     ]  # once per process, not once per layer
 
 
 @pytest.mark.parametrize(
     "broken,why",
     [
-        ("cpu", "this CPU lacks AVX2/FMA"),
+        ("cpu", "this CPU lacks AVX2/FMA/F16C"),
         ("compiler", "no C++ compiler and ninja to build them"),
         ("source", "the build failed"),
     ],

@@ -11,7 +11,9 @@ from pagechat.core.engine import Engine
 from pagechat.core.kv import block_bytes
 from pagechat.core.memory import kv_bytes_per_token, weight_report
 from pagechat.core.params import SamplingParams
+from pagechat.quant import kernels
 from pagechat.quant.checkpoint import quantize_checkpoint
+from pagechat.quant.layers import INT4_KERNEL_PATH
 from pagechat.tools.planner import estimate_weights, plan_capacity
 
 
@@ -80,10 +82,11 @@ def test_weight_only_modes_keep_lm_head_in_bf16(tiny_models, arch):
     )
 
 
-@pytest.mark.parametrize(
-    "group,path", [(64, "int4pack-cpu"), (16, "dequant")]
-)  # torch's kernel lacks g16
+# pagechat's int4 kernel where it builds, else torch's; neither takes g16
+@pytest.mark.parametrize("group,path", [(64, "kernel"), (16, "dequant")])
 def test_awq_report_and_estimate_agree(tiny_llama, tmp_path, group, path):
+    if path == "kernel":
+        path = INT4_KERNEL_PATH if kernels.loaded() else "int4pack-cpu"
     out = quantize_checkpoint(tiny_llama, tmp_path / "awq", "rtn", group).out_dir
     e = Engine(out, EngineConfig(dtype="float32", kv_blocks=8))
     rep = weight_report(e.model)

@@ -14,7 +14,14 @@ import torch
 from pagechat.core.kv import CUDA_FREE_FRACTION
 from pagechat.core.loader import ModelSpec, dtype_name
 from pagechat.core.memory import KINDS, WeightReport, WeightRow, kv_bytes_per_token
-from pagechat.quant.layers import INT4_GROUPS, Bf16WOLinear, bf16_head
+from pagechat.quant import kernels
+from pagechat.quant.layers import (
+    INT4_GROUPS,
+    INT4_KERNEL_PATH,
+    INT8_KERNEL_PATH,
+    Bf16WOLinear,
+    bf16_head,
+)
 
 
 def _linear_bytes(
@@ -26,11 +33,18 @@ def _linear_bytes(
         return "", "dense", n * k * elem + b
     if mode == "int8":
         return "int8", "bnb-llm.int8", n * k + 4 * n + b  # int8 rows + fp32 row absmax (SCB)
+    # pagechat's kernels where they run (Int8WOLinear, awq_path); deciding builds them once
+    kernel = device_type == "cpu" and kernels.loaded()
     if mode == "int8-wo":
-        return "int8-wo", f"int8pack-{device_type}", n * k + 2 * n + b  # int8 + bf16 scales
+        path = f"int8pack-{device_type}"
+        if kernel and k % kernels.BLOCK == 0:
+            path = INT8_KERNEL_PATH
+        return "int8-wo", path, n * k + 2 * n + b  # int8 + bf16 scales
     if mode == "bf16-wo":
         return "bf16-wo", Bf16WOLinear.path, 2 * n * k + b
     g = group or 128
+    if kernel and g % kernels.BLOCK == 0 and k % g == 0:  # int4 [n, k/2] + fp32 scale, u8 zero
+        return f"awq-int4 g{g}", INT4_KERNEL_PATH, n * k // 2 + 5 * n * (k // g) + b
     fast = g in INT4_GROUPS and (
         n % 16 == 0 if device_type == "cpu" else n % 8 == 0 and k % 32 == 0
     )
