@@ -245,6 +245,19 @@ def test_engine_with_the_int4_kernel_decodes_as_the_exact_dequantised_model(
     assert rel(window_logits(e, ids), window_logits(ref, ids)) <= 3e-3
 
 
+@needs_kernel
+@pytest.mark.parametrize("nbytes", [128, 128 * 4097, 128 * 70001])  # the threads' split and tails
+def test_stream_read_reads_every_byte(kernel, nbytes):
+    """The bench's bandwidth figure reads every byte: one bit anywhere shows in the result."""
+    op = kernels.op("stream_read")
+    t = torch.zeros(nbytes, dtype=torch.uint8)
+    assert op(t) == 0
+    for at in (0, nbytes // 3, nbytes - 1):
+        t.zero_()
+        t[at] = 1 << (at % 7)  # not bit 63 of a word: the result is a signed int64
+        assert op(t) == 1 << (8 * (at % 8) + at % 7), at
+
+
 def test_a_layer_whose_k_is_no_multiple_of_32_keeps_torch_path():
     # 48, not an odd k: torch 2.13's int8pack kernel crashes at k = 24 or 40 on an AVX512 host
     layer = Int8WOLinear.from_float(torch.randn(16, 48), None, CPU)

@@ -20,6 +20,7 @@ from pagechat.core.errors import PagechatError
 from pagechat.core.loader import dtype_name
 from pagechat.core.memory import kv_bytes_per_token, weight_report
 from pagechat.core.params import SamplingParams
+from pagechat.quant import kernels
 from pagechat.tools.step_profile import profile_decode
 
 PROMPT_TOKENS, DECODE_TOKENS = 128, 64
@@ -58,15 +59,18 @@ class Workload:
 
 
 def measure_bandwidth(device: torch.device, mib: int = 256) -> float:
-    """Memory bandwidth (bytes/s) of a large fp32 matrix-vector product: the decode floor's work."""
+    """Memory bandwidth (bytes/s) of a plain streaming read of `mib` MiB: on a CPU pagechat's read
+    loop (quant/kernels.cpp) where the kernels build, else (and on a GPU) a float32
+    matrix-vector product, the decode floor's work, which reads about as fast."""
     n = int((mib * 2**20 / 4) ** 0.5)
     w = torch.randn(n, n, device=device)
     x = torch.randn(n, device=device)
+    read = kernels.op("stream_read") if device.type == "cpu" else None
     times = []
     for _ in range(7):
         sync(device)
         t = time.perf_counter()
-        torch.mv(w, x)
+        read(w) if read is not None else torch.mv(w, x)
         sync(device)
         times.append(time.perf_counter() - t)
     return w.numel() * 4 / statistics.median(times[2:])
