@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from pagechat.core.errors import PagechatError
 from pagechat.core.loader import DTYPES
-from pagechat.core.quantization import quant_modes
+from pagechat.core.quantization import backend, lm_heads, quant_modes
 from pagechat.core.threads import check_threads
 
 _UNITS = {
@@ -49,6 +49,8 @@ class EngineConfig:
     num_draft: int = 4  # tokens drafted per step
     # None | int8 | int8-wo | bf16-wo | awq (AWQ and bnb-int8 checkpoints are detected anyway)
     quant: str | None = None
+    # auto | float, and with pagechat.quant int8 | int4: the LM head's format (quant/head.py)
+    lm_head: str = "auto"
     graphs: bool = (
         True  # run small unpadded steps as traced graphs (core/graphs.py); False: --eager
     )
@@ -60,15 +62,9 @@ class EngineConfig:
             raise PagechatError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         check_dtype(self.dtype)
         check_dtype(self.kv_dtype, "--kv-dtype")
-        modes = quant_modes()
-        if self.quant is not None and self.quant not in modes:
-            if not modes:
-                raise PagechatError(
-                    f"--quant {self.quant} needs pagechat.quant, which is not installed"
-                )
-            raise PagechatError(
-                f"--quant must be {', '.join(modes[:-1])} or {modes[-1]}, got {self.quant!r}"
-            )
+        if self.quant is not None:
+            check_backend_choice("--quant", self.quant, quant_modes())
+        check_backend_choice("--lm-head", self.lm_head, lm_heads())
         if self.preempt not in ("recompute", "swap"):
             raise PagechatError(f"--preempt must be recompute or swap, got {self.preempt!r}")
         check_threads(self.threads)
@@ -86,6 +82,18 @@ class EngineConfig:
             if value < 1:
                 raise PagechatError(f"{name} must be >= 1, got {value}")
         return self
+
+
+def check_backend_choice(option: str, value: str, choices: tuple[str, ...]) -> None:
+    """Raise PagechatError unless value is one of the choices, which depend on the quantisation
+    backend: without one, a quantised value names the package it needs."""
+    if value in choices:
+        return
+    if backend() is None:
+        raise PagechatError(f"{option} {value} needs pagechat.quant, which is not installed")
+    raise PagechatError(
+        f"{option} must be {', '.join(choices[:-1])} or {choices[-1]}, got {value!r}"
+    )
 
 
 def check_dtype(name: str, option: str = "--dtype") -> None:

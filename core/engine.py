@@ -118,7 +118,7 @@ def load_checkpoint(model_dir: Path, cfg: EngineConfig, device: torch.device) ->
     """Read, check and load one checkpoint directory (the target model, or a speculative draft)."""
     spec = read_spec(model_dir)
     quant = resolve_quant(
-        spec, resolve_quant_mode(cfg, spec, device), model_dir
+        spec, resolve_quant_mode(cfg, spec, device), model_dir, cfg.lm_head
     )  # refuses what cannot run
     dtype = resolve_dtype(cfg.dtype, device, spec.torch_dtype)
     tokenizer = load_tokenizer(model_dir)
@@ -237,12 +237,12 @@ class Engine:
             return NgramProposer()
         if not cfg.draft:
             return None
-        # --quant names the target's mode; a draft is quantised only if its own checkpoint is.
-        # It runs at the target's dtype, never as an automatic bf16-wo: a draft is small, so bound
-        # by per-op overhead, which bf16-wo's casts add to (docs/benchmarks.md).
-        draft = load_checkpoint(
-            Path(cfg.draft), replace(cfg, quant=None, dtype=dtype_name(self.dtype)), self.device
-        )
+        # --quant and --lm-head name the target's; a draft is quantised only if its own checkpoint
+        # is, and its head follows (auto). It runs at the target's dtype, never as an automatic
+        # bf16-wo: a draft is small, so bound by per-op overhead, which bf16-wo's casts add to
+        # (docs/benchmarks.md).
+        draft_cfg = replace(cfg, quant=None, lm_head="auto", dtype=dtype_name(self.dtype))
+        draft = load_checkpoint(Path(cfg.draft), draft_cfg, self.device)
         if draft.tokenizer.get_vocab() != self.tokenizer.get_vocab():
             raise PagechatError(
                 f"the draft model's tokenizer ({cfg.draft}) differs from the target's "

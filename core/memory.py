@@ -40,6 +40,20 @@ class WeightReport:
     def total(self) -> int:
         return sum(r.bytes for r in self.rows)
 
+    @property
+    def head(self) -> WeightRow:
+        """The row holding lm_head's table: its own, or the embedding's when the two are tied."""
+        head = next(r for r in self.rows if r.kind == "lm_head")
+        if head.fmt == "tied to embedding":
+            return next(r for r in self.rows if r.kind == "embedding")
+        return head
+
+    @property
+    def head_label(self) -> str:
+        """lm_head's format, e.g. 'int8-wo' or 'awq-int4 g32, tied to the embedding'."""
+        head = self.head
+        return head.fmt + (", tied to the embedding" if head.kind == "embedding" else "")
+
     def by_kind(self) -> dict[str, int]:
         """kind -> bytes, in KINDS order."""
         out = dict.fromkeys(KINDS, 0)

@@ -205,9 +205,9 @@ class DecoderModel(nn.Module):
         load: LinearLoader = dense_linear,
         head: Callable[[torch.Tensor], nn.Module] = linear,
     ) -> None:
-        """`head` builds lm_head from its weight (quant/ gives weight-only modes a bf16 one); when
-        it keeps the tied embedding's weight in another dtype, the embedding reads that same table
-        and casts its rows."""
+        """`head` builds lm_head from its weight (quant/ gives quantised and weight-only modes
+        their own heads). A tied head that keeps the table in its own format offers `embedding()`:
+        the embedding then looks its rows up in that same table, one table, not two."""
         super().__init__()
         self.dtype = dtype
         self.spec = spec
@@ -224,8 +224,8 @@ class DecoderModel(nn.Module):
         )
         if spec.tie_word_embeddings or not w.has("lm_head.weight"):
             self.lm_head = head(self.embed_tokens.weight)
-            if self.lm_head.weight.dtype != dtype:  # one table in the head's dtype, not two copies
-                self.embed_tokens.weight = nn.Parameter(self.lm_head.weight, requires_grad=False)
+            if hasattr(self.lm_head, "embedding"):
+                self.embed_tokens = self.lm_head.embedding()
         else:
             self.lm_head = head(w.floats("lm_head.weight", vh, dtype))
         cos, sin = rope_tables(spec, max_len)

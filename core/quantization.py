@@ -2,9 +2,10 @@
 class.
 
 A backend (pagechat.quant is the one this package ships) is found through the `pagechat.quant`
-entry-point group, as vLLM finds its plugins, so the engine imports nothing above itself. It turns a
-checkpoint and a `--quant` request into a `QuantPlan`: how each decoder linear and the LM head are
-built. With no backend installed the engine runs float checkpoints and refuses quantised ones.
+entry-point group, as vLLM finds its plugins, so the engine imports nothing above itself. It turns
+a checkpoint and the `--quant` and `--lm-head` requests into a `QuantPlan`: how each decoder linear
+and the LM head are built. With no backend installed the engine runs float checkpoints and refuses
+quantised ones.
 """
 
 from __future__ import annotations
@@ -51,9 +52,12 @@ class QuantBackend(Protocol):
     """What a quantisation package registers under the entry-point group."""
 
     modes: tuple[str, ...]
+    lm_heads: tuple[str, ...]  # --lm-head's choices
 
-    def resolve(self, spec: ModelSpec, requested: str | None, model_dir: Path) -> QuantPlan:
-        """The plan for this checkpoint and request; PagechatError (one line) for what cannot
+    def resolve(
+        self, spec: ModelSpec, requested: str | None, model_dir: Path, lm_head: str
+    ) -> QuantPlan:
+        """The plan for this checkpoint and requests; PagechatError (one line) for what cannot
         run."""
         ...
 
@@ -90,12 +94,20 @@ def quant_modes() -> tuple[str, ...]:
     return found.modes if found is not None else ()
 
 
-def resolve_quant(spec: ModelSpec, requested: str | None, model_dir: Path) -> QuantPlan:
+def lm_heads() -> tuple[str, ...]:
+    """The --lm-head names: the backend's, or without one the model's own head (auto, float)."""
+    found = backend()
+    return found.lm_heads if found is not None else ("auto", "float")
+
+
+def resolve_quant(
+    spec: ModelSpec, requested: str | None, model_dir: Path, lm_head: str = "auto"
+) -> QuantPlan:
     """Ask the backend for a plan; without one, plain weights, and a refusal for anything
-    quantised."""
+    quantised (EngineConfig.validate has refused a quantised --lm-head already)."""
     found = backend()
     if found is not None:
-        return found.resolve(spec, requested, model_dir)
+        return found.resolve(spec, requested, model_dir, lm_head)
     if requested is not None or spec.quantization is not None:
         what = f"--quant {requested}" if requested else f"the quantised checkpoint in {model_dir}"
         raise PagechatError(f"{what} needs pagechat's quantisation package (pagechat.quant)")

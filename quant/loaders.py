@@ -1,25 +1,26 @@
 """Decide how a checkpoint's decoder linears load (dense, int8, int8-wo, AWQ) and build them.
 
-`resolve_quant` reads config.json's quantization_config and the --quant request and refuses every
-combination it cannot run with one line; `QuantPlan.loader(device)` is the LinearLoader the engine's
-DecoderModel builds each (possibly fused) decoder linear with.
+`resolve_quant` reads config.json's quantization_config and the --quant and --lm-head requests and
+refuses every combination it cannot run with one line; `QuantPlan.loader(device)` is the
+LinearLoader the engine's DecoderModel builds each (possibly fused) decoder linear with,
+`QuantPlan.head` its lm_head (quant/head.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 from pagechat.core.errors import PagechatError
 from pagechat.core.loader import ModelSpec, WeightReader
-from pagechat.core.model import LinearLoader, dense_linear, linear
+from pagechat.core.model import LinearLoader, dense_linear
+from pagechat.quant.head import LM_HEADS, check_lm_head, head_builder, head_format
 from pagechat.quant.layers import (
     AWQLinear,
     Bf16WOLinear,
     Int8WOLinear,
-    bf16_head,
     bnb_int8_linear,
     quant_tensors,
 )
@@ -38,11 +39,13 @@ MODE_LABELS = {
 
 @dataclass(frozen=True, slots=True)
 class QuantPlan:
-    """How the decoder linears load: the mode, what the checkpoint holds, and the AWQ group size."""
+    """How the decoder linears and lm_head load: the mode, what the checkpoint holds, the AWQ
+    group size and the --lm-head request."""
 
     mode: str | None  # None | "int8" | "int8-wo" | "bf16-wo" | "awq"
     checkpoint: str  # "float" | "bnb-int8" | "awq"
     group_size: int | None = None
+    lm_head: str = "auto"  # one of quant/head.py's LM_HEADS
 
     @property
     def label(self) -> str:
@@ -55,15 +58,14 @@ class QuantPlan:
         return self.mode != "int8"
 
     def head(self, device: torch.device, dtype: torch.dtype) -> Callable[[torch.Tensor], nn.Module]:
-        """How lm_head is built from its weight: bf16 (Bf16WOLinear) in a float32 weight-only mode.
+        """How lm_head is built from its weight: int8 or 4-bit for quantised models, bf16 in a
+        float32 weight-only mode (quant/head.py).
 
-        There a tied head is the biggest weight read per token (in a small model, a float32
-        embedding can outweigh all the quantised decoder linears together); in bf16 it reads half
-        the bytes, and decoding, bound by the bytes it reads, gets faster.
+        A tied head is the biggest weight read per token (in a small model, a float32 embedding can
+        outweigh all the quantised decoder linears together); quantised, it reads a quarter or less
+        of the bytes, and decoding, bound by the bytes it reads, gets faster.
         """
-        if bf16_head(self.mode, dtype):
-            return lambda weight: Bf16WOLinear(weight, None, device)
-        return linear
+        return head_builder(head_format(self.lm_head, self.mode, dtype), device)
 
     def loader(self, device: torch.device) -> LinearLoader:
         """The LinearLoader building each decoder linear on device, quantised as planned."""
@@ -76,8 +78,17 @@ class QuantPlan:
         return _int8_loader(self.mode, self.checkpoint == "bnb-int8", device)
 
 
-def resolve_quant(spec: ModelSpec, requested: str | None, model_dir: Path) -> QuantPlan:
-    """The plan for this checkpoint and --quant; PagechatError (one line) if it can't run."""
+def resolve_quant(
+    spec: ModelSpec, requested: str | None, model_dir: Path, lm_head: str = "auto"
+) -> QuantPlan:
+    """The plan for this checkpoint, --quant and --lm-head; PagechatError (one line) if it can't
+    run."""
+    check_lm_head(lm_head, spec, f"{model_dir}/config.json")
+    return replace(_decoder_plan(spec, requested, model_dir), lm_head=lm_head)
+
+
+def _decoder_plan(spec: ModelSpec, requested: str | None, model_dir: Path) -> QuantPlan:
+    """The decoder linears' part of resolve_quant."""
     where = f"{model_dir}/config.json"
     if requested is not None and requested not in QUANT_MODES:
         raise PagechatError(f"--quant must be one of {', '.join(QUANT_MODES)}, got {requested!r}")
@@ -271,6 +282,7 @@ class Backend:
     """pagechat's quantisation as the engine's registry sees it (`pagechat.quant` entry point)."""
 
     modes = QUANT_MODES
+    lm_heads = LM_HEADS
     resolve = staticmethod(resolve_quant)
     storage = staticmethod(quant_tensors)
 

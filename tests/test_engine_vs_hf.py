@@ -153,6 +153,14 @@ def test_next_turn_resumes_from_the_partial_tail(arch, tiny_models, reference):
     assert seq.output_ids == hf_greedy(hf, turn2)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_float_lm_head_matches(arch, tiny_models, reference):
+    """--lm-head float keeps the head (and a tied embedding) as the checkpoint has it."""
+    _, prompts, conts = reference[arch]
+    engine, got = run(tiny_models[arch], prompts, lm_head="float")
+    assert type(engine.model.lm_head).__name__ == "Linear" and got == conts
+
+
 def hf_greedy(hf, ids: list[int]) -> list[int]:
     """transformers' greedy continuation of NEW_TOKENS tokens."""
     gen = copy.deepcopy(hf.generation_config)

@@ -13,6 +13,7 @@ from pagechat.core.memory import kv_bytes_per_token, weight_report
 from pagechat.core.params import SamplingParams
 from pagechat.quant import kernels
 from pagechat.quant.checkpoint import quantize_checkpoint
+from pagechat.quant.head import head_format
 from pagechat.quant.layers import INT4_KERNEL_PATH
 from pagechat.tools.planner import estimate_weights, plan_capacity
 
@@ -93,6 +94,33 @@ def test_awq_report_and_estimate_agree(tiny_llama, tmp_path, group, path):
     assert rep == estimate_weights(e.spec, "awq", e.dtype, group, "cpu")
     assert rep.total == unique_bytes(e.model)
     assert {r.path for r in rep.rows if r.kind in ("attention", "mlp")} == {path}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # untied; tied
+@pytest.mark.parametrize("lm_head", ["auto", "int8", "int4", "float"])
+@pytest.mark.parametrize("quant", [None, "int8-wo"])
+def test_weight_report_equals_the_estimate_for_each_head(tiny_models, arch, lm_head, quant):
+    e = Engine(
+        tiny_models[arch], EngineConfig(dtype="float32", kv_blocks=8, quant=quant, lm_head=lm_head)
+    )
+    rep = weight_report(e.model)
+    assert rep == estimate_weights(e.spec, quant, e.dtype, None, "cpu", lm_head)
+    assert rep.total == unique_bytes(e.model)  # a tied table once, the int4 row tables too
+    fmt = head_format(lm_head, quant, e.dtype)
+    want = {"int8": "int8-wo", "int4": "awq-int4 g32", "bf16": "bfloat16", "dense": "float32"}
+    assert rep.head.fmt == want[fmt] or (fmt == "bf16" and rep.head.fmt == "bf16-wo")
+    assert rep.head_label.endswith("tied to the embedding") == e.spec.tie_word_embeddings
+
+
+def test_torchs_int4_layout_tables_are_counted(tiny_models, monkeypatch):
+    monkeypatch.setattr(kernels, "loaded", lambda: False)  # torch's int4 kernel, as without g++
+    e = Engine(tiny_models["qwen3"], EngineConfig(dtype="float32", kv_blocks=8, lm_head="int4"))
+    rep = weight_report(e.model)
+    assert rep.head.path == "int4pack-cpu"
+    assert rep == estimate_weights(e.spec, None, e.dtype, None, "cpu", "int4")
+    assert rep.total == unique_bytes(e.model)
+    n, k = e.spec.vocab_size, e.spec.hidden_size
+    assert rep.head.bytes == n * k // 2 + 4 * n * (k // 32) + 10 * n
 
 
 def test_kv_figures_match_the_pool(tiny_llama):

@@ -15,12 +15,12 @@ from pagechat.core.kv import CUDA_FREE_FRACTION
 from pagechat.core.loader import ModelSpec, dtype_name
 from pagechat.core.memory import KINDS, WeightReport, WeightRow, kv_bytes_per_token
 from pagechat.quant import kernels
+from pagechat.quant.head import INT4_GROUP, check_int4_tie, head_format
 from pagechat.quant.layers import (
     INT4_GROUPS,
     INT4_KERNEL_PATH,
     INT8_KERNEL_PATH,
     Bf16WOLinear,
-    bf16_head,
 )
 
 
@@ -54,14 +54,37 @@ def _linear_bytes(
     return f"awq-int4 g{g}", "dequant", n * k // 2 + n * (k // g) // 2 + 2 * n * (k // g) + b
 
 
+def _head_bytes(
+    spec: ModelSpec, fmt: str, elem: int, name: str, device_type: str
+) -> tuple[str, str, int]:
+    """(format, path, bytes) of lm_head in head_format `fmt` as quant/head.py builds it; tied, of
+    the embedding that holds its table."""
+    n, k, tied = spec.vocab_size, spec.hidden_size, spec.tie_word_embeddings
+    if fmt == "dense":
+        return name, "dense", n * k * elem
+    if fmt == "bf16":  # tied: an nn.Embedding over the head's bf16 table
+        return (
+            ("bfloat16", "dense", 2 * n * k) if tied else ("bf16-wo", Bf16WOLinear.path, 2 * n * k)
+        )
+    mode = "int8-wo" if fmt == "int8" else "awq"
+    fmt, path, nbytes = _linear_bytes(n, k, False, mode, elem, INT4_GROUP, device_type)
+    if tied and mode == "awq":
+        check_int4_tie(path)
+        if path == "int4pack-cpu":  # Int4PackRows: each row's start (int64) and stride (int16)
+            nbytes += 10 * n
+    return fmt, path, nbytes
+
+
 def estimate_weights(
     spec: ModelSpec,
     mode: str | None,
     dtype: torch.dtype,
     group: int | None = None,
     device_type: str = "cuda",
+    lm_head: str = "auto",
 ) -> WeightReport:
-    """What weight_report would say for this config loaded as `mode` on device_type, from config."""
+    """What weight_report would say for this config loaded as `mode` (and --lm-head) on
+    device_type, from config."""
     elem = torch.empty((), dtype=dtype).element_size()
     name = dtype_name(dtype)
     h, d, kv, hid, inter = (
@@ -86,18 +109,16 @@ def estimate_weights(
     norm = spec.num_layers * (2 * hid + (2 * d if spec.qk_norm else 0)) + hid
     acc[("norm", name, "dense")] = [norm, norm * elem]
     vocab = spec.vocab_size * hid
-    head16 = bf16_head(mode, dtype)  # QuantPlan.head: a bf16 lm_head
-    head_bytes = vocab * (2 if head16 else elem)
+    fmt, path, head_bytes = _head_bytes(
+        spec, head_format(lm_head, mode, dtype), elem, name, device_type
+    )
     # the engine ties lm_head to the embedding also when a checkpoint simply lacks lm_head.weight
-    if spec.tie_word_embeddings:  # one table, in the head's dtype
-        acc[("embedding", "bfloat16" if head16 else name, "dense")] = [vocab, head_bytes]
+    if spec.tie_word_embeddings:  # one table, in the head's format
+        acc[("embedding", fmt, path)] = [vocab, head_bytes]
         acc[("lm_head", "tied to embedding", "-")] = [0, 0]
     else:
         acc[("embedding", name, "dense")] = [vocab, vocab * elem]
-        acc[("lm_head", "bf16-wo", Bf16WOLinear.path) if head16 else ("lm_head", name, "dense")] = [
-            vocab,
-            head_bytes,
-        ]
+        acc[("lm_head", fmt, path)] = [vocab, head_bytes]
     rows = [WeightRow(k, f, p, v[0], v[1]) for (k, f, p), v in acc.items()]
     return WeightReport(tuple(sorted(rows, key=lambda r: KINDS.index(r.kind))))
 
