@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 import torch
+from conftest import cli
 from pagechat.core.config import EngineConfig
 from pagechat.core.engine import Engine
 from pagechat.core.errors import PagechatError
@@ -170,3 +171,30 @@ def test_impossible_heads_are_refused(tiny_models, monkeypatch):
     with pytest.raises(PagechatError, match="^--lm-head int8 needs pagechat.quant"):
         EngineConfig(lm_head="int8").validate()
     EngineConfig(lm_head="float").validate()
+
+
+def test_commands_refuse_impossible_heads_in_one_line(tiny_models, capsys):
+    qwen3 = str(tiny_models["qwen3"])
+    code, _, err = cli(["generate", qwen3, "-p", "hi", "--lm-head", "int2"], capsys)
+    assert code == 2 and "--lm-head must be auto, int8, int4 or float, got 'int2'" in err
+    code, _, err = cli(["plan", qwen3, "--lm-head", "int4"], capsys)  # planned for CUDA
+    assert code == 2 and "--lm-head int4 cannot share" in err
+    code, out, _ = cli(["plan", qwen3, "--quant", "int8-wo"], capsys)
+    assert "lm_head int8 weight-only, a scale per row (int8-wo, tied to the embedding)" in out
+
+
+def test_eval_compares_a_quantised_head_with_a_float_one(tiny_models, tmp_path, capsys):
+    text = tmp_path / "text.txt"
+    text.write_text("The KV cache keeps keys and values of earlier tokens. " * 8)
+    args = ["eval", str(tiny_models["qwen3"]), "--text", str(text), "--dtype", "float32"]
+    code, out, _ = cli([*args, "--quant", "int8-wo", "--seqlen", "32"], capsys)
+    assert code in (None, 0)
+    lines = out.strip().splitlines()
+    assert len(lines) == 3
+    assert "lm_head int8-wo, tied to the embedding" in lines[0]
+    assert "lm_head bfloat16, tied to the embedding" in lines[1]  # --lm-head float of int8-wo
+    assert lines[2].startswith(
+        "the int8 lm_head (and the tied embedding) vs a float one: perplexity "
+    )
+    code, out, _ = cli([*args, "--lm-head", "float"], capsys)
+    assert code in (None, 0) and len(out.strip().splitlines()) == 1

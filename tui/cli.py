@@ -18,6 +18,7 @@ from pagechat.tui.options import (
     KvBlocks,
     KvDtype,
     KvMemory,
+    LmHead,
     ModelDir,
     Ngram,
     NumDraft,
@@ -141,6 +142,7 @@ def generate(
     kv_dtype: KvDtype = "auto",
     device: Device = "auto",
     quant: Quant = None,
+    lm_head: LmHead = "auto",
     draft: Draft = None,
     ngram: Ngram = False,
     num_draft: NumDraft = 4,
@@ -228,6 +230,7 @@ def eval_cmd(
     model_dir: ModelDir,
     text: Annotated[Path, typer.Option(help="text file to score")],
     quant: Quant = None,
+    lm_head: LmHead = "auto",
     seqlen: Annotated[
         int | None, typer.Option(help="tokens per window (default: the context, at most 2048)")
     ] = None,
@@ -236,10 +239,11 @@ def eval_cmd(
     device: Device = "auto",
     threads: Threads = None,
 ) -> None:
-    """Perplexity of a text through pagechat's engine."""
+    """Perplexity of a text through pagechat's engine; with a quantised LM head, also with a
+    float one, and the difference."""
     from pagechat.tui.quant_cmds import eval_command
 
-    eval_command(model_dir, text, quant, seqlen, dtype, device, threads)
+    eval_command(model_dir, text, engine_config(locals()), seqlen)
 
 
 @app.command()
@@ -249,6 +253,7 @@ def plan(
         str | None,
         typer.Option(help="int8 | int8-wo | bf16-wo | awq (awq on a float model: after quantize)"),
     ] = None,
+    lm_head: LmHead = "auto",
     gpu_memory: Annotated[str, typer.Option(help="memory budget, e.g. 24GiB")] = "24GiB",
     context: Annotated[
         int | None, typer.Option(help="tokens per request (default: the model's context)")
@@ -265,7 +270,7 @@ def plan(
     (config.json only)."""
     from pagechat.tui.quant_cmds import plan_command
 
-    plan_command(model_dir, quant, gpu_memory, context, dtype, block_size, group_size)
+    plan_command(model_dir, quant, lm_head, gpu_memory, context, dtype, block_size, group_size)
 
 
 @app.command("bench-quant")
@@ -341,6 +346,7 @@ def run(
     ngram: Ngram = False,
     num_draft: NumDraft = 4,
     quant: Quant = None,
+    lm_head: LmHead = "auto",
     dtype: Dtype = "auto",
     kv_dtype: KvDtype = "auto",
     device: Device = "auto",
@@ -397,6 +403,7 @@ def history(
 def bench(
     model_dir: OptionalModelDir = None,
     quant: Quant = None,
+    lm_head: LmHead = "auto",
     draft: Draft = None,
     ngram: Ngram = False,
     num_draft: NumDraft = 4,
@@ -452,6 +459,7 @@ def bench_kv(
         int, typer.Option(help="also serve this many short requests, releasing each, and print RSS")
     ] = 0,
     quant: Quant = None,
+    lm_head: LmHead = "auto",
     dtype: Dtype = "auto",
     kv_dtype: KvDtype = "auto",
     device: Device = "auto",
@@ -591,6 +599,7 @@ def serve(
     ngram: Ngram = False,
     num_draft: NumDraft = 4,
     quant: Quant = None,
+    lm_head: LmHead = "auto",
     dtype: Dtype = "auto",
     kv_dtype: KvDtype = "auto",
     device: Device = "auto",

@@ -61,6 +61,15 @@ Quant = Annotated[
         "awq (AWQ checkpoints are detected without it)"
     ),
 ]
+LmHead = Annotated[
+    str,
+    typer.Option(
+        help="the LM head's weights: auto | int8 (a scale per row) | int4 (groups of 32, "
+        "round-to-nearest) | float (the model's dtype; bf16 under a weight-only --quant of a "
+        "float32 model). auto: int8 for quantised models (--quant int8 / int8-wo / awq), else "
+        "float. A tied embedding reads its rows from the quantised head's table"
+    ),
+]
 BlockSize = Annotated[int, typer.Option(help="tokens per KV block")]
 KvBlocks = Annotated[int | None, typer.Option(help="KV pool size in blocks")]
 KvMemory = Annotated[str | None, typer.Option(help="KV pool budget, e.g. 2GiB")]
@@ -88,6 +97,7 @@ ENGINE_OPTIONS = (  # command options that are EngineConfig fields of the same n
     "dtype",
     "kv_dtype",
     "quant",
+    "lm_head",
     "ngram",
     "num_draft",
     "block_size",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pagechat.core.errors import PagechatError
 from rich.console import Console
@@ -15,6 +16,9 @@ out = Console(highlight=False, markup=False, soft_wrap=True)
 if not out.is_terminal:
     out.width = 160  # rich's default of 80 columns squeezes the tables in a log or a pipe
 err = Console(stderr=True, highlight=False, markup=False)
+
+if TYPE_CHECKING:
+    from pagechat.core.config import EngineConfig
 
 
 def _read_text(path: Path, what: str) -> str:
@@ -84,45 +88,56 @@ def quantize_command(
         )
 
 
-def eval_command(
-    model_dir: Path,
-    text: Path,
-    quant: str | None,
-    seqlen: int | None,
-    dtype: str,
-    device: str,
-    threads: int | None = None,
-) -> None:
-    """Perplexity of a text file through pagechat's engine."""
-    from pagechat.core.config import EngineConfig
-    from pagechat.core.engine import Engine
-    from pagechat.core.loader import dtype_name
-    from pagechat.core.memory import fmt_bytes, weight_report
-    from pagechat.quant.evaluate import perplexity
+def eval_command(model_dir: Path, text: Path, config: EngineConfig, seqlen: int | None) -> None:
+    """Perplexity of a text file through pagechat's engine; with a quantised LM head, also with a
+    float one, and the difference the head makes."""
+    from dataclasses import replace
 
-    config = EngineConfig(
-        dtype=dtype, device=device, quant=quant, prefix_cache=False, threads=threads
-    ).validate()
+    from pagechat.core.engine import Engine
+    from pagechat.quant.evaluate import perplexity
+    from pagechat.quant.head import head_format
+
+    config = replace(config, prefix_cache=False)
     body = _read_text(text, "--text file")
     engine = Engine(model_dir, config)
     ids = engine.tokenizer(
         body, add_special_tokens=False, verbose=False
     ).input_ids  # long texts are windowed
-    res = perplexity(engine, ids, seqlen)
+    res = _print_perplexity(engine, perplexity(engine, ids, seqlen))
+    fmt = head_format(config.lm_head, engine.quant.mode, engine.dtype)
+    if fmt not in ("int8", "int4"):
+        return
+    tied = " (and the tied embedding)" if engine.spec.tie_word_embeddings else ""
+    del engine  # one model in memory at a time
+    float_head = Engine(model_dir, replace(config, lm_head="float"))
+    ref = _print_perplexity(float_head, perplexity(float_head, ids, seqlen))
+    out.print(
+        f"the {fmt} lm_head{tied} vs a float one: perplexity {res.ppl - ref.ppl:+.4f} "
+        f"({100 * (res.ppl / ref.ppl - 1):+.2f}%), mean NLL {res.nll - ref.nll:+.4f}"
+    )
+
+
+def _print_perplexity(engine, res):
+    """Print one eval line (the perplexity and what produced it); return res."""
+    from pagechat.core.loader import dtype_name
+    from pagechat.core.memory import fmt_bytes, weight_report
+
     rep = weight_report(engine.model)
     kernels = ",".join(sorted({r.path for r in rep.rows if r.kind in ("attention", "mlp")}))
     dt = dtype_name(engine.dtype)
     out.print(
         f"perplexity {res.ppl:.4f} (mean NLL {res.nll:.4f}) over {res.tokens} tokens in "
         f"{res.windows} window(s) | quant {engine.quant.mode or 'none'} ({kernels}) | "
-        f"{dt} on {engine.device} | "
+        f"lm_head {rep.head_label} | {dt} on {engine.device} | "
         f"weights {fmt_bytes(rep.total)} | {res.seconds:.1f}s"
     )
+    return res
 
 
 def plan_command(
     model_dir: Path,
     quant: str | None,
+    lm_head: str,
     gpu_memory: str,
     context: int | None,
     dtype: str,
@@ -133,6 +148,7 @@ def plan_command(
     from pagechat.core.config import check_dtype, parse_bytes
     from pagechat.core.loader import DTYPES, read_spec
     from pagechat.core.memory import fmt_bytes
+    from pagechat.quant.head import HEAD_LABELS, check_lm_head, head_format
     from pagechat.quant.loaders import MODE_LABELS, resolve_quant
     from pagechat.tools.planner import estimate_weights, plan_capacity
 
@@ -141,7 +157,9 @@ def plan_command(
     hypothetical = (
         quant == "awq" and spec.quantization is None
     )  # planning a `pagechat quantize` first
-    plan = None if hypothetical else resolve_quant(spec, quant, model_dir)
+    if hypothetical:  # resolve_quant checks it otherwise
+        check_lm_head(lm_head, spec, f"{model_dir}/config.json")
+    plan = None if hypothetical else resolve_quant(spec, quant, model_dir, lm_head)
     mode = "awq" if hypothetical else plan.mode
     group = group_size if hypothetical else (plan.group_size or group_size)
     if (
@@ -164,7 +182,7 @@ def plan_command(
             f"--context {ctx} must be between 1 and the model's max_position_embeddings "
             f"({spec.max_position_embeddings})"
         )
-    weights = estimate_weights(spec, mode, DTYPES[dtype], group, "cuda")
+    weights = estimate_weights(spec, mode, DTYPES[dtype], group, "cuda", lm_head)
     cap = plan_capacity(spec, weights, DTYPES[dtype], parse_bytes(gpu_memory), ctx, block_size)
     table = Table(
         title=f"{spec.arch}: {spec.num_layers} layers, hidden {spec.hidden_size}, "
@@ -180,7 +198,8 @@ def plan_command(
     out.print(table)
     out.print(
         f"quantisation: {MODE_LABELS[mode]}{' (after pagechat quantize)' if hypothetical else ''}; "
-        f"activations and KV in {dtype}"
+        f"lm_head {HEAD_LABELS[head_format(lm_head, mode, DTYPES[dtype])]} "
+        f"({weights.head_label}); activations and KV in {dtype}"
     )
     out.print(
         f"KV cache: {fmt_bytes(cap.kv_per_token)} per token, {fmt_bytes(cap.kv_per_block)} per "

@@ -67,8 +67,14 @@ class MemoryPanel(Panel):
                 fmts[key] = fmts.get(key, 0) + r.bytes
         t.append(" · " + " · ".join(f"{k} {fmt_bytes(v)}" for k, v in fmts.items()), "dim")
         names = {"embedding": "emb", "attention": "attn", "lm_head": "head"}
-        kinds = " · ".join(f"{names.get(k, k)} {fmt_bytes(v)}" for k, v in w.by_kind().items() if v)
-        return t.append("\n" + kinds, "dim")
+        kinds = []
+        for k, v in w.by_kind().items():
+            if k == "lm_head" and w.head.path != "dense":  # a quantised head: its format, and
+                where = fmt_bytes(v) if v else "in emb"  # where a tied one's bytes are counted
+                kinds.append(f"head {where} ({w.head.fmt})")
+            elif v:
+                kinds.append(f"{names.get(k, k)} {fmt_bytes(v)}")
+        return t.append("\n" + " · ".join(kinds), "dim")
 
     def capacity_text(self) -> Text:
         i = self.info
