@@ -10,23 +10,41 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from pagechat.core import ops
 from pagechat.core.attention import AttentionMetadata, paged_attention
 from pagechat.core.loader import ModelSpec, WeightReader
 from torch import nn
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm, computed in float32 like the reference implementation."""
+    """Root-mean-square norm, computed in float32 like the reference implementation. Given the
+    residual stream too, it adds x to it first and returns (the norm, the new residual), as vLLM's
+    does: the residual add and the next sublayer's norm are then one fused op on a CPU."""
 
-    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+    def __init__(self, weight: torch.Tensor, eps: float, fused: bool = False) -> None:
+        """fused: run torch.ops.pagechat's rms_norm / add_rms_norm (core/ops.py) on rows of the
+        weight's size, as a decoder layer's norms see them."""
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.eps, self.shape = (
             eps,
             tuple(weight.shape),
         )  # plain ints: a trace records them as constants
+        self.fused = fused
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            if self.fused:
+                return torch.ops.pagechat.add_rms_norm(x, residual, self.weight, self.eps)
+            x = x + residual
+            return self._norm(x), x
+        if self.fused:
+            return torch.ops.pagechat.rms_norm(x, self.weight, self.eps)
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:  # the same arithmetic as below, in one op instead of seven
             return F.rms_norm(x, self.shape, self.weight, self.eps)
         xf = x.float()
@@ -114,8 +132,10 @@ class Attention(nn.Module):
         dtype: torch.dtype,
         window: int | None,
         load: LinearLoader,
+        fused: bool,
     ) -> None:
         super().__init__()
+        self.fused = fused  # rotary embedding as one op (core/ops.py)
         h, kv, d, hid = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.hidden_size
         self.sizes = (h * d, kv * d, kv * d)
         self.heads, self.kv_heads, self.head_dim, self.window = h, kv, d, window
@@ -144,7 +164,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = qk.split((self.heads, self.kv_heads), dim=1)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
-        q, k = rotate(qk, cos, sin).split((self.heads, self.kv_heads), dim=1)
+        rotated = torch.ops.pagechat.rope(qk, cos, sin) if self.fused else rotate(qk, cos, sin)
+        q, k = rotated.split((self.heads, self.kv_heads), dim=1)
         out = paged_attention(
             q, k, v.view(-1, self.kv_heads, self.head_dim), kv[0], kv[1], meta, self.window
         )
@@ -155,9 +176,16 @@ class MLP(nn.Module):
     """SwiGLU feed-forward with gate and up fused into one matmul."""
 
     def __init__(
-        self, spec: ModelSpec, w: WeightReader, p: str, dtype: torch.dtype, load: LinearLoader
+        self,
+        spec: ModelSpec,
+        w: WeightReader,
+        p: str,
+        dtype: torch.dtype,
+        load: LinearLoader,
+        fused: bool,
     ) -> None:
         super().__init__()
+        self.fused = fused  # silu(gate) * up as one op (core/ops.py)
         hid, inter = spec.hidden_size, spec.intermediate_size
         self.gate_up_proj = load(
             w, [f"{p}.gate_proj", f"{p}.up_proj"], (inter, inter), hid, spec.mlp_bias, dtype
@@ -166,31 +194,49 @@ class MLP(nn.Module):
         self.inter = inter
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused:
+            return self.down_proj(torch.ops.pagechat.silu_mul(gate_up))
+        gate, up = gate_up.split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention and MLP blocks with residual connections."""
+    """Pre-norm attention and MLP blocks with residual connections. It takes and returns the
+    sublayer output and the residual stream apart (residual None before the first layer), so that
+    each residual add is fused with the norm after it."""
 
     def __init__(
-        self, spec: ModelSpec, w: WeightReader, i: int, dtype: torch.dtype, load: LinearLoader
+        self,
+        spec: ModelSpec,
+        w: WeightReader,
+        i: int,
+        dtype: torch.dtype,
+        load: LinearLoader,
+        fused: bool,
     ) -> None:
         super().__init__()
         p = f"model.layers.{i}"
 
         def norm(name: str) -> RMSNorm:
             weight = w.floats(f"{p}.{name}.weight", (spec.hidden_size,), dtype)
-            return RMSNorm(weight, spec.rms_norm_eps)
+            return RMSNorm(weight, spec.rms_norm_eps, fused)
 
         self.input_layernorm = norm("input_layernorm")
         self.post_attention_layernorm = norm("post_attention_layernorm")
-        self.self_attn = Attention(spec, w, f"{p}.self_attn", dtype, spec.sliding_windows[i], load)
-        self.mlp = MLP(spec, w, f"{p}.mlp", dtype, load)
+        self.self_attn = Attention(
+            spec, w, f"{p}.self_attn", dtype, spec.sliding_windows[i], load, fused
+        )
+        self.mlp = MLP(spec, w, f"{p}.mlp", dtype, load, fused)
 
-    def forward(self, x, cos, sin, kv, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, kv, meta):
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos, sin, kv, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class DecoderModel(nn.Module):
@@ -216,11 +262,12 @@ class DecoderModel(nn.Module):
         self.embed_tokens.weight = nn.Parameter(
             w.floats("model.embed_tokens.weight", vh, dtype), requires_grad=False
         )
+        fused = ops.fused(self.embed_tokens.weight.device, dtype)
         self.layers = nn.ModuleList(
-            DecoderLayer(spec, w, i, dtype, load) for i in range(spec.num_layers)
+            DecoderLayer(spec, w, i, dtype, load, fused) for i in range(spec.num_layers)
         )
         self.norm = RMSNorm(
-            w.floats("model.norm.weight", (spec.hidden_size,), dtype), spec.rms_norm_eps
+            w.floats("model.norm.weight", (spec.hidden_size,), dtype), spec.rms_norm_eps, fused
         )
         if spec.tie_word_embeddings or not w.has("lm_head.weight"):
             self.lm_head = head(self.embed_tokens.weight)
@@ -243,11 +290,12 @@ class DecoderModel(nn.Module):
         x = self.embed_tokens(input_ids).to(self.dtype)
         cos = self.cos[positions].to(x.dtype).unsqueeze(1)
         sin = self.sin[positions].to(x.dtype).unsqueeze(1)
+        residual = None
         for layer, kv in zip(
             self.layers, kv_pool.flatten(2, 3)
         ):  # each layer's K and V as [slots, kv_heads, D]
-            x = layer(x, cos, sin, kv, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin, kv, meta)
+        return self.norm(x, residual)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [n, vocab] for the given hidden rows."""

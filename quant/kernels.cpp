@@ -427,7 +427,7 @@ int64_t stream_read(const at::Tensor& t) {
 
 }  // namespace
 
-TORCH_LIBRARY(pagechat, m) {
+TORCH_LIBRARY_FRAGMENT(pagechat, m) {
   m.def("int8_linear(Tensor x, Tensor weight, Tensor scales) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor packed, Tensor scales, Tensor zeros, int group) -> Tensor");
   m.def("int4_dequantize(Tensor packed, Tensor scales, Tensor zeros, int group) -> Tensor");

@@ -17,6 +17,7 @@ import shutil
 
 import pytest
 import torch
+from pagechat.core import native
 from pagechat.core.config import EngineConfig
 from pagechat.core.engine import Engine
 from pagechat.core.params import SamplingParams
@@ -28,10 +29,10 @@ from pagechat.quant.pack import quantize_groups
 
 CPU = torch.device("cpu")
 CAN_BUILD = (
-    kernels.enabled()
-    and kernels._cpu_ok()
+    native.enabled()
+    and native._cpu_ok()
     and shutil.which("c++") is not None
-    and (shutil.which("ninja") is not None or kernels._has_ninja_module())
+    and (shutil.which("ninja") is not None or native._has_ninja_module())
 )
 needs_kernel = pytest.mark.skipif(
     not CAN_BUILD, reason="needs an AVX2 CPU, g++ and ninja, and PAGECHAT_KERNELS unset"
@@ -268,23 +269,23 @@ def test_a_layer_whose_k_is_no_multiple_of_32_keeps_torch_path():
 
 @pytest.fixture
 def fresh_kernels(monkeypatch, tmp_path):
-    """kernels.loaded() decided again in this test, with an empty cache and PAGECHAT_KERNELS
+    """native.library() decided again in this test, with an empty cache and PAGECHAT_KERNELS
     unset; as before after."""
     monkeypatch.setenv("PAGECHAT_CACHE", str(tmp_path))
     monkeypatch.delenv("PAGECHAT_KERNELS", raising=False)
-    kernels.loaded.cache_clear()
+    native.library.cache_clear()
     yield
-    kernels.loaded.cache_clear()
+    native.library.cache_clear()
 
 
 def test_pagechat_kernels_0_forces_torch_path(fresh_kernels, monkeypatch, caplog):
     monkeypatch.setenv("PAGECHAT_KERNELS", "0")
-    with caplog.at_level(logging.INFO, logger="pagechat.quant.kernels"):
+    with caplog.at_level(logging.INFO, logger="pagechat.core.native"):
         layer = Int8WOLinear.from_float(torch.randn(32, 64), None, CPU)
         Int8WOLinear.from_float(torch.randn(32, 64), None, CPU)
     assert layer.kernel is None and layer.path == "int8pack-cpu"
     assert [r.message for r in caplog.records] == [
-        "pagechat kernels off: PAGECHAT_KERNELS=0; layers use torch's"
+        "pagechat matmul kernels off: PAGECHAT_KERNELS=0; torch's ops run instead"
     ]  # once per process, not once per layer
 
 
@@ -300,15 +301,15 @@ def test_no_kernel_falls_back_to_torch_and_says_why_once(
     fresh_kernels, monkeypatch, tmp_path, caplog, broken, why
 ):
     if broken == "cpu":
-        monkeypatch.setattr(kernels, "_cpu_ok", lambda: False)
+        monkeypatch.setattr(native, "_cpu_ok", lambda: False)
     elif broken == "compiler":
-        monkeypatch.setattr(kernels.shutil, "which", lambda name: None)
-        monkeypatch.setattr(kernels, "_has_ninja_module", lambda: False)
+        monkeypatch.setattr(native.shutil, "which", lambda name: None)
+        monkeypatch.setattr(native, "_has_ninja_module", lambda: False)
     else:
         bad = tmp_path / "kernels.cpp"
         bad.write_text("#error a source that does not compile\n")
         monkeypatch.setattr(kernels, "SOURCE", bad)
-    with caplog.at_level(logging.WARNING, logger="pagechat.quant.kernels"):
+    with caplog.at_level(logging.WARNING, logger="pagechat.core.native"):
         layers = [Int8WOLinear.from_float(torch.randn(32, 64), None, CPU) for _ in range(2)]
     assert all(la.kernel is None and la.path == "int8pack-cpu" for la in layers)
     assert len(caplog.records) == 1 and why in caplog.records[0].message

@@ -1,0 +1,109 @@
+"""pagechat's C++ CPU code, compiled on first use and cached: the decoder's fused small ops
+(core/ops.cpp) and the matmul kernels (quant/kernels.cpp) are each one such library.
+
+`library(source, what)` loads the library built from `source`, or says why it cannot once (logged)
+and returns False: PAGECHAT_KERNELS=0, a CPU without AVX2, FMA and F16C, no compiler (g++ and
+ninja), or a build that fails. Then the callers keep torch's own ops. A build (about 10 s with
+g++ 12 on 2 cores) lands in ~/.cache/pagechat/kernels ($PAGECHAT_CACHE/kernels if set), in a folder
+named by a hash of the source, the flags and the torch version, so an edit or another torch builds
+anew and every later process loads the cached library in about a millisecond. Each library
+registers its ops as torch.ops.pagechat.*, so that traced steps record them.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# AVX2, FMA and F16C only, not -march=native: a cached build must run on any host that passes
+# _cpu_ok
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
+
+
+def enabled() -> bool:
+    """Whether PAGECHAT_KERNELS allows pagechat's C++ code (unset, or not 0/false/no/off)."""
+    return os.environ.get("PAGECHAT_KERNELS", "1").strip().lower() not in (
+        "0",
+        "false",
+        "no",
+        "off",
+    )
+
+
+def _cpu_ok() -> bool:
+    try:
+        flags = next(
+            line
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("flags")
+        ).split()
+    except (OSError, StopIteration):  # not Linux: trust torch's own dispatch level
+        return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    return {"avx2", "fma", "f16c"} <= set(flags)
+
+
+def cache_dir() -> Path:
+    """Where built libraries are kept: $PAGECHAT_CACHE/kernels, else ~/.cache/pagechat/kernels."""
+    root = os.environ.get("PAGECHAT_CACHE") or Path.home() / ".cache" / "pagechat"
+    return Path(root) / "kernels"
+
+
+def _load(source: Path) -> None:
+    """Load the cached library built from source, building it first where there is none."""
+    h = hashlib.sha256(source.read_bytes())
+    h.update(" ".join(CFLAGS).encode() + torch.__version__.encode())
+    name = f"pagechat_{source.stem}_{h.hexdigest()[:16]}"
+    build = cache_dir() / name
+    lib = build / f"{name}.so"
+    if lib.exists():
+        torch.ops.load_library(str(lib))
+        return
+    from torch.utils import cpp_extension
+
+    build.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(
+        name=name,
+        sources=[str(source)],
+        extra_cflags=CFLAGS,
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(build),
+        is_python_module=False,
+    )
+
+
+@functools.cache
+def library(source: Path, what: str) -> bool:
+    """Whether the library built from source is loaded, building it first where needed; why not
+    is logged once per library, naming it by `what`."""
+    if not enabled():
+        log.info("pagechat %s off: PAGECHAT_KERNELS=0; torch's ops run instead", what)
+        return False
+    why = None
+    if not _cpu_ok():
+        why = "this CPU lacks AVX2/FMA/F16C"
+    elif not (shutil.which("ninja") or _has_ninja_module()) or not shutil.which("c++"):
+        why = "no C++ compiler and ninja to build them"
+    if why is None:
+        try:
+            _load(source)
+            return True
+        except Exception as e:  # a failed build or load must leave torch's path working
+            why = f"the build failed ({str(e).strip().splitlines()[-1] if str(e).strip() else e!r})"
+    log.warning("pagechat %s off: %s; torch's ops run instead", what, why)
+    return False
+
+
+def _has_ninja_module() -> bool:
+    try:
+        import ninja  # noqa: F401
+    except ImportError:
+        return False
+    return True

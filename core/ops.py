@@ -1,0 +1,24 @@
+"""The decoder's small ops fused for CPU steps (ops.cpp: RMSNorm, residual add + RMSNorm, rotary
+embedding, SiLU x up), built on first use by native.py.
+
+core/model.py asks `fused(device, dtype)` once per model; where it is False (a GPU, float16,
+PAGECHAT_KERNELS=0, no compiler) the model runs the same math as torch ops.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from pagechat.core import native
+
+SOURCE = Path(__file__).with_name("ops.cpp")
+
+
+def fused(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a model on device in dtype runs torch.ops.pagechat's fused small ops."""
+    return (
+        device.type == "cpu"
+        and dtype in (torch.float32, torch.bfloat16)
+        and native.library(SOURCE, "fused ops")
+    )

@@ -1,0 +1,99 @@
+"""The decoder's fused small ops (core/ops.cpp) against the torch code they replace, in float32
+and bf16, and the model's choice of them.
+
+Oracle: core/model.py's own torch path (RMSNorm._norm, rotate, silu(gate) * up), which the HF
+parity tests pin to transformers. float32 results may differ by the order of a row's sum of
+squares (a few ulps); bf16 results round where torch's bf16 ops round, so they agree but for a
+rare last-bit tie.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from pagechat.core import native, ops
+from pagechat.core.config import EngineConfig
+from pagechat.core.engine import Engine
+from pagechat.core.model import RMSNorm, rotate
+
+CPU = torch.device("cpu")
+needs_ops = pytest.mark.skipif(
+    not ops.fused(CPU, torch.float32), reason="needs an AVX2 CPU, g++ and ninja"
+)
+TOL = {torch.float32: 2e-6, torch.bfloat16: 1e-2}
+
+
+def close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Within the dtype's rounding; bf16: at most one in a thousand elements a level apart."""
+    if dtype == torch.float32:
+        return torch.allclose(a, b, rtol=TOL[dtype], atol=1e-6)
+    off = ~torch.isclose(a.float(), b.float(), rtol=TOL[dtype], atol=1e-3)
+    return off.float().mean().item() <= 1e-3
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 17, 300])
+def test_norms_match_torch(dtype, rows):
+    g = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 576, generator=g) * 3).to(dtype)
+    res = torch.randn(rows, 576, generator=g).to(dtype)
+    w = (torch.rand(576, generator=g) + 0.5).to(dtype)
+    fused, plain = RMSNorm(w, 1e-5, fused=True), RMSNorm(w, 1e-5)
+    assert close(fused(x), plain(x), dtype)
+    (y, s), (y_ref, s_ref) = fused(x, res), plain(x, res)
+    assert torch.equal(s, s_ref)  # one rounded add either way
+    assert close(y, y_ref, dtype)
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_on_a_slice_of_qkv_matches_rotate(dtype):
+    """The fused qkv's q and k heads are a strided view: the op reads them in place."""
+    t, heads, kv_heads, d = 5, 4, 2, 16
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d).to(dtype)
+    qk = qkv[:, : (heads + kv_heads) * d].view(t, heads + kv_heads, d)
+    assert not qk.is_contiguous()
+    ang = torch.randn(t, 1, d // 2)
+    cos = torch.cat((ang.cos(), ang.cos()), -1).to(dtype)
+    sin = torch.cat((-ang.sin(), ang.sin()), -1).to(dtype)
+    assert close(torch.ops.pagechat.rope(qk, cos, sin), rotate(qk, cos, sin), dtype)
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_matches_torch(dtype):
+    gate_up = (torch.randn(7, 2 * 1536) * 4).to(dtype)
+    gate, up = gate_up.split(1536, dim=-1)
+    assert close(torch.ops.pagechat.silu_mul(gate_up), F.silu(gate) * up, dtype)
+
+
+@needs_ops
+def test_ops_refuse_what_they_cannot_take():
+    with pytest.raises(RuntimeError, match="float32 or bf16"):
+        torch.ops.pagechat.rms_norm(torch.randn(2, 8).half(), torch.ones(8).half(), 1e-5)
+    with pytest.raises(RuntimeError, match="weight"):
+        torch.ops.pagechat.rms_norm(torch.randn(2, 8), torch.ones(4), 1e-5)
+
+
+def test_model_uses_them_only_where_they_run(tiny_llama, monkeypatch):
+    e = Engine(tiny_llama, EngineConfig(kv_blocks=8, dtype="float32"))
+    layer = e.model.layers[0]
+    want = ops.fused(CPU, torch.float32)
+    assert layer.input_layernorm.fused == layer.mlp.fused == layer.self_attn.fused == want
+    monkeypatch.setenv("PAGECHAT_KERNELS", "0")
+    native.library.cache_clear()
+    try:
+        off = Engine(tiny_llama, EngineConfig(kv_blocks=8, dtype="float32"))
+        assert not off.model.layers[0].input_layernorm.fused
+        prompt, n = [5, 6, 7, 8, 9], 8
+        from pagechat.core.params import SamplingParams
+
+        params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        assert (
+            e.generate([prompt], params)[0].output_ids
+            == off.generate([prompt], params)[0].output_ids
+        )
+    finally:
+        native.library.cache_clear()
