@@ -33,6 +33,8 @@ _BF16 = torch.bfloat16
 # the paths of layers on pagechat's kernels: decode's few rows run them, prefill's float32 GEMMs
 INT8_KERNEL_PATH = f"{kernels.INT8_PATH} <= {kernels.MAX_ROWS} rows, else fp32"
 INT4_KERNEL_PATH = f"{kernels.INT4_PATH} <= {kernels.MAX_ROWS} rows, else fp32"
+BF16_KERNEL_PATH = f"bf16-{kernels.FLOAT_PATH} <= {kernels.MAX_ROWS} rows, else fp32"
+BF16_TORCH_PATH = f"bf16 <= {MAX_GRAPH_TOKENS} rows, else fp32"
 
 
 def _has_kernel(op: str, device: torch.device) -> bool:
@@ -83,6 +85,14 @@ def int8_wo_kernel(k: int, device: torch.device):
     if device.type != "cpu" or k % kernels.BLOCK:
         return None
     return kernels.op("int8_linear")
+
+
+def bf16_wo_path(k: int, device_type: str) -> str:
+    """Which kernel a bf16 weight-only layer with k inputs runs: pagechat's float kernel on a CPU
+    where it builds (deciding builds it), else torch's bf16 matmul."""
+    if device_type == "cpu" and k % 8 == 0 and kernels.loaded():
+        return BF16_KERNEL_PATH
+    return BF16_TORCH_PATH
 
 
 def bf16_head(mode: str | None, dtype: torch.dtype) -> bool:
@@ -242,26 +252,30 @@ class Int8WOLinear(_WeightOnlyLinear):
 
 class Bf16WOLinear(_WeightOnlyLinear):
     """bf16 weight-only linear for float32 models: the weight is stored in bf16 (half the bytes). A
-    few rows (decode) run as a bf16 matmul, reading half the bytes; many rows (prefill) upcast the
-    weight and run in float32, because on a CPU without native bf16 a bf16 matmul of many rows is
-    several times slower."""
+    few rows (decode) read half the bytes: on a CPU pagechat's float kernel multiplies the bf16
+    weights with the float32 activations as they are (where it builds), else a bf16 matmul; many
+    rows (prefill) upcast the weight and run in float32, because on a CPU without native bf16 a
+    bf16 matmul of many rows is several times slower."""
 
     quant_format = "bf16-wo"
-    path = "bf16 <= 8 rows, else fp32"
-    MAX_BF16_ROWS = MAX_GRAPH_TOKENS  # a traced step records one side of the branch below
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None, device: torch.device
     ) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
+        self.path = bf16_wo_path(self.in_features, device.type)
+        # a traced step records one side of the branch below
+        self.max_rows = kernels.MAX_ROWS if self.path == BF16_KERNEL_PATH else MAX_GRAPH_TOKENS
         self.register_buffer("weight", weight.to(device=device, dtype=_BF16).contiguous())
         self.register_buffer("bias", None if bias is None else bias.to(device))
 
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
-        if x2.shape[0] <= self.MAX_BF16_ROWS:
-            return F.linear(x2.to(_BF16), self.weight).to(x2.dtype)
-        return F.linear(x2, self.weight.to(x2.dtype))
+        if x2.shape[0] > self.max_rows:
+            return F.linear(x2, self.weight.to(x2.dtype))
+        if self.path == BF16_KERNEL_PATH:
+            return torch.ops.pagechat.float_linear(x2, self.weight).to(x2.dtype)
+        return F.linear(x2.to(_BF16), self.weight).to(x2.dtype)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}"

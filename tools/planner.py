@@ -20,7 +20,7 @@ from pagechat.quant.layers import (
     INT4_GROUPS,
     INT4_KERNEL_PATH,
     INT8_KERNEL_PATH,
-    Bf16WOLinear,
+    bf16_wo_path,
 )
 
 
@@ -41,7 +41,7 @@ def _linear_bytes(
             path = INT8_KERNEL_PATH
         return "int8-wo", path, n * k + 2 * n + b  # int8 + bf16 scales
     if mode == "bf16-wo":
-        return "bf16-wo", Bf16WOLinear.path, 2 * n * k + b
+        return "bf16-wo", bf16_wo_path(k, device_type), 2 * n * k + b
     g = group or 128
     if kernel and g % kernels.BLOCK == 0 and k % g == 0:  # int4 [n, k/2] + fp32 scale, u8 zero
         return f"awq-int4 g{g}", INT4_KERNEL_PATH, n * k // 2 + 5 * n * (k // g) + b
@@ -63,9 +63,9 @@ def _head_bytes(
     if fmt == "dense":
         return name, "dense", n * k * elem
     if fmt == "bf16":  # tied: an nn.Embedding over the head's bf16 table
-        return (
-            ("bfloat16", "dense", 2 * n * k) if tied else ("bf16-wo", Bf16WOLinear.path, 2 * n * k)
-        )
+        if tied:
+            return "bfloat16", "dense", 2 * n * k
+        return "bf16-wo", bf16_wo_path(k, device_type), 2 * n * k
     mode = "int8-wo" if fmt == "int8" else "awq"
     fmt, path, nbytes = _linear_bytes(n, k, False, mode, elem, INT4_GROUP, device_type)
     if tied and mode == "awq":
