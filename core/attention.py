@@ -95,9 +95,16 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     window: int | None,
+    fused: bool = False,
 ) -> torch.Tensor:
     """Write k/v [T, KV, D] into the caches [slots, KV, D], then attend q [T, H, D] -> [T, H, D].
-    A cache kept in another dtype than q's (16 bits under a float32 model) is cast both ways."""
+    A cache kept in another dtype than q's (16 bits under a float32 model) is cast both ways.
+    fused: a step where every sequence computes one token runs core/ops.py's decode_attention,
+    which reads the context in place instead of gathering it (the trace's key says which)."""
+    if fused and meta.q_pos.shape[1] == 1:
+        return torch.ops.pagechat.decode_attention(
+            q, k, v, k_cache, v_cache, meta.slot_mapping, meta.gather, meta.q_pos, window or 0
+        )
     k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
     v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
     # The batch size is read from a tensor, so a traced step follows it; other sizes are -1 or flat.

@@ -11,7 +11,8 @@ branches, which are:
   short prompt one of a few);
 - at most MAX_GRAPH_TOKENS tokens, the side of bf16-wo's row branch that the trace records (its
   matmul);
-- which sliding windows need a mask this step (the trace's key: none when one sequence decodes).
+- which sliding windows need a mask this step, and whether every sequence computes one token (a
+  fused decode attention's branch): the trace's key.
 Everything else runs eagerly. torch.jit is deprecated in favour of torch.compile, but compiling this
 model's decode step takes far longer than an interactive tool can wait at start-up, while a trace
 takes well under a second.
@@ -55,7 +56,7 @@ class StepGraphs:
     def __init__(self, model: DecoderModel) -> None:
         self.model = model
         self.windows = tuple(dict.fromkeys(model.spec.sliding_windows))
-        self.traces: dict[tuple[int | None, ...], torch.jit.ScriptFunction] = {}
+        self.traces: dict[tuple, torch.jit.ScriptFunction] = {}
 
     @staticmethod
     def fits(num_tokens: int, meta: AttentionMetadata) -> bool:
@@ -71,7 +72,7 @@ class StepGraphs:
     ) -> torch.Tensor:
         """float32 logits [T, vocab] of every token; the step's K/V go into pool as when eager."""
         masks = {w: m for w in self.windows if (m := meta.mask(w)) is not None}
-        key = tuple(masks)
+        key = (meta.q_pos.shape[1] == 1, *masks)
         args = (ids, positions, pool, meta.slot_mapping, meta.gather, meta.q_pos, *masks.values())
         # the executor's optimising passes stall the first two calls and gained nothing measurable
         with torch.jit.optimized_execution(False):
@@ -80,7 +81,7 @@ class StepGraphs:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     self.traces[key] = torch.jit.trace(
-                        _step(self.model, self.windows, key), args, check_trace=False
+                        _step(self.model, self.windows, tuple(masks)), args, check_trace=False
                     )
             # after a trace this writes the step's K/V a second time, the same values
             return self.traces[key](*args)

@@ -135,7 +135,7 @@ class Attention(nn.Module):
         fused: bool,
     ) -> None:
         super().__init__()
-        self.fused = fused  # rotary embedding as one op (core/ops.py)
+        self.fused = fused  # rotary embedding and decode attention as one op each (core/ops.py)
         h, kv, d, hid = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.hidden_size
         self.sizes = (h * d, kv * d, kv * d)
         self.heads, self.kv_heads, self.head_dim, self.window = h, kv, d, window
@@ -167,7 +167,14 @@ class Attention(nn.Module):
         rotated = torch.ops.pagechat.rope(qk, cos, sin) if self.fused else rotate(qk, cos, sin)
         q, k = rotated.split((self.heads, self.kv_heads), dim=1)
         out = paged_attention(
-            q, k, v.view(-1, self.kv_heads, self.head_dim), kv[0], kv[1], meta, self.window
+            q,
+            k,
+            v.view(-1, self.kv_heads, self.head_dim),
+            kv[0],
+            kv[1],
+            meta,
+            self.window,
+            self.fused and self.head_dim % 8 == 0,
         )
         return self.o_proj(out.flatten(1))
 

@@ -12,11 +12,15 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <tuple>
+#include <vector>
 
 namespace {
 
@@ -151,6 +155,147 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   return y;
 }
 
+// 8 floats from float32, float16 or bf16 memory.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 load8(const at::BFloat16* p) {  // bf16 is a float's high half: widen and shift
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+inline float sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// One decode step's attention for every sequence computing one token: write each token's K and V
+// into the paged cache, then attend its query to its context, read in place through the gather
+// slots, without copying the context out as the torch path must (index_select of every position,
+// then scaled_dot_product_attention). Each kv head's keys and values are read once for the query
+// heads that share them (GQA). Softmax in float32, as scaled_dot_product_attention computes it.
+template <class T, class C>
+void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           at::Tensor& k_cache, at::Tensor& v_cache, const int64_t* slots,
+                           const int64_t* gather, int64_t max_ctx, const int64_t* q_pos,
+                           int64_t window, at::Tensor& out) {
+  const int64_t b = q.size(0), heads = q.size(1), d = q.size(2), kv_heads = k.size(1);
+  const int64_t group = heads / kv_heads;
+  C* kc = k_cache.data_ptr<C>();
+  C* vc = v_cache.data_ptr<C>();
+  const T *qp = q.data_ptr<T>(), *kp = k.data_ptr<T>(), *vp = v.data_ptr<T>();
+  for (int64_t i = 0; i < b; ++i) {  // the new tokens' K and V, in the cache's dtype
+    for (int64_t g = 0; g < kv_heads; ++g) {
+      C* kd = kc + (slots[i] * kv_heads + g) * d;
+      C* vd = vc + (slots[i] * kv_heads + g) * d;
+      const T* ks = kp + i * k.stride(0) + g * k.stride(1);
+      const T* vs = vp + i * v.stride(0) + g * v.stride(1);
+      for (int64_t j = 0; j < d; ++j) {
+        kd[j] = static_cast<C>(f32(ks[j]));
+        vd[j] = static_cast<C>(f32(vs[j]));
+      }
+    }
+  }
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, b * kv_heads, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> qf(group * d), acc(group * d), scores;
+    for (int64_t task = t0; task < t1; ++task) {
+      const int64_t i = task / kv_heads, g = task % kv_heads;
+      const int64_t ctx = q_pos[i] + 1, lo = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
+      const int64_t n = ctx - lo;
+      const int64_t* rows = gather + i * max_ctx + lo;
+      for (int64_t h = 0; h < group; ++h) {
+        const T* qs = qp + i * q.stride(0) + (g * group + h) * q.stride(1);
+        for (int64_t j = 0; j < d; ++j) qf[h * d + j] = f32(qs[j]) * scale;
+      }
+      scores.assign(group * n, 0.0f);
+      for (int64_t t = 0; t < n; ++t) {
+        const C* kr = kc + (rows[t] * kv_heads + g) * d;
+        for (int64_t h = 0; h < group; ++h) {
+          __m256 s = _mm256_setzero_ps();
+          for (int64_t j = 0; j < d; j += 8) {
+            s = _mm256_fmadd_ps(_mm256_loadu_ps(&qf[h * d + j]), load8(kr + j), s);
+          }
+          scores[h * n + t] = sum8(s);
+        }
+      }
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      std::vector<float> total(group, 0.0f);
+      for (int64_t h = 0; h < group; ++h) {
+        float* sc = &scores[h * n];
+        const float top = *std::max_element(sc, sc + n);
+        for (int64_t t = 0; t < n; ++t) total[h] += (sc[t] = std::exp(sc[t] - top));
+      }
+      for (int64_t t = 0; t < n; ++t) {
+        const C* vr = vc + (rows[t] * kv_heads + g) * d;
+        for (int64_t j = 0; j < d; j += 8) {
+          const __m256 vv = load8(vr + j);
+          for (int64_t h = 0; h < group; ++h) {
+            float* a = &acc[h * d + j];
+            _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_set1_ps(scores[h * n + t]), vv,
+                                                _mm256_loadu_ps(a)));
+          }
+        }
+      }
+      for (int64_t h = 0; h < group; ++h) {
+        T* o = op + (i * heads + g * group + h) * d;
+        for (int64_t j = 0; j < d; ++j) o[j] = static_cast<T>(acc[h * d + j] / total[h]);
+      }
+    }
+  });
+}
+
+// q [B, H, D], k and v [B, KV, D] (each sequence's one new token; rows may be strided views of the
+// qkv projection), caches [slots, KV, D], slot_mapping [B], gather [B * max_ctx] (each sequence's
+// context slots, row after row), q_pos [B, 1] (each token's position), window (0: none)
+// -> [B, H, D] in q's dtype.
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_mapping,
+                            const at::Tensor& gather, const at::Tensor& q_pos, int64_t window) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && q.stride(2) == 1 &&
+                  k.stride(2) == 1 && v.stride(2) == 1 && q.size(2) % 8 == 0 &&
+                  k.sizes() == v.sizes() && q.size(0) == k.size(0) && q.size(2) == k.size(2) &&
+                  q.size(1) % k.size(1) == 0,
+              "decode_attention: q [B, H, D], k and v [B, KV, D], D a multiple of 8");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() &&
+                  (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
+              "decode_attention: float32 or bf16 q, k, v");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.scalar_type() == v_cache.scalar_type() && k_cache.dim() == 3 &&
+                  k_cache.size(1) == k.size(1) && k_cache.size(2) == k.size(2),
+              "decode_attention: caches [slots, KV, D]");
+  const int64_t b = q.size(0);
+  TORCH_CHECK(slot_mapping.numel() == b && q_pos.numel() == b && b > 0 &&
+                  gather.numel() % b == 0 && slot_mapping.scalar_type() == at::kLong &&
+                  gather.scalar_type() == at::kLong && q_pos.scalar_type() == at::kLong,
+              "decode_attention: int64 slot_mapping [B], q_pos [B, 1], gather [B * ctx]");
+  const at::Tensor sm = slot_mapping.contiguous(), ga = gather.contiguous(), qp = q_pos.contiguous();
+  at::Tensor out = at::empty({b, q.size(1), q.size(2)}, q.options());
+  const auto cache = k_cache.scalar_type();
+  TORCH_CHECK(cache == at::kFloat || cache == at::kHalf || cache == at::kBFloat16,
+              "decode_attention: a float32, float16 or bf16 cache");
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "decode_attention", [&] {
+    using T = scalar_t;
+    const int64_t* args[] = {sm.data_ptr<int64_t>(), ga.data_ptr<int64_t>(), qp.data_ptr<int64_t>()};
+    const int64_t max_ctx = ga.numel() / b;
+    if (cache == at::kFloat) {
+      decode_attention_impl<T, float>(q, k, v, k_cache, v_cache, args[0], args[1], max_ctx,
+                                      args[2], window, out);
+    } else if (cache == at::kHalf) {
+      decode_attention_impl<T, at::Half>(q, k, v, k_cache, v_cache, args[0], args[1], max_ctx,
+                                         args[2], window, out);
+    } else {
+      decode_attention_impl<T, at::BFloat16>(q, k, v, k_cache, v_cache, args[0], args[1],
+                                             max_ctx, args[2], window, out);
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagechat, m) {
@@ -158,6 +303,8 @@ TORCH_LIBRARY_FRAGMENT(pagechat, m) {
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+        "Tensor slot_mapping, Tensor gather, Tensor q_pos, int window) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagechat, CPU, m) {
@@ -165,4 +312,5 @@ TORCH_LIBRARY_IMPL(pagechat, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_mul", &silu_mul);
   m.impl("rope", &rope);
+  m.impl("decode_attention", &decode_attention);
 }

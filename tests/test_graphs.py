@@ -44,22 +44,23 @@ def traced_run(path, prompts, params=GREEDY, **cfg):
 @pytest.mark.parametrize(
     "prompts, cfg, key, eager_steps",
     [
+        # keys: (every sequence computes one token, the masked windows...)
         (
             PROMPTS[:1],
             {},
-            (),
+            (True,),
             0,
         ),  # one sequence: its 2-token prompt wants 1 of 2 rows' logits, then decodes unmasked
         (
             PROMPTS,
             {},
-            (None,),
+            (True, None),
             1,
         ),  # three of different lengths: their prefill pads (eager), then a padding mask
         (
             ["one two three one two three one two three one two"],
             {"ngram": True},
-            (None,),
+            (False, None),
             1,
         ),  # verify steps: causal
     ],
@@ -102,8 +103,9 @@ def test_sliding_window_graph_matches_transformers(tiny_models, tmp_path):
             attention_mask=torch.ones(1, len(ids), dtype=torch.long),
         )[0, len(ids) :].tolist()
     outs, _, keys, calls = traced_run(path, [ids])
-    # (): made at load, used for contexts within 8; (8,): one sequence yet masked (a shorter window)
-    assert keys == {(), (8,)} and calls == GREEDY.max_tokens - 1
+    # unmasked: made at load, used for contexts within 8; then one sequence yet masked (a shorter
+    # window)
+    assert keys == {(True,), (True, 8)} and calls == GREEDY.max_tokens - 1
     assert outs == [want]
 
 

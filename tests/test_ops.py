@@ -97,3 +97,40 @@ def test_model_uses_them_only_where_they_run(tiny_llama, monkeypatch):
         )
     finally:
         native.library.cache_clear()
+
+
+@needs_ops
+@pytest.mark.parametrize(
+    "dtype,cache",
+    [(torch.float32, torch.float32), (torch.float32, torch.float16), (torch.bfloat16,) * 2],
+)
+@pytest.mark.parametrize("window", [None, 5])
+def test_decode_attention_matches_the_gathering_path(dtype, cache, window):
+    """Three sequences of different contexts decode one token each, 4 query heads on 2 kv heads,
+    with the qkv rows strided as the model's are: the cache written as paged_attention's torch path
+    writes it (gather, then scaled_dot_product_attention), and the output as close to the same
+    attention in float64 as that path's (float32: equal to rounding; bf16 rounds the output)."""
+    from pagechat.core.attention import build_metadata, paged_attention
+
+    g = torch.Generator().manual_seed(0)
+    heads, kv_heads, d, block = 4, 2, 16, 4
+    meta = build_metadata([6, 13, 2], [1, 1, 1], [[3, 0], [1, 5, 6, 7], [2]], block, CPU)
+    qkv = torch.randn(3, (heads + 2 * kv_heads) * d, generator=g)
+    pool = torch.randn(2, 8 * block, kv_heads, d, generator=g).to(cache)
+
+    def attend(rows: torch.Tensor, kv: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        q = rows[:, : heads * d].view(3, heads, d)
+        k = rows[:, heads * d : (heads + kv_heads) * d].view(3, kv_heads, d)
+        v = rows[:, (heads + kv_heads) * d :].view(3, kv_heads, d)
+        return paged_attention(q, k, v, kv[0], kv[1], meta, window, fused)
+
+    fused_pool, torch_pool = pool.clone(), pool.clone()
+    out = attend(qkv.to(dtype), fused_pool, fused=True)
+    plain = attend(qkv.to(dtype), torch_pool)
+    rows = qkv.to(dtype).double()
+    rows[:, heads * d :] = qkv[:, heads * d :].to(dtype).to(cache).double()  # K, V as cached
+    exact = attend(rows, pool.double())
+    assert torch.equal(fused_pool, torch_pool)  # the new tokens' K and V written alike
+    assert out.dtype == dtype and out.shape == (3, heads, d)
+    err, torch_err = ((t.double() - exact).abs().max().item() for t in (out, plain))
+    assert err <= max(torch_err, 1e-6)
