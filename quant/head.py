@@ -23,6 +23,7 @@ from pagechat.quant.layers import (
     Bf16WOLinear,
     Int8WOLinear,
     bf16_head,
+    on_kernel,
 )
 from pagechat.quant.pack import quantize_groups
 from torch import nn
@@ -80,7 +81,7 @@ def head_builder(fmt: str, device: torch.device) -> Callable[[torch.Tensor], nn.
         return lambda weight: Int4Head.from_float(weight, device)
     if fmt == "bf16":
         return lambda weight: Bf16Head(weight, None, device)
-    return linear
+    return lambda weight: on_kernel(linear(weight))
 
 
 class Bf16Head(Bf16WOLinear):

@@ -95,6 +95,29 @@ def bf16_wo_path(k: int, device_type: str) -> str:
     return BF16_TORCH_PATH
 
 
+class Bf16Linear(nn.Linear):
+    """A bf16 model's dense linear on a CPU where pagechat's kernels run: up to kernels.MAX_ROWS
+    rows (decode) run its float kernel, which reads bf16 weights faster than torch's bf16 matmul
+    (docs/benchmarks.md); more rows (prefill) stay torch's. Reported as a dense layer."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2 or x.shape[0] > kernels.MAX_ROWS:
+            return F.linear(x, self.weight, self.bias)
+        y = torch.ops.pagechat.float_linear(x, self.weight).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+def on_kernel(layer: nn.Linear) -> nn.Linear:
+    """A dense layer as it is, or as a Bf16Linear holding the same tensors where its weight is bf16
+    on a CPU that runs pagechat's kernels (deciding builds them)."""
+    w = layer.weight
+    if w.dtype != _BF16 or w.device.type != "cpu" or w.shape[1] % 8 or not kernels.loaded():
+        return layer
+    out = Bf16Linear(w.shape[1], w.shape[0], bias=layer.bias is not None, device="meta")
+    out.weight, out.bias = layer.weight, layer.bias
+    return out
+
+
 def bf16_head(mode: str | None, dtype: torch.dtype) -> bool:
     """Whether lm_head (and a tied embedding) is kept in bf16: weight-only modes of fp32 models."""
     return mode in WEIGHT_ONLY and dtype == torch.float32

@@ -22,6 +22,7 @@ from pagechat.quant.layers import (
     Bf16WOLinear,
     Int8WOLinear,
     bnb_int8_linear,
+    on_kernel,
     quant_tensors,
 )
 from pagechat.quant.pack import unpack_awq
@@ -70,7 +71,7 @@ class QuantPlan:
     def loader(self, device: torch.device) -> LinearLoader:
         """The LinearLoader building each decoder linear on device, quantised as planned."""
         if self.mode is None:
-            return dense_linear
+            return lambda *args: on_kernel(dense_linear(*args))
         if self.mode == "awq":
             return _awq_loader(self.group_size, device)
         if self.mode == "bf16-wo":

@@ -347,3 +347,19 @@ def test_engine_with_the_kernel_decodes_as_the_exact_dequantised_model(kernel, t
     kernel_err = rel(window_logits(e, ids), exact)
     torch_err = rel(window_logits(_torch_engine(tiny_llama, "int8pack-cpu"), ids), exact)
     assert kernel_err <= 2e-3 and kernel_err < torch_err / 2
+
+
+@needs_kernel
+def test_a_bf16_models_dense_layers_run_the_float_kernel_for_decode_rows(kernel):
+    from pagechat.core.model import linear
+    from pagechat.quant.layers import Bf16Linear, on_kernel
+
+    w, b = torch.randn(96, 64).bfloat16(), torch.randn(96).bfloat16()
+    layer = on_kernel(linear(w, b))
+    assert isinstance(layer, Bf16Linear) and layer.weight is not None
+    assert type(on_kernel(linear(w.float()))) is torch.nn.Linear  # float32 stays torch's (MKL)
+    x = torch.randn(17, 64).bfloat16()
+    exact = x.double() @ w.double().t() + b.double()
+    # 16 rows: float32 sums of the same products, rounded to bf16 once, then the bias added
+    assert rel(layer(x[:16]), exact[:16]) <= 1e-2 and layer(x[:16]).dtype == torch.bfloat16
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, w, b))  # 17 rows: torch's matmul
