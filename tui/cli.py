@@ -187,6 +187,7 @@ def generate(
         beam_width=beams,
         length_penalty=length_penalty,
         early_stopping=early_stopping_value(early_stopping),
+        num_candidates=0,  # what the app's sampling panel shows; generate prints none
     ).validate()
     config = engine_config(locals())
     code = run_generate(
