@@ -56,9 +56,14 @@ def cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
+INCLUDE = Path(__file__).parent  # simd.h, the helpers both libraries share
+
+
 def _load(source: Path) -> None:
     """Load the cached library built from source, building it first where there is none."""
     h = hashlib.sha256(source.read_bytes())
+    for header in sorted(INCLUDE.glob("*.h")):
+        h.update(header.read_bytes())
     h.update(" ".join(CFLAGS).encode() + torch.__version__.encode())
     name = f"pagechat_{source.stem}_{h.hexdigest()[:16]}"
     build = cache_dir() / name
@@ -74,6 +79,7 @@ def _load(source: Path) -> None:
         sources=[str(source)],
         extra_cflags=CFLAGS,
         extra_ldflags=["-fopenmp"],
+        extra_include_paths=[str(INCLUDE)],
         build_directory=str(build),
         is_python_module=False,
     )

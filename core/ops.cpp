@@ -1,11 +1,11 @@
-// The decoder's small ops fused, for the CPU: what torch runs as five to seven ops each (an RMSNorm,
-// a residual add and the next RMSNorm, rotary embedding, SiLU times the up projection) in one pass
-// over the rows. In a decode step every op costs a few microseconds of dispatch whatever its size,
-// and a small model's step runs hundreds of them.
+// The decoder's small ops fused, for the CPU: what torch runs as five to seven ops each (an
+// RMSNorm, a residual add and the next RMSNorm, rotary embedding, SiLU times the up projection) in
+// one pass over the rows. In a decode step every op costs a few microseconds of dispatch whatever
+// its size, and a small model's step runs hundreds of them.
 //
-// Each op computes what core/model.py's torch code computes, rounding where it rounds: float32 math,
-// with a bf16 result rounded back to bf16 wherever torch's bf16 ops round (so bf16 models see the
-// same numbers up to the order of the sums).
+// Each op computes what core/model.py's torch code computes, rounding where it rounds: float32
+// math, with a bf16 result rounded back to bf16 wherever torch's bf16 ops round (so bf16 models see
+// the same numbers up to the order of the sums).
 //
 // Built on first use by core/native.py; registered as torch.ops.pagechat.* so traced steps record
 // them.
@@ -22,16 +22,22 @@
 #include <tuple>
 #include <vector>
 
+#include "simd.h"
+
 namespace {
 
 constexpr int64_t kGrainElems = 1 << 16;  // below this a thread split costs more than it saves
 
 template <class T>
-inline float f32(T v) { return static_cast<float>(v); }
+inline float f32(T v) {
+  return static_cast<float>(v);
+}
 
 // torch's bf16 ops compute in float and round each result to bf16; float32 ops round to float.
 template <class T>
-inline float round_to(float v) { return static_cast<float>(static_cast<T>(v)); }
+inline float round_to(float v) {
+  return static_cast<float>(static_cast<T>(v));
+}
 
 void check_rows(const at::Tensor& x, const char* op) {
   TORCH_CHECK(x.device().is_cpu() && x.is_contiguous() && x.dim() >= 2, op,
@@ -63,8 +69,9 @@ void rms_norm_row(const T* x, const T* w, float eps, int64_t h, T* y) {
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_rows(x, "rms_norm");
   const int64_t h = x.size(-1), rows = x.numel() / h;
-  TORCH_CHECK(weight.numel() == h && weight.scalar_type() == x.scalar_type() &&
-                  weight.is_contiguous(), "rms_norm: a weight [H] in x's dtype");
+  TORCH_CHECK(
+      weight.numel() == h && weight.scalar_type() == x.scalar_type() && weight.is_contiguous(),
+      "rms_norm: a weight [H] in x's dtype");
   at::Tensor y = at::empty_like(x);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rms_norm", [&] {
     const scalar_t *xp = x.data_ptr<scalar_t>(), *wp = weight.data_ptr<scalar_t>();
@@ -82,10 +89,12 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
                                                 const at::Tensor& weight, double eps) {
   check_rows(x, "add_rms_norm");
   TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type() &&
-                  residual.is_contiguous(), "add_rms_norm: a residual shaped as x");
+                  residual.is_contiguous(),
+              "add_rms_norm: a residual shaped as x");
   const int64_t h = x.size(-1), rows = x.numel() / h;
-  TORCH_CHECK(weight.numel() == h && weight.scalar_type() == x.scalar_type() &&
-                  weight.is_contiguous(), "add_rms_norm: a weight [H] in x's dtype");
+  TORCH_CHECK(
+      weight.numel() == h && weight.scalar_type() == x.scalar_type() && weight.is_contiguous(),
+      "add_rms_norm: a weight [H] in x's dtype");
   at::Tensor sum = at::empty_like(x), y = at::empty_like(x);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "add_rms_norm", [&] {
     const scalar_t *xp = x.data_ptr<scalar_t>(), *rp = residual.data_ptr<scalar_t>();
@@ -135,7 +144,8 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   const int64_t t = x.size(0), heads = x.size(1), d = x.size(2), half = d / 2;
   TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type() &&
                   cos.numel() == t * d && sin.numel() == t * d && cos.is_contiguous() &&
-                  sin.is_contiguous(), "rope: cos and sin [T, 1, D] in x's dtype");
+                  sin.is_contiguous(),
+              "rope: cos and sin [T, 1, D] in x's dtype");
   at::Tensor y = at::empty({t, heads, d}, x.options());
   const int64_t row_stride = x.stride(0), head_stride = x.stride(1);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rope", [&] {
@@ -155,22 +165,8 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   return y;
 }
 
-// 8 floats from float32, float16 or bf16 memory.
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const at::Half* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-inline __m256 load8(const at::BFloat16* p) {  // bf16 is a float's high half: widen and shift
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-inline float sum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+using pagechat::load8;
+using pagechat::sum8;
 
 // One decode step's attention for every sequence computing one token: write each token's K and V
 // into the paged cache, then attend its query to its context, read in place through the gather
@@ -236,8 +232,8 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
           const __m256 vv = load8(vr + j);
           for (int64_t h = 0; h < group; ++h) {
             float* a = &acc[h * d + j];
-            _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_set1_ps(scores[h * n + t]), vv,
-                                                _mm256_loadu_ps(a)));
+            _mm256_storeu_ps(
+                a, _mm256_fmadd_ps(_mm256_set1_ps(scores[h * n + t]), vv, _mm256_loadu_ps(a)));
           }
         }
       }
@@ -269,28 +265,30 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
                   k_cache.size(1) == k.size(1) && k_cache.size(2) == k.size(2),
               "decode_attention: caches [slots, KV, D]");
   const int64_t b = q.size(0);
-  TORCH_CHECK(slot_mapping.numel() == b && q_pos.numel() == b && b > 0 &&
-                  gather.numel() % b == 0 && slot_mapping.scalar_type() == at::kLong &&
-                  gather.scalar_type() == at::kLong && q_pos.scalar_type() == at::kLong,
+  TORCH_CHECK(slot_mapping.numel() == b && q_pos.numel() == b && b > 0 && gather.numel() % b == 0 &&
+                  slot_mapping.scalar_type() == at::kLong && gather.scalar_type() == at::kLong &&
+                  q_pos.scalar_type() == at::kLong,
               "decode_attention: int64 slot_mapping [B], q_pos [B, 1], gather [B * ctx]");
-  const at::Tensor sm = slot_mapping.contiguous(), ga = gather.contiguous(), qp = q_pos.contiguous();
+  const at::Tensor sm = slot_mapping.contiguous(), ga = gather.contiguous(),
+                   qp = q_pos.contiguous();
   at::Tensor out = at::empty({b, q.size(1), q.size(2)}, q.options());
   const auto cache = k_cache.scalar_type();
   TORCH_CHECK(cache == at::kFloat || cache == at::kHalf || cache == at::kBFloat16,
               "decode_attention: a float32, float16 or bf16 cache");
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "decode_attention", [&] {
     using T = scalar_t;
-    const int64_t* args[] = {sm.data_ptr<int64_t>(), ga.data_ptr<int64_t>(), qp.data_ptr<int64_t>()};
+    const int64_t* args[] = {sm.data_ptr<int64_t>(), ga.data_ptr<int64_t>(),
+                             qp.data_ptr<int64_t>()};
     const int64_t max_ctx = ga.numel() / b;
     if (cache == at::kFloat) {
-      decode_attention_impl<T, float>(q, k, v, k_cache, v_cache, args[0], args[1], max_ctx,
-                                      args[2], window, out);
+      decode_attention_impl<T, float>(q, k, v, k_cache, v_cache, args[0], args[1], max_ctx, args[2],
+                                      window, out);
     } else if (cache == at::kHalf) {
       decode_attention_impl<T, at::Half>(q, k, v, k_cache, v_cache, args[0], args[1], max_ctx,
                                          args[2], window, out);
     } else {
-      decode_attention_impl<T, at::BFloat16>(q, k, v, k_cache, v_cache, args[0], args[1],
-                                             max_ctx, args[2], window, out);
+      decode_attention_impl<T, at::BFloat16>(q, k, v, k_cache, v_cache, args[0], args[1], max_ctx,
+                                             args[2], window, out);
     }
   });
   return out;
@@ -303,8 +301,9 @@ TORCH_LIBRARY_FRAGMENT(pagechat, m) {
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
-  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-        "Tensor slot_mapping, Tensor gather, Tensor q_pos, int window) -> Tensor");
+  m.def(
+      "decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+      "Tensor slot_mapping, Tensor gather, Tensor q_pos, int window) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagechat, CPU, m) {

@@ -14,13 +14,14 @@
 //
 // Weight formats:
 //   int8:  int8 [N, K], one float scale per output row (w = q * scale).
-//   int4:  AWQ's asymmetric groups (w = (q - zero) * scale, per group of g inputs), repacked at load:
-//          uint8 [N, K/2] where byte j of a block of 32 holds q[j] (low nibble) and q[j + 16]
-//          (high), float32 scales [N, K/g] (AWQ's fp16 ones, exact) and uint8 zeros [N, K/g]; 21
-//          bytes per 32 weights at g = 32 (ggml's Q4_0: 18, Q4_1: 20), 16.6 at AWQ's usual 128.
+//   int4:  AWQ's asymmetric groups (w = (q - zero) * scale, per group of g inputs), repacked
+//          at load: uint8 [N, K/2] where byte j of a block of 32 holds q[j] (low nibble) and
+//          q[j + 16] (high), float32 scales [N, K/g] (AWQ's fp16 ones, exact) and uint8 zeros
+//          [N, K/g]; 21 bytes per 32 weights at g = 32 (ggml's Q4_0: 18, Q4_1: 20), 16.6 at
+//          AWQ's usual 128.
 //   float: fp32 or bf16 [N, K].
 //
-// Compiled on first use by quant/kernels.py with -mavx2 -mfma -mf16c (no -march=native, so that a
+// Compiled on first use by core/native.py with -mavx2 -mfma -mf16c (no -march=native, so that a
 // cached build runs on any AVX2 host); registered as torch.ops.pagechat.* so that traced steps
 // record it.
 
@@ -34,11 +35,13 @@
 #include <cstdint>
 #include <vector>
 
+#include "simd.h"
+
 namespace {
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kMaxRowsPerPass = 4;  // activation rows that share one load of a weight block
-constexpr int64_t kPanel = 4;  // weight rows that every activation row goes through in turn
+constexpr int64_t kPanel = 4;          // weight rows that every activation row goes through in turn
 constexpr int64_t kPrefetchRows = 16;  // measured at K = 576 and 3072 (32 and 64: less gain)
 
 // The largest |value| of 8 floats, in every lane.
@@ -50,12 +53,7 @@ inline float max_abs8(__m256 v) {
   return _mm_cvtss_f32(m);
 }
 
-inline float sum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+using pagechat::sum8;
 
 // One activation row -> int16 values (round to nearest) and one scale per block of 32:
 // x ~= q * scale, scale = max|x| / 32767. A NaN or inf in a block makes its scale non-finite, and
@@ -76,8 +74,8 @@ void quantize_row(const float* x, int64_t k, int16_t* q, float* scales) {
     const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 32767.0f / amax : 0.0f);
     __m256i i32[4];
     for (int i = 0; i < 4; ++i) {
-      const __m256 r = _mm256_round_ps(_mm256_mul_ps(v[i], inv),
-                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      const __m256 r =
+          _mm256_round_ps(_mm256_mul_ps(v[i], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
       i32[i] = _mm256_cvtps_epi32(r);
     }
     // packs works within 128-bit lanes ([0-3, 8-11 | 4-7, 12-15]): the permute restores the order
@@ -90,7 +88,8 @@ void quantize_row(const float* x, int64_t k, int16_t* q, float* scales) {
 
 // x [M, K] quantised per block of 32, row after row.
 struct QuantRows {
-  explicit QuantRows(const at::Tensor& x) : k(x.size(1)), q(x.size(0) * k), scales(x.size(0) * (k / kBlock)) {
+  explicit QuantRows(const at::Tensor& x)
+      : k(x.size(1)), q(x.size(0) * k), scales(x.size(0) * (k / kBlock)) {
     const float* xf = x.data_ptr<float>();
     for (int64_t i = 0; i < x.size(0); ++i) {
       quantize_row(xf + i * k, k, &q[i * k], &scales[i * (k / kBlock)]);
@@ -128,8 +127,14 @@ struct Int4Weights {
   static constexpr bool kGroupScales = true;
   Int4Weights(const QuantRows& xq, const uint8_t* w, const float* scales, const uint8_t* zeros,
               int64_t group)
-      : x(xq), w(w), scales(scales), zeros(zeros), k(xq.k), blocks_per_group(group / kBlock),
-        groups(k / group), xsums(xq.q.size() / k * groups) {
+      : x(xq),
+        w(w),
+        scales(scales),
+        zeros(zeros),
+        k(xq.k),
+        blocks_per_group(group / kBlock),
+        groups(k / group),
+        xsums(xq.q.size() / k * groups) {
     const int64_t blocks = k / kBlock;
     for (size_t r = 0; r < xq.q.size() / k; ++r) {
       for (int64_t b = 0; b < blocks; ++b) {
@@ -141,7 +146,7 @@ struct Int4Weights {
   }
   const QuantRows& x;
   const uint8_t* w;
-  const float* scales;  // [N, K/g]
+  const float* scales;   // [N, K/g]
   const uint8_t* zeros;  // [N, K/g]
   const int64_t k, blocks_per_group, groups;
   std::vector<float> xsums;  // [M, K/g]: each group's quantised activations summed
@@ -166,7 +171,8 @@ struct Int4Weights {
     for (; g + 8 <= groups; g += 8) {
       const __m256 zf = _mm256_cvtepi32_ps(
           _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(z + g))));
-      acc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(s + g), zf), _mm256_loadu_ps(xs + g), acc);
+      acc =
+          _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(s + g), zf), _mm256_loadu_ps(xs + g), acc);
     }
     float t = sum8(acc);
     for (; g < groups; ++g) t += s[g] * z[g] * xs[g];
@@ -200,8 +206,8 @@ inline void int_tile(const Wt& wt, int64_t m0, int64_t j0, float* out, int64_t n
       const __m256 d = _mm256_set1_ps(xq.scales[(m0 + r) * blocks + b]);
       for (int c = 0; c < W; ++c) {
         // |sum| <= 4 * 128 * 32767 < 2^24 (int4: 4 * 15 * 32767): exact in int32 and in float
-        const __m256 s = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(wlo[c], xlo),
-                                                             _mm256_madd_epi16(whi[c], xhi)));
+        const __m256 s = _mm256_cvtepi32_ps(
+            _mm256_add_epi32(_mm256_madd_epi16(wlo[c], xlo), _mm256_madd_epi16(whi[c], xhi)));
         if constexpr (Wt::kGroupScales) {
           acc[r][c] = _mm256_fmadd_ps(_mm256_mul_ps(s, d), ws[c], acc[r][c]);
         } else {
@@ -211,7 +217,8 @@ inline void int_tile(const Wt& wt, int64_t m0, int64_t j0, float* out, int64_t n
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < W; ++c) out[(m0 + r) * n + j0 + c] = wt.finish(m0 + r, j0 + c, sum8(acc[r][c]));
+    for (int c = 0; c < W; ++c)
+      out[(m0 + r) * n + j0 + c] = wt.finish(m0 + r, j0 + c, sum8(acc[r][c]));
 }
 
 template <int R, int W>
@@ -285,7 +292,8 @@ struct Bf16Weights {
     for (; i + 16 <= k; i += 16) {
       __m256 even[W], odd[W];
       for (int c = 0; c < W; ++c) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (j0 + c) * k + i));
+        const __m256i v =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (j0 + c) * k + i));
         even[c] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
         odd[c] = _mm256_castsi256_ps(_mm256_and_si256(v, high));
       }
@@ -299,8 +307,8 @@ struct Bf16Weights {
     }
     if (i < k) {  // k % 16 == 8
       for (int c = 0; c < W; ++c) {
-        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + (j0 + c) * k + i));
-        const __m256 wv = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+        const __m256 wv =
+            pagechat::load8(reinterpret_cast<const at::BFloat16*>(w + (j0 + c) * k + i));
         for (int r = 0; r < R; ++r) {
           acc[r][c] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(&x[(m0 + r) * k + i]), acc[r][c]);
         }
@@ -321,7 +329,8 @@ void rows_times_weights(const Wt& wt, int64_t m0, int64_t n0, int64_t n1, float*
     // prefetcher alone: 7.0 GB/s on one core here, with this: 8.8)
     if (j + kPrefetchRows + W <= n) {
       const char* ahead = wt.row(j + kPrefetchRows);
-      for (int64_t off = 0; off < W * wt.row_bytes(); off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
+      for (int64_t off = 0; off < W * wt.row_bytes(); off += 64)
+        _mm_prefetch(ahead + off, _MM_HINT_T0);
     }
     wt.template tile<R, W>(m0, j, out, n);
   }
@@ -345,10 +354,17 @@ at::Tensor run(const Wt& wt, const at::Tensor& x, int64_t n) {
         rows_times_weights<kMaxRowsPerPass, 2>(wt, m0, p0, p1, o, n);
       }
       switch (m - m0) {  // the fewer activation rows, the more weight rows per tile
-        case 3: rows_times_weights<3, 2>(wt, m0, p0, p1, o, n); break;
-        case 2: rows_times_weights<2, 4>(wt, m0, p0, p1, o, n); break;
-        case 1: rows_times_weights<1, 4>(wt, m0, p0, p1, o, n); break;
-        default: break;
+        case 3:
+          rows_times_weights<3, 2>(wt, m0, p0, p1, o, n);
+          break;
+        case 2:
+          rows_times_weights<2, 4>(wt, m0, p0, p1, o, n);
+          break;
+        case 1:
+          rows_times_weights<1, 4>(wt, m0, p0, p1, o, n);
+          break;
+        default:
+          break;
       }
     }
   });
@@ -390,9 +406,9 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const at::Tensor pc = packed.contiguous(), sc = scales.contiguous(), zc = zeros.contiguous();
   const QuantRows xq(xf);
-  return run(Int4Weights(xq, pc.data_ptr<uint8_t>(), sc.data_ptr<float>(), zc.data_ptr<uint8_t>(),
-                         group),
-             xf, n);
+  return run(
+      Int4Weights(xq, pc.data_ptr<uint8_t>(), sc.data_ptr<float>(), zc.data_ptr<uint8_t>(), group),
+      xf, n);
 }
 
 // int4_linear's weights as float32 [N, K], for prefill's many rows (a GEMM, torch's part).
@@ -433,7 +449,8 @@ at::Tensor float_linear(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(weight.size(1) == k && k % 8 == 0, "float_linear: weight [N, K], K a multiple of 8");
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const at::Tensor wc = weight.contiguous();
-  if (wc.scalar_type() == at::kBFloat16) return run(Bf16Weights(xf, wc.data_ptr<at::BFloat16>()), xf, n);
+  if (wc.scalar_type() == at::kBFloat16)
+    return run(Bf16Weights(xf, wc.data_ptr<at::BFloat16>()), xf, n);
   TORCH_CHECK(wc.scalar_type() == at::kFloat, "float_linear: a float32 or bf16 weight");
   return run(Fp32Weights{xf.data_ptr<float>(), wc.data_ptr<float>(), k}, xf, n);
 }
@@ -442,7 +459,8 @@ at::Tensor float_linear(const at::Tensor& x, const at::Tensor& weight) {
 // returns their 64-bit words OR-ed together, so that the reads cannot be left out: what the bench
 // divides the bytes by to know the memory's speed.
 int64_t stream_read(const at::Tensor& t) {
-  TORCH_CHECK(t.is_contiguous() && t.nbytes() % 128 == 0, "stream_read: a contiguous tensor "
+  TORCH_CHECK(t.is_contiguous() && t.nbytes() % 128 == 0,
+              "stream_read: a contiguous tensor "
               "whose size is a multiple of 128 bytes");
   const char* p = static_cast<const char*>(t.data_ptr());
   const int64_t lines = static_cast<int64_t>(t.nbytes()) / 128;
@@ -457,10 +475,10 @@ int64_t stream_read(const at::Tensor& t) {
     for (int i = 0; i < kStreams; ++i) acc[i] = _mm256_setzero_si256();
     auto read_line = [&](int i, int64_t l) {
       const __m256i* q = reinterpret_cast<const __m256i*>(p + l * 128);
-      acc[i] = _mm256_or_si256(acc[i], _mm256_or_si256(_mm256_or_si256(_mm256_loadu_si256(q),
-                                                                        _mm256_loadu_si256(q + 1)),
-                                                       _mm256_or_si256(_mm256_loadu_si256(q + 2),
-                                                                       _mm256_loadu_si256(q + 3))));
+      acc[i] = _mm256_or_si256(
+          acc[i],
+          _mm256_or_si256(_mm256_or_si256(_mm256_loadu_si256(q), _mm256_loadu_si256(q + 1)),
+                          _mm256_or_si256(_mm256_loadu_si256(q + 2), _mm256_loadu_si256(q + 3))));
     };
     for (int64_t l = 0; l < stride; ++l) {
       for (int i = 0; i < kStreams; ++i) read_line(i, l0 + i * stride + l);
