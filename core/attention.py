@@ -105,6 +105,11 @@ def paged_attention(
         return torch.ops.pagechat.decode_attention(
             q, k, v, k_cache, v_cache, meta.slot_mapping, meta.gather, meta.q_pos, window or 0
         )
+    return _gathered_attention(q, k, v, k_cache, v_cache, meta, window)
+
+
+def _gathered_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, window: int | None):
+    """paged_attention in torch ops: write k/v, gather every context position, run SDPA."""
     k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
     v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
     # The batch size is read from a tensor, so a traced step follows it; other sizes are -1 or flat.
