@@ -76,7 +76,9 @@ def kind_of(event) -> str:
 def profile_decode(engine: Engine, prompt: list[int], step_ms: float) -> StepBreakdown:
     """The breakdown of `step_ms` (a decode step's wall time measured without the profiler) from
     STEPS profiled decode steps of a greedy reply to `prompt`."""
-    params = SamplingParams(max_tokens=STEPS + 1, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=STEPS + 1, temperature=0.0, ignore_eos=True, num_candidates=0
+    )  # as the bench's own rounds
     rid = engine.add_request(prompt, params)
     engine.step()  # the prompt and the first token, outside the profile
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
