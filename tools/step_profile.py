@@ -3,10 +3,10 @@
 torch.profiler records a few greedy decode steps; every op's own time (its children's excluded)
 goes to a category by its own name and its enclosing ops' names: attention (the paged KV write
 and gather, and scaled-dot-product attention with the products inside it, but not an embedding's
-lookup), else a weight matmul (dense, int8, int4 or pagechat's own kernels, the LM head
-included), else other (norms, rotary, activations, casts, sampling, the step graph's own
-interpreter). Python is the rest of the step: the step's wall time measured
-without the profiler, less the ops' time.
+lookup; pagechat's fused decode attention), else a weight matmul (dense, int8, int4 or pagechat's
+own kernels, the LM head included), else other (norms, rotary, activations, casts, sampling, the
+step graph's own interpreter; pagechat's fused small ops). Python is the rest of the step: the
+step's wall time measured without the profiler, less the ops' time.
 """
 
 from __future__ import annotations
@@ -26,6 +26,9 @@ MATMUL = {
     "aten::_weight_int8pack_mm",
     "aten::_weight_int4pack_mm",
     "aten::_weight_int4pack_mm_for_cpu",
+    "pagechat::int8_linear",
+    "pagechat::int4_linear",
+    "pagechat::float_linear",
 }
 ATTENTION = {
     "aten::scaled_dot_product_attention",
@@ -33,6 +36,7 @@ ATTENTION = {
     "aten::_scaled_dot_product_attention_math",
     "aten::index_copy_",
     "aten::index_select",
+    "pagechat::decode_attention",
 }
 NOT_ATTENTION = {"aten::embedding"}  # an embedding's lookup is an index_select too
 STEPS = 16  # decode steps profiled
@@ -68,7 +72,7 @@ def kind_of(event) -> str:
         return "other"
     if any(name in ATTENTION for name in chain):
         return "attention"
-    if any(name in MATMUL or name.startswith("pagechat::") for name in chain):
+    if any(name in MATMUL for name in chain):
         return "matmul"
     return "other"
 
