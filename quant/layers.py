@@ -49,10 +49,23 @@ def _sm80(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
 
 
+def int4_kernel_runs(k: int, group: int, device_type: str) -> bool:
+    """Whether pagechat's int4 kernel runs an AWQ layer with k inputs in groups of `group` on
+    device_type (deciding builds the kernels)."""
+    fits = group % kernels.BLOCK == 0 and k % group == 0
+    return device_type == "cpu" and fits and kernels.loaded()
+
+
+def int8_kernel_runs(k: int, device_type: str) -> bool:
+    """Whether pagechat's int8 kernel runs an int8 weight-only layer with k inputs on device_type
+    (deciding builds the kernels)."""
+    return device_type == "cpu" and k % kernels.BLOCK == 0 and kernels.loaded()
+
+
 def awq_path(n: int, k: int, group: int, device: torch.device) -> str:
     """Which kernel an AWQ layer (out=n, in=k) runs on device: pagechat's int4 kernel on a CPU
     where it builds, else int4pack-cpu/-cuda or dequant."""
-    if device.type == "cpu" and group % kernels.BLOCK == 0 and k % group == 0 and kernels.loaded():
+    if int4_kernel_runs(k, group, device.type):
         return INT4_KERNEL_PATH
     if group in INT4_GROUPS and k % group == 0:
         if (
@@ -82,9 +95,7 @@ def int8_wo_path(device: torch.device) -> str:
 
 def int8_wo_kernel(k: int, device: torch.device):
     """pagechat's int8 kernel for a layer with k inputs on device, or None where it cannot run."""
-    if device.type != "cpu" or k % kernels.BLOCK:
-        return None
-    return kernels.op("int8_linear")
+    return kernels.op("int8_linear") if int8_kernel_runs(k, device.type) else None
 
 
 def bf16_wo_path(k: int, device_type: str) -> str:
@@ -111,7 +122,7 @@ def on_kernel(layer: nn.Linear) -> nn.Linear:
     """A dense layer as it is, or as a Bf16Linear holding the same tensors where its weight is bf16
     on a CPU that runs pagechat's kernels (deciding builds them)."""
     w = layer.weight
-    if w.dtype != _BF16 or w.device.type != "cpu" or w.shape[1] % 8 or not kernels.loaded():
+    if w.dtype != _BF16 or bf16_wo_path(w.shape[1], w.device.type) != BF16_KERNEL_PATH:
         return layer
     out = Bf16Linear(w.shape[1], w.shape[0], bias=layer.bias is not None, device="meta")
     out.weight, out.bias = layer.weight, layer.bias

@@ -14,13 +14,14 @@ import torch
 from pagechat.core.kv import CUDA_FREE_FRACTION
 from pagechat.core.loader import ModelSpec, dtype_name
 from pagechat.core.memory import KINDS, WeightReport, WeightRow, kv_bytes_per_token
-from pagechat.quant import kernels
 from pagechat.quant.head import INT4_GROUP, check_int4_tie, head_format
 from pagechat.quant.layers import (
     INT4_GROUPS,
     INT4_KERNEL_PATH,
     INT8_KERNEL_PATH,
     bf16_wo_path,
+    int4_kernel_runs,
+    int8_kernel_runs,
 )
 
 
@@ -33,17 +34,13 @@ def _linear_bytes(
         return "", "dense", n * k * elem + b
     if mode == "int8":
         return "int8", "bnb-llm.int8", n * k + 4 * n + b  # int8 rows + fp32 row absmax (SCB)
-    # pagechat's kernels where they run (Int8WOLinear, awq_path); deciding builds them once
-    kernel = device_type == "cpu" and kernels.loaded()
     if mode == "int8-wo":
-        path = f"int8pack-{device_type}"
-        if kernel and k % kernels.BLOCK == 0:
-            path = INT8_KERNEL_PATH
+        path = INT8_KERNEL_PATH if int8_kernel_runs(k, device_type) else f"int8pack-{device_type}"
         return "int8-wo", path, n * k + 2 * n + b  # int8 + bf16 scales
     if mode == "bf16-wo":
         return "bf16-wo", bf16_wo_path(k, device_type), 2 * n * k + b
     g = group or 128
-    if kernel and g % kernels.BLOCK == 0 and k % g == 0:  # int4 [n, k/2] + fp32 scale, u8 zero
+    if int4_kernel_runs(k, g, device_type):  # int4 [n, k/2] + fp32 scale and u8 zero per group
         return f"awq-int4 g{g}", INT4_KERNEL_PATH, n * k // 2 + 5 * n * (k // g) + b
     fast = g in INT4_GROUPS and (
         n % 16 == 0 if device_type == "cpu" else n % 8 == 0 and k % 32 == 0
