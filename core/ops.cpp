@@ -18,8 +18,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <limits>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
@@ -46,6 +46,12 @@ void check_rows(const at::Tensor& x, const char* op) {
               ": float32 or bf16");
 }
 
+void check_weight(const at::Tensor& weight, const at::Tensor& x, const char* op) {
+  TORCH_CHECK(weight.numel() == x.size(-1) && weight.scalar_type() == x.scalar_type() &&
+                  weight.is_contiguous(),
+              op, ": a weight [H] in x's dtype");
+}
+
 template <class F>
 void for_rows(int64_t rows, int64_t width, const F& body) {
   at::parallel_for(0, rows, std::max<int64_t>(1, kGrainElems / std::max<int64_t>(width, 1)),
@@ -68,10 +74,8 @@ void rms_norm_row(const T* x, const T* w, float eps, int64_t h, T* y) {
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_rows(x, "rms_norm");
+  check_weight(weight, x, "rms_norm");
   const int64_t h = x.size(-1), rows = x.numel() / h;
-  TORCH_CHECK(
-      weight.numel() == h && weight.scalar_type() == x.scalar_type() && weight.is_contiguous(),
-      "rms_norm: a weight [H] in x's dtype");
   at::Tensor y = at::empty_like(x);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rms_norm", [&] {
     const scalar_t *xp = x.data_ptr<scalar_t>(), *wp = weight.data_ptr<scalar_t>();
@@ -91,10 +95,8 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type() &&
                   residual.is_contiguous(),
               "add_rms_norm: a residual shaped as x");
+  check_weight(weight, x, "add_rms_norm");
   const int64_t h = x.size(-1), rows = x.numel() / h;
-  TORCH_CHECK(
-      weight.numel() == h && weight.scalar_type() == x.scalar_type() && weight.is_contiguous(),
-      "add_rms_norm: a weight [H] in x's dtype");
   at::Tensor sum = at::empty_like(x), y = at::empty_like(x);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "add_rms_norm", [&] {
     const scalar_t *xp = x.data_ptr<scalar_t>(), *rp = residual.data_ptr<scalar_t>();
@@ -198,7 +200,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   T* op = out.data_ptr<T>();
   at::parallel_for(0, b * kv_heads, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> qf(group * d), acc(group * d), scores;
+    std::vector<float> qf(group * d), acc(group * d), total(group), scores;
     for (int64_t task = t0; task < t1; ++task) {
       const int64_t i = task / kv_heads, g = task % kv_heads;
       const int64_t ctx = q_pos[i] + 1, lo = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
@@ -220,7 +222,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
         }
       }
       std::fill(acc.begin(), acc.end(), 0.0f);
-      std::vector<float> total(group, 0.0f);
+      std::fill(total.begin(), total.end(), 0.0f);
       for (int64_t h = 0; h < group; ++h) {
         float* sc = &scores[h * n];
         const float top = *std::max_element(sc, sc + n);
@@ -276,19 +278,19 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK(cache == at::kFloat || cache == at::kHalf || cache == at::kBFloat16,
               "decode_attention: a float32, float16 or bf16 cache");
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "decode_attention", [&] {
-    using T = scalar_t;
-    const int64_t* args[] = {sm.data_ptr<int64_t>(), ga.data_ptr<int64_t>(),
-                             qp.data_ptr<int64_t>()};
-    const int64_t max_ctx = ga.numel() / b;
+    // the cache's element type, given as a null pointer of it
+    auto attend = [&](auto* cache_type) {
+      using C = std::remove_pointer_t<decltype(cache_type)>;
+      decode_attention_impl<scalar_t, C>(q, k, v, k_cache, v_cache, sm.data_ptr<int64_t>(),
+                                         ga.data_ptr<int64_t>(), ga.numel() / b,
+                                         qp.data_ptr<int64_t>(), window, out);
+    };
     if (cache == at::kFloat) {
-      decode_attention_impl<T, float>(q, k, v, k_cache, v_cache, args[0], args[1], max_ctx, args[2],
-                                      window, out);
+      attend(static_cast<float*>(nullptr));
     } else if (cache == at::kHalf) {
-      decode_attention_impl<T, at::Half>(q, k, v, k_cache, v_cache, args[0], args[1], max_ctx,
-                                         args[2], window, out);
+      attend(static_cast<at::Half*>(nullptr));
     } else {
-      decode_attention_impl<T, at::BFloat16>(q, k, v, k_cache, v_cache, args[0], args[1], max_ctx,
-                                             args[2], window, out);
+      attend(static_cast<at::BFloat16*>(nullptr));
     }
   });
   return out;

@@ -460,8 +460,7 @@ at::Tensor float_linear(const at::Tensor& x, const at::Tensor& weight) {
 // divides the bytes by to know the memory's speed.
 int64_t stream_read(const at::Tensor& t) {
   TORCH_CHECK(t.is_contiguous() && t.nbytes() % 128 == 0,
-              "stream_read: a contiguous tensor "
-              "whose size is a multiple of 128 bytes");
+              "stream_read: a contiguous tensor whose size is a multiple of 128 bytes");
   const char* p = static_cast<const char*>(t.data_ptr());
   const int64_t lines = static_cast<int64_t>(t.nbytes()) / 128;
   std::vector<int64_t> parts(at::get_num_threads(), 0);
