@@ -33,8 +33,9 @@ MODE_LABELS = {
     None: "none (weights in the model dtype)",
     "int8": "int8 LLM.int8 (bitsandbytes Linear8bitLt, outlier threshold 6.0)",
     "int8-wo": "int8 weight-only (pagechat's AVX2 kernel where it builds, else torch's int8pack)",
-    "bf16-wo": "bf16 weight-only (bf16 matmul for decode rows, float32 for prefill)",
-    "awq": "AWQ 4-bit (torch int4 weight-only matmul, bf16 activations)",
+    "bf16-wo": "bf16 weight-only (decode rows on pagechat's AVX2 kernel where it builds, else a "
+    "bf16 matmul; float32 for prefill)",
+    "awq": "AWQ 4-bit (pagechat's AVX2 int4 kernel where it builds, else torch's int4 matmul)",
 }
 
 
