@@ -98,18 +98,23 @@ def int8_wo_kernel(k: int, device: torch.device):
     return kernels.op("int8_linear") if int8_kernel_runs(k, device.type) else None
 
 
+def float_kernel_runs(k: int, device_type: str) -> bool:
+    """Whether pagechat's float kernel runs a float32 or bf16 layer with k inputs on device_type
+    (deciding builds the kernels)."""
+    return device_type == "cpu" and k % 8 == 0 and kernels.loaded()
+
+
 def bf16_wo_path(k: int, device_type: str) -> str:
     """Which kernel a bf16 weight-only layer with k inputs runs: pagechat's float kernel on a CPU
     where it builds (deciding builds it), else torch's bf16 matmul."""
-    if device_type == "cpu" and k % 8 == 0 and kernels.loaded():
-        return BF16_KERNEL_PATH
-    return BF16_TORCH_PATH
+    return BF16_KERNEL_PATH if float_kernel_runs(k, device_type) else BF16_TORCH_PATH
 
 
-class Bf16Linear(nn.Linear):
-    """A bf16 model's dense linear on a CPU where pagechat's kernels run: up to kernels.MAX_ROWS
-    rows (decode) run its float kernel, which reads bf16 weights faster than torch's bf16 matmul
-    (docs/benchmarks.md); more rows (prefill) stay torch's. Reported as a dense layer."""
+class FloatLinear(nn.Linear):
+    """A float32 or bf16 model's dense linear on a CPU where pagechat's kernels run: up to
+    kernels.MAX_ROWS rows (decode) run its float kernel, which reads the weights faster than
+    torch's matmuls (bf16's and MKL's float32 one; docs/benchmarks.md); more rows (prefill) stay
+    torch's. Reported as a dense layer."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2 or x.shape[0] > kernels.MAX_ROWS:
@@ -119,12 +124,12 @@ class Bf16Linear(nn.Linear):
 
 
 def on_kernel(layer: nn.Linear) -> nn.Linear:
-    """A dense layer as it is, or as a Bf16Linear holding the same tensors where its weight is bf16
-    on a CPU that runs pagechat's kernels (deciding builds them)."""
+    """A dense layer as it is, or as a FloatLinear holding the same tensors where its weight is
+    float32 or bf16 on a CPU that runs pagechat's kernels (deciding builds them)."""
     w = layer.weight
-    if w.dtype != _BF16 or bf16_wo_path(w.shape[1], w.device.type) != BF16_KERNEL_PATH:
+    if w.dtype not in (torch.float32, _BF16) or not float_kernel_runs(w.shape[1], w.device.type):
         return layer
-    out = Bf16Linear(w.shape[1], w.shape[0], bias=layer.bias is not None, device="meta")
+    out = FloatLinear(w.shape[1], w.shape[0], bias=layer.bias is not None, device="meta")
     out.weight, out.bias = layer.weight, layer.bias
     return out
 

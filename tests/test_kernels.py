@@ -350,16 +350,23 @@ def test_engine_with_the_kernel_decodes_as_the_exact_dequantised_model(kernel, t
 
 
 @needs_kernel
-def test_a_bf16_models_dense_layers_run_the_float_kernel_for_decode_rows(kernel):
+def test_a_float_models_dense_layers_run_the_float_kernel_for_decode_rows(kernel):
     from pagechat.core.model import linear
-    from pagechat.quant.layers import Bf16Linear, on_kernel
+    from pagechat.quant.layers import FloatLinear, on_kernel
 
     w, b = torch.randn(96, 64).bfloat16(), torch.randn(96).bfloat16()
     layer = on_kernel(linear(w, b))
-    assert isinstance(layer, Bf16Linear) and layer.weight is not None
-    assert type(on_kernel(linear(w.float()))) is torch.nn.Linear  # float32 stays torch's (MKL)
+    assert isinstance(layer, FloatLinear) and layer.weight is not None
+    assert type(on_kernel(linear(w.half()))) is torch.nn.Linear  # float16 stays torch's
+    assert type(on_kernel(linear(torch.randn(96, 60)))) is torch.nn.Linear  # K not in 8s
     x = torch.randn(17, 64).bfloat16()
     exact = x.double() @ w.double().t() + b.double()
     # 16 rows: float32 sums of the same products, rounded to bf16 once, then the bias added
     assert rel(layer(x[:16]), exact[:16]) <= 1e-2 and layer(x[:16]).dtype == torch.bfloat16
     assert torch.equal(layer(x), torch.nn.functional.linear(x, w, b))  # 17 rows: torch's matmul
+    w32, b32, x32 = w.float(), b.float(), x.float()
+    layer = on_kernel(linear(w32, b32))  # float32: the same kernel, in place of MKL's matmul
+    assert isinstance(layer, FloatLinear)
+    kernel_rows = torch.ops.pagechat.float_linear(x32[:16], w32) + b32
+    assert torch.equal(layer(x32[:16]), kernel_rows) and rel(kernel_rows, exact[:16]) <= 1e-5
+    assert torch.equal(layer(x32), torch.nn.functional.linear(x32, w32, b32))
