@@ -27,6 +27,7 @@ from pagechat.core.loader import (
     read_spec,
 )
 from pagechat.core.model import DecoderModel
+from pagechat.core.native import cpu_has_native_bf16
 from pagechat.core.params import SamplingParams
 from pagechat.core.quantization import QuantPlan, resolve_quant
 from pagechat.core.report import (
@@ -56,15 +57,6 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     return torch.device(name)
-
-
-def cpu_has_native_bf16() -> bool:
-    """True when this CPU computes bf16 natively (AVX512-BF16 / AMX): there bf16 is the faster
-    compute dtype, elsewhere it is emulated."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
 
 
 def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str | None) -> torch.dtype:

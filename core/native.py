@@ -28,6 +28,16 @@ log = logging.getLogger(__name__)
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 
 
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    """True when this CPU computes bf16 natively (AVX512-BF16 / AMX): there bf16 is the faster
+    compute dtype, elsewhere it is emulated."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
 def enabled() -> bool:
     """Whether PAGECHAT_KERNELS allows pagechat's C++ code (unset, or not 0/false/no/off)."""
     return os.environ.get("PAGECHAT_KERNELS", "1").strip().lower() not in (

@@ -5,8 +5,9 @@ torch's int4 / int8 weight-only matmuls want bf16 activations (other dtypes hit 
 so activations are cast to bf16 around the call and back; where the op is missing or the shapes
 don't fit it, the weights are dequantised on every call (exact in fp32, memory stays quantised).
 int8 weight-only and AWQ int4 layers on an AVX2 CPU run pagechat's own kernels (quant/kernels.py)
-for up to 16 rows (decode), faster than torch's, and for more rows (prefill) a float32 matmul on the
-weights dequantised for the call, faster than torch's packed kernels there (docs/benchmarks.md).
+for up to 16 rows (decode), faster than torch's, and for more rows (prefill) a GEMM on the weights
+dequantised for the call (bf16 where the model computes in bf16 on a CPU with native bf16, else
+float32), faster than torch's packed kernels there (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import logging
 import torch
 import torch.nn.functional as F
 from pagechat.core.graphs import MAX_GRAPH_TOKENS
+from pagechat.core.native import cpu_has_native_bf16
 from pagechat.quant import kernels
 from pagechat.quant.pack import dequantize, pack_awq, unpack_awq
 from torch import nn
@@ -30,11 +32,18 @@ LLM_INT8_THRESHOLD = (
     6.0  # activation magnitude above which a column goes through the fp16 outlier matmul
 )
 _BF16 = torch.bfloat16
-# the paths of layers on pagechat's kernels: decode's few rows run them, prefill's float32 GEMMs
-INT8_KERNEL_PATH = f"{kernels.INT8_PATH} <= {kernels.MAX_ROWS} rows, else fp32"
-INT4_KERNEL_PATH = f"{kernels.INT4_PATH} <= {kernels.MAX_ROWS} rows, else fp32"
-BF16_KERNEL_PATH = f"bf16-{kernels.FLOAT_PATH} <= {kernels.MAX_ROWS} rows, else fp32"
-BF16_TORCH_PATH = f"bf16 <= {MAX_GRAPH_TOKENS} rows, else fp32"
+# the paths of layers on pagechat's kernels: decode's few rows run them, prefill a GEMM
+INT8_KERNEL_PATH = f"{kernels.INT8_PATH} <= {kernels.MAX_ROWS} rows, else GEMM"
+INT4_KERNEL_PATH = f"{kernels.INT4_PATH} <= {kernels.MAX_ROWS} rows, else GEMM"
+BF16_KERNEL_PATH = f"bf16-{kernels.FLOAT_PATH} <= {kernels.MAX_ROWS} rows, else GEMM"
+BF16_TORCH_PATH = f"bf16 <= {MAX_GRAPH_TOKENS} rows, else GEMM"
+
+
+def gemm_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype of prefill's GEMM on weights dequantised for the call: bf16 where the activations
+    are bf16 on a CPU that computes bf16 natively (AMX: several times float32's speed), else
+    float32 (MKL), since a bf16 GEMM without native bf16 is several times slower than float32."""
+    return _BF16 if x.dtype == _BF16 and cpu_has_native_bf16() else torch.float32
 
 
 def _has_kernel(op: str, device: torch.device) -> bool:
@@ -210,9 +219,10 @@ class AWQLinear(_WeightOnlyLinear):
             args = (self.weight_packed, self.scales, self.zeros, self.group)
             if x2.shape[0] <= kernels.MAX_ROWS:
                 return torch.ops.pagechat.int4_linear(x2, *args).to(x2.dtype)
-            # many rows are a GEMM: float32's (MKL) on the weights dequantised for this call
-            y = F.linear(x2.float(), torch.ops.pagechat.int4_dequantize(*args))
-            return y.to(x2.dtype)
+            # many rows are a GEMM on the weights dequantised for this call
+            dtype = gemm_dtype(x2)
+            w = torch.ops.pagechat.int4_dequantize(*args).to(dtype)
+            return F.linear(x2.to(dtype), w).to(x2.dtype)
         if self.path == "dequant":
             return x2 @ dequantize(
                 unpack_awq(self.qweight), unpack_awq(self.qzeros), self.scales, self.group, x2.dtype
@@ -273,9 +283,9 @@ class Int8WOLinear(_WeightOnlyLinear):
         if self.kernel is not None:
             if x2.shape[0] <= kernels.MAX_ROWS:
                 return self.kernel(x2, self.weight, self.scales).to(x2.dtype)
-            # many rows are a GEMM: float32's (MKL) beats int8pack's, whatever the model's dtype,
-            # as on a CPU without native bf16 a bf16 GEMM is several times slower (Bf16WOLinear)
-            y = F.linear(x2.float(), self.weight.float()) * self.scales.float()
+            # many rows are a GEMM (faster than int8pack's) on the int8 values, exact in bf16 too
+            dtype = gemm_dtype(x2)
+            y = F.linear(x2.to(dtype), self.weight.to(dtype)) * self.scales.to(dtype)
             return y.to(x2.dtype)
         if (
             self.torch_path == "dequant"

@@ -133,7 +133,7 @@ def test_kernel_refuses_shapes_it_cannot_take(kernel):
 def test_layer_runs_the_kernel_for_up_to_16_rows_and_a_float32_matmul_beyond(kernel):
     w = torch.randn(96, 256)
     layer = Int8WOLinear.from_float(w, None, CPU)
-    assert layer.path == "int8-avx2 <= 16 rows, else fp32" and layer.kernel is kernel
+    assert layer.path == "int8-avx2 <= 16 rows, else GEMM" and layer.kernel is kernel
     torch_only = Int8WOLinear(layer.weight, layer.scales, None, CPU, path="int8pack-cpu")
     assert torch_only.kernel is None and torch_only.path == "int8pack-cpu"
     x = torch.randn(17, 256)
@@ -217,6 +217,29 @@ def test_awq_layer_runs_the_int4_kernel_for_up_to_16_rows_and_float32_beyond(ker
     assert rel(layer(x[:16]), ref[:16]) <= 1e-4  # the kernel
     assert rel(layer(x), ref) <= 1e-6  # 17 rows: float32 on the dequantised weights
     assert layer(x[:2].bfloat16()).dtype == torch.bfloat16
+
+
+@needs_kernel
+@pytest.mark.parametrize("native_bf16", [False, True])
+def test_prefill_rows_of_bf16_activations_run_a_bf16_gemm_only_where_the_cpu_has_bf16(
+    kernel, monkeypatch, native_bf16
+):
+    F = torch.nn.functional
+    monkeypatch.setattr("pagechat.quant.layers.cpu_has_native_bf16", lambda: native_bf16)
+    int8 = Int8WOLinear.from_float(torch.randn(96, 256), None, CPU)
+    packed, s, z, deq = int4_weight(96, 256, 64, seed=5)
+    q, zt, st = quantize_groups(deq.float(), 64)
+    awq = AWQLinear(q.t(), zt.t(), st.t(), None, 64, CPU)
+    x = torch.randn(17, 256).bfloat16()  # more rows than the kernels take: a GEMM
+    w8, s8, w4 = int8.weight.float(), int8.scales.float(), deq.float()
+    if native_bf16:  # AMX's bf16 GEMM on the dequantised weights (int8 values exact in bf16)
+        want8 = F.linear(x, w8.bfloat16()) * s8.bfloat16()
+        want4 = F.linear(x, w4.bfloat16())
+    else:  # float32's, rounded to the activations' bf16 once
+        want8 = (F.linear(x.float(), w8) * s8).bfloat16()
+        want4 = F.linear(x.float(), w4).bfloat16()
+    assert torch.equal(int8(x), want8) and torch.equal(awq(x), want4)
+    assert int8(x.float()).dtype == awq(x.float()).dtype == torch.float32  # float32: float32's
 
 
 @needs_kernel
@@ -336,7 +359,7 @@ def test_engine_with_the_kernel_decodes_as_the_exact_dequantised_model(kernel, t
     of slightly different inputs, less than torch's int8pack path (bf16 activations) differs."""
     e = Engine(tiny_llama, EngineConfig(kv_blocks=64, dtype="float32", quant="int8-wo"))
     paths = {m.path for m in e.model.modules() if isinstance(m, Int8WOLinear)}
-    assert paths == {"int8-avx2 <= 16 rows, else fp32"}
+    assert paths == {"int8-avx2 <= 16 rows, else GEMM"}
     ref = _torch_engine(tiny_llama, "dequant")
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25]]
