@@ -116,7 +116,6 @@ struct Int8Weights {
   const float* row_scales;
   int64_t k;
   const char* row(int64_t j) const { return reinterpret_cast<const char*>(w + j * k); }
-  int64_t group_blocks() const { return k / kBlock; }  // one scale per row, applied in finish
   void unpack(int64_t j, int64_t b, __m256i& lo, __m256i& hi) const {
     const int8_t* p = w + j * k + b * kBlock;
     lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -167,7 +166,6 @@ struct Int4Weights {
     lo = _mm256_and_si256(v, _mm256_set1_epi16(0x0F));
     hi = _mm256_srli_epi16(v, 4);
   }
-  int64_t group_blocks() const { return blocks_per_group; }
   const float* group_scale(int64_t j, int64_t g) const { return scales + j * groups + g; }
   float finish(int64_t r, int64_t j, float sum) const {
     const float* s = scales + j * groups;
@@ -198,34 +196,39 @@ inline void int_tile(const Wt& wt, int64_t m0, int64_t j0, int64_t step, float* 
   __m256 acc[R][W];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < W; ++c) acc[r][c] = _mm256_setzero_ps();
-  // group by group, so that a block's group needs no division (a 64-bit one per block and weight
-  // row was a third of the int4 kernel's time at group 32)
-  for (int64_t b = 0, g = 0; b < blocks; ++g) {
-    __m256 ws[W];
+  // a new group's scales when its first block comes, counted down rather than divided out (a
+  // 64-bit division per block and weight row was a third of the int4 kernel's time at group 32),
+  // in one loop over the blocks, so that the rows' addresses are worked out once per tile
+  __m256 ws[W];
+  int64_t g = 0, left = 0;
+  for (int64_t b = 0; b < blocks; ++b) {
     if constexpr (Wt::kGroupScales) {
-      for (int c = 0; c < W; ++c) ws[c] = _mm256_broadcast_ss(wt.group_scale(j0 + c * step, g));
-    }
-    for (const int64_t group_end = b + wt.group_blocks(); b < group_end; ++b) {
-      __m256i wlo[W], whi[W];
-      for (int c = 0; c < W; ++c) {
-        const int64_t j = j0 + c * step;
-        prefetch_ahead(wt.row(j), b * Wt::kBlockBytes);
-        wt.unpack(j, b, wlo[c], whi[c]);
+      if (left == 0) {
+        for (int c = 0; c < W; ++c) ws[c] = _mm256_broadcast_ss(wt.group_scale(j0 + c * step, g));
+        ++g;
+        left = wt.blocks_per_group;
       }
-      for (int r = 0; r < R; ++r) {
-        const int64_t off = (m0 + r) * k + b * kBlock;
-        const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&xq.q[off]));
-        const __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&xq.q[off + 16]));
-        const __m256 d = _mm256_set1_ps(xq.scales[(m0 + r) * blocks + b]);
-        for (int c = 0; c < W; ++c) {
-          // |sum| <= 4 * 128 * 32767 < 2^24 (int4: 4 * 15 * 32767): exact in int32 and in float
-          const __m256 s = _mm256_cvtepi32_ps(
-              _mm256_add_epi32(_mm256_madd_epi16(wlo[c], xlo), _mm256_madd_epi16(whi[c], xhi)));
-          if constexpr (Wt::kGroupScales) {
-            acc[r][c] = _mm256_fmadd_ps(_mm256_mul_ps(s, d), ws[c], acc[r][c]);
-          } else {
-            acc[r][c] = _mm256_fmadd_ps(s, d, acc[r][c]);
-          }
+      --left;
+    }
+    __m256i wlo[W], whi[W];
+    for (int c = 0; c < W; ++c) {
+      const int64_t j = j0 + c * step;
+      prefetch_ahead(wt.row(j), b * Wt::kBlockBytes);
+      wt.unpack(j, b, wlo[c], whi[c]);
+    }
+    for (int r = 0; r < R; ++r) {
+      const int64_t off = (m0 + r) * k + b * kBlock;
+      const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&xq.q[off]));
+      const __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&xq.q[off + 16]));
+      const __m256 d = _mm256_set1_ps(xq.scales[(m0 + r) * blocks + b]);
+      for (int c = 0; c < W; ++c) {
+        // |sum| <= 4 * 128 * 32767 < 2^24 (int4: 4 * 15 * 32767): exact in int32 and in float
+        const __m256 s = _mm256_cvtepi32_ps(
+            _mm256_add_epi32(_mm256_madd_epi16(wlo[c], xlo), _mm256_madd_epi16(whi[c], xhi)));
+        if constexpr (Wt::kGroupScales) {
+          acc[r][c] = _mm256_fmadd_ps(_mm256_mul_ps(s, d), ws[c], acc[r][c]);
+        } else {
+          acc[r][c] = _mm256_fmadd_ps(s, d, acc[r][c]);
         }
       }
     }
