@@ -189,8 +189,10 @@ class MLP(nn.Module):
         p: str,
         dtype: torch.dtype,
         load: LinearLoader,
+        fused: bool,
     ) -> None:
         super().__init__()
+        self.fused = fused  # silu(gate) * up as one op (core/ops.py)
         hid, inter = spec.hidden_size, spec.intermediate_size
         self.gate_up_proj = load(
             w, [f"{p}.gate_proj", f"{p}.up_proj"], (inter, inter), hid, spec.mlp_bias, dtype
@@ -200,6 +202,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if self.fused:
+            return self.down_proj(torch.ops.pagechat.silu_mul(gate_up))
         gate, up = gate_up.split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -230,7 +234,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(
             spec, w, f"{p}.self_attn", dtype, spec.sliding_windows[i], load, fused
         )
-        self.mlp = MLP(spec, w, f"{p}.mlp", dtype, load)
+        self.mlp = MLP(spec, w, f"{p}.mlp", dtype, load, fused)
 
     def forward(self, x, residual, cos, sin, kv, meta):
         if residual is None:

@@ -1,5 +1,5 @@
 """The decoder's small ops fused for CPU steps (ops.cpp: RMSNorm, residual add + RMSNorm, rotary
-embedding, decode attention), built on first use by native.py.
+embedding, SiLU x up), built on first use by native.py.
 
 core/model.py asks `fused(device, dtype)` once per model; where it is False (a GPU, float16,
 PAGECHAT_KERNELS=0, no compiler) the model runs the same math as torch ops.

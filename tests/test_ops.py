@@ -1,7 +1,7 @@
 """The decoder's fused small ops (core/ops.cpp) against the torch code they replace, in float32
 and bf16, and the model's choice of them.
 
-Oracle: core/model.py's own torch path (RMSNorm._norm, rotate), which the HF
+Oracle: core/model.py's own torch path (RMSNorm._norm, rotate, silu(gate) * up), which the HF
 parity tests pin to transformers. float32 results may differ by the order of a row's sum of
 squares (a few ulps); bf16 results round where torch's bf16 ops round, so they agree but for a
 rare last-bit tie.
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from pagechat.core import native, ops
 from pagechat.core.config import EngineConfig
 from pagechat.core.engine import Engine
@@ -61,6 +62,14 @@ def test_rope_on_a_slice_of_qkv_matches_rotate(dtype):
 
 
 @needs_ops
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_matches_torch(dtype):
+    gate_up = (torch.randn(7, 2 * 1536) * 4).to(dtype)
+    gate, up = gate_up.split(1536, dim=-1)
+    assert close(torch.ops.pagechat.silu_mul(gate_up), F.silu(gate) * up, dtype)
+
+
+@needs_ops
 def test_ops_refuse_what_they_cannot_take():
     with pytest.raises(RuntimeError, match="float32 or bf16"):
         torch.ops.pagechat.rms_norm(torch.randn(2, 8).half(), torch.ones(8).half(), 1e-5)
@@ -72,7 +81,7 @@ def test_model_uses_them_only_where_they_run(tiny_llama, monkeypatch):
     e = Engine(tiny_llama, EngineConfig(kv_blocks=8, dtype="float32"))
     layer = e.model.layers[0]
     want = ops.fused(CPU, torch.float32)
-    assert layer.input_layernorm.fused == layer.self_attn.fused == want
+    assert layer.input_layernorm.fused == layer.mlp.fused == layer.self_attn.fused == want
     monkeypatch.setenv("PAGECHAT_KERNELS", "0")
     native.library.cache_clear()
     try:
