@@ -67,6 +67,11 @@ def test_silu_mul_matches_torch(dtype):
     gate_up = (torch.randn(7, 2 * 1536) * 4).to(dtype)
     gate, up = gate_up.split(1536, dim=-1)
     assert close(torch.ops.pagechat.silu_mul(gate_up), F.silu(gate) * up, dtype)
+    # the vectorised exp saturates where torch's does and passes NaN on
+    edge = torch.tensor([float("nan"), float("inf"), -float("inf"), 100.0, -100.0, 0.0] + [3.0] * 4)
+    gate_up = torch.cat([edge, torch.ones(10)]).to(dtype)[None]
+    want = F.silu(edge.to(dtype))
+    torch.testing.assert_close(torch.ops.pagechat.silu_mul(gate_up)[0], want, equal_nan=True)
 
 
 @needs_ops
