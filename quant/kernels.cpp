@@ -253,7 +253,6 @@ struct Fp32Weights {
   const float* x;
   const float* w;
   int64_t k;
-  const char* row(int64_t j) const { return reinterpret_cast<const char*>(w + j * k); }
   template <int R, int W>
   void tile(int64_t m0, int64_t j0, int64_t step, float* out, int64_t n) const {
     __m256 acc[R][W];
