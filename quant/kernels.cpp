@@ -20,6 +20,8 @@
 //          [N, K/g]; 21 bytes per 32 weights at g = 32 (ggml's Q4_0: 18, Q4_1: 20), 16.6 at
 //          AWQ's usual 128.
 //   float: fp32 or bf16 [N, K].
+// Activations are float32, bf16 or fp16 [M, K], and the output [M, N] comes in the same dtype:
+// a cast on each side of a decode step's ~120 small matmuls cost more than their arithmetic.
 //
 // Compiled on first use by core/native.py with -mavx2 -mfma -mf16c (no -march=native, so that a
 // cached build runs on any AVX2 host); registered as torch.ops.pagechat.* so that traced steps
@@ -62,17 +64,52 @@ inline float max_abs8(__m256 v) {
 
 using pagechat::sum8;
 
+// Calls f with x's data as float, bf16 or fp16 (the activation types the kernels take as they are,
+// so that the layers need no cast before or after them).
+template <class F>
+void with_rows(const at::Tensor& x, F&& f) {
+  switch (x.scalar_type()) {
+    case at::kFloat:
+      return f(x.data_ptr<float>());
+    case at::kBFloat16:
+      return f(x.data_ptr<at::BFloat16>());
+    case at::kHalf:
+      return f(x.data_ptr<at::Half>());
+    default:
+      TORCH_CHECK(false, "pagechat kernels: float32, bf16 or fp16 activations, not ", x.dtype());
+  }
+}
+
+// The output [M, N], in the activations' dtype: each tile writes its sums as they are finished.
+struct Out {
+  explicit Out(const at::Tensor& t) : p(t.data_ptr()), type(t.scalar_type()), n(t.size(1)) {}
+  void set(int64_t m, int64_t j, float v) const {
+    const int64_t i = m * n + j;
+    if (type == at::kFloat) {
+      static_cast<float*>(p)[i] = v;
+    } else if (type == at::kBFloat16) {
+      static_cast<at::BFloat16*>(p)[i] = v;
+    } else {
+      static_cast<at::Half*>(p)[i] = v;
+    }
+  }
+  void* p;
+  at::ScalarType type;
+  int64_t n;
+};
+
 // One activation row -> int16 values (round to nearest) and one scale per block of 32:
 // x ~= q * scale, scale = max|x| / 32767. A NaN or inf in a block makes its scale non-finite, and
 // so the outputs (inf: q = 0 times scale inf is NaN): the engine's check for broken logits sees it.
-void quantize_row(const float* x, int64_t k, int16_t* q, float* scales) {
+template <class T>
+void quantize_row(const T* x, int64_t k, int16_t* q, float* scales) {
   for (int64_t b = 0; b < k / kBlock; ++b) {
-    const float* xb = x + b * kBlock;
+    const T* xb = x + b * kBlock;
     __m256 v[4];
     __m256 m = _mm256_setzero_ps();
     __m256 nan = _mm256_setzero_ps();  // max_ps drops NaNs, so they are looked for apart
     for (int i = 0; i < 4; ++i) {
-      v[i] = _mm256_loadu_ps(xb + 8 * i);
+      v[i] = pagechat::load8(xb + 8 * i);
       m = _mm256_max_ps(m, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v[i]));
       nan = _mm256_or_ps(nan, _mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));
     }
@@ -97,10 +134,11 @@ void quantize_row(const float* x, int64_t k, int16_t* q, float* scales) {
 struct QuantRows {
   explicit QuantRows(const at::Tensor& x)
       : k(x.size(1)), q(x.size(0) * k), scales(x.size(0) * (k / kBlock)) {
-    const float* xf = x.data_ptr<float>();
-    for (int64_t i = 0; i < x.size(0); ++i) {
-      quantize_row(xf + i * k, k, &q[i * k], &scales[i * (k / kBlock)]);
-    }
+    with_rows(x, [&](const auto* xp) {
+      for (int64_t i = 0; i < x.size(0); ++i) {
+        quantize_row(xp + i * k, k, &q[i * k], &scales[i * (k / kBlock)]);
+      }
+    });
   }
   const int64_t k;
   std::vector<int16_t> q;
@@ -123,7 +161,7 @@ struct Int8Weights {
   }
   float finish(int64_t, int64_t j, float sum) const { return sum * row_scales[j]; }
   template <int R, int W>
-  void tile(int64_t m0, int64_t j0, int64_t step, float* out, int64_t n) const;
+  void tile(int64_t m0, int64_t j0, int64_t step, const Out& out) const;
 };
 
 // int4 rows in groups (w = (q - zero) * scale): the products are summed with q as it is, and
@@ -184,13 +222,13 @@ struct Int4Weights {
     return sum - t;
   }
   template <int R, int W>
-  void tile(int64_t m0, int64_t j0, int64_t step, float* out, int64_t n) const;
+  void tile(int64_t m0, int64_t j0, int64_t step, const Out& out) const;
 };
 
 // out[m][j] for R activation rows from m0 and the W weight rows j0, j0 + step, ...: each weight
 // block is loaded once for the R rows and each activation block once for the W weight rows.
 template <class Wt, int R, int W>
-inline void int_tile(const Wt& wt, int64_t m0, int64_t j0, int64_t step, float* out, int64_t n) {
+inline void int_tile(const Wt& wt, int64_t m0, int64_t j0, int64_t step, const Out& out) {
   const QuantRows& xq = wt.x;
   const int64_t k = xq.k, blocks = k / kBlock;
   __m256 acc[R][W];
@@ -235,17 +273,17 @@ inline void int_tile(const Wt& wt, int64_t m0, int64_t j0, int64_t step, float* 
   }
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < W; ++c)
-      out[(m0 + r) * n + j0 + c * step] = wt.finish(m0 + r, j0 + c * step, sum8(acc[r][c]));
+      out.set(m0 + r, j0 + c * step, wt.finish(m0 + r, j0 + c * step, sum8(acc[r][c])));
 }
 
 template <int R, int W>
-void Int8Weights::tile(int64_t m0, int64_t j0, int64_t step, float* out, int64_t n) const {
-  int_tile<Int8Weights, R, W>(*this, m0, j0, step, out, n);
+void Int8Weights::tile(int64_t m0, int64_t j0, int64_t step, const Out& out) const {
+  int_tile<Int8Weights, R, W>(*this, m0, j0, step, out);
 }
 
 template <int R, int W>
-void Int4Weights::tile(int64_t m0, int64_t j0, int64_t step, float* out, int64_t n) const {
-  int_tile<Int4Weights, R, W>(*this, m0, j0, step, out, n);
+void Int4Weights::tile(int64_t m0, int64_t j0, int64_t step, const Out& out) const {
+  int_tile<Int4Weights, R, W>(*this, m0, j0, step, out);
 }
 
 // float32 rows times float32 activations, tiled as int_tile.
@@ -254,7 +292,7 @@ struct Fp32Weights {
   const float* w;
   int64_t k;
   template <int R, int W>
-  void tile(int64_t m0, int64_t j0, int64_t step, float* out, int64_t n) const {
+  void tile(int64_t m0, int64_t j0, int64_t step, const Out& out) const {
     __m256 acc[R][W];
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < W; ++c) acc[r][c] = _mm256_setzero_ps();
@@ -271,7 +309,7 @@ struct Fp32Weights {
       }
     }
     for (int r = 0; r < R; ++r)
-      for (int c = 0; c < W; ++c) out[(m0 + r) * n + j0 + c * step] = sum8(acc[r][c]);
+      for (int c = 0; c < W; ++c) out.set(m0 + r, j0 + c * step, sum8(acc[r][c]));
   }
 };
 
@@ -282,10 +320,13 @@ struct Fp32Weights {
 // are split the same way once per call: per 16, the 8 even ones, then the 8 odd ones; a tail of 8
 // is widened.
 struct Bf16Weights {
-  Bf16Weights(const at::Tensor& xf, const at::BFloat16* w)
-      : w(reinterpret_cast<const uint16_t*>(w)), k(xf.size(1)), x(xf.numel()) {
-    const float* src = xf.data_ptr<float>();
-    for (int64_t r = 0; r < xf.size(0); ++r) {
+  Bf16Weights(const at::Tensor& xt, const at::BFloat16* w)
+      : w(reinterpret_cast<const uint16_t*>(w)), k(xt.size(1)), x(xt.numel()) {
+    with_rows(xt, [&](const auto* src) { split(src, xt.size(0)); });
+  }
+  template <class T>
+  void split(const T* src, int64_t rows) {
+    for (int64_t r = 0; r < rows; ++r) {
       int64_t i = 0;
       for (; i + 16 <= k; i += 16) {
         for (int e = 0; e < 8; ++e) {
@@ -300,7 +341,7 @@ struct Bf16Weights {
   const int64_t k;
   std::vector<float> x;
   template <int R, int W>
-  void tile(int64_t m0, int64_t j0, int64_t step, float* out, int64_t n) const {
+  void tile(int64_t m0, int64_t j0, int64_t step, const Out& out) const {
     const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
     __m256 acc[R][W];
     for (int r = 0; r < R; ++r)
@@ -333,15 +374,15 @@ struct Bf16Weights {
       }
     }
     for (int r = 0; r < R; ++r)
-      for (int c = 0; c < W; ++c) out[(m0 + r) * n + j0 + c * step] = sum8(acc[r][c]);
+      for (int c = 0; c < W; ++c) out.set(m0 + r, j0 + c * step, sum8(acc[r][c]));
   }
 };
 
 // R activation rows from m0 times the kStreams weight rows j, j + step, ...: in tiles of W of
 // those rows (the more activation rows, the fewer weight rows per tile: registers).
 template <int R, int W, class Wt>
-void rows_times_streams(const Wt& wt, int64_t m0, int64_t j, int64_t step, float* out, int64_t n) {
-  for (int c = 0; c < kStreams; c += W) wt.template tile<R, W>(m0, j + c * step, step, out, n);
+void rows_times_streams(const Wt& wt, int64_t m0, int64_t j, int64_t step, const Out& out) {
+  for (int c = 0; c < kStreams; c += W) wt.template tile<R, W>(m0, j + c * step, step, out);
 }
 
 // out [M, N] = every activation row times every weight row, split over threads by weight rows.
@@ -353,8 +394,8 @@ void rows_times_streams(const Wt& wt, int64_t m0, int64_t j, int64_t step, float
 template <class Wt>
 at::Tensor run(const Wt& wt, const at::Tensor& x, int64_t n) {
   const int64_t m = x.size(0);
-  at::Tensor out = at::empty({m, n}, x.options().dtype(at::kFloat));
-  float* o = out.data_ptr<float>();
+  at::Tensor out = at::empty({m, n}, x.options());
+  const Out o(out);
   // 64 rows of 576 bytes or more per task: the split costs far less than the rows take to read
   at::parallel_for(0, n, 64, [&](int64_t n0, int64_t n1) {
     const int64_t step = (n1 - n0) / kStreams;
@@ -363,24 +404,24 @@ at::Tensor run(const Wt& wt, const at::Tensor& x, int64_t n) {
     for (int64_t j = n0; j < n0 + step; ++j) {
       int64_t m0 = 0;
       for (; m0 + kMaxRowsPerPass <= m; m0 += kMaxRowsPerPass) {
-        rows_times_streams<kMaxRowsPerPass, 2>(wt, m0, j, step, o, n);
+        rows_times_streams<kMaxRowsPerPass, 2>(wt, m0, j, step, o);
       }
       switch (m - m0) {
         case 3:
-          rows_times_streams<3, 2>(wt, m0, j, step, o, n);
+          rows_times_streams<3, 2>(wt, m0, j, step, o);
           break;
         case 2:
-          rows_times_streams<2, kStreams>(wt, m0, j, step, o, n);
+          rows_times_streams<2, kStreams>(wt, m0, j, step, o);
           break;
         case 1:
-          rows_times_streams<1, kStreams>(wt, m0, j, step, o, n);
+          rows_times_streams<1, kStreams>(wt, m0, j, step, o);
           break;
         default:
           break;
       }
     }
     for (int64_t j = n0 + kStreams * step; j < n1; ++j) {
-      for (int64_t m0 = 0; m0 < m; ++m0) wt.template tile<1, 1>(m0, j, 0, o, n);
+      for (int64_t m0 = 0; m0 < m; ++m0) wt.template tile<1, 1>(m0, j, 0, o);
     }
   });
   return out;
@@ -391,21 +432,21 @@ void check_rows(const at::Tensor& x, const at::Tensor& weight, const char* op) {
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), op, ": CPU tensors only");
 }
 
-// y [M, N] float32 = x [M, K] (float32 or bf16) @ (weight int8 [N, K] * scales [N])^T.
+// y [M, N] = x [M, K] @ (weight int8 [N, K] * scales [N])^T.
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
   check_rows(x, weight, "int8_linear");
   const int64_t k = x.size(1), n = weight.size(0);
   TORCH_CHECK(weight.scalar_type() == at::kChar, "int8_linear: an int8 weight [N, K]");
   TORCH_CHECK(weight.size(1) == k && k % kBlock == 0 && scales.numel() == n,
               "int8_linear: weight [N, K] with K a multiple of 32, scales [N]");
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const at::Tensor xc = x.contiguous();
   const at::Tensor wc = weight.contiguous();
   const at::Tensor sf = scales.to(at::kFloat).contiguous();
-  const QuantRows xq(xf);
-  return run(Int8Weights{xq, wc.data_ptr<int8_t>(), sf.data_ptr<float>(), k}, xf, n);
+  const QuantRows xq(xc);
+  return run(Int8Weights{xq, wc.data_ptr<int8_t>(), sf.data_ptr<float>(), k}, xc, n);
 }
 
-// y [M, N] float32 = x [M, K] @ W^T, W[j, i] = (q[j, i] - zeros[j, i / g]) * scales[j, i / g],
+// y [M, N] = x [M, K] @ W^T, W[j, i] = (q[j, i] - zeros[j, i / g]) * scales[j, i / g],
 // q packed as uint8 [N, K/2] (see the top of this file), scales float32 and zeros uint8 [N, K/g].
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                        const at::Tensor& zeros, int64_t group) {
@@ -418,12 +459,12 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   TORCH_CHECK(scales.scalar_type() == at::kFloat && zeros.scalar_type() == at::kByte &&
                   scales.numel() == n * (k / group) && zeros.numel() == n * (k / group),
               "int4_linear: float32 scales and uint8 zeros [N, K/g]");
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const at::Tensor xc = x.contiguous();
   const at::Tensor pc = packed.contiguous(), sc = scales.contiguous(), zc = zeros.contiguous();
-  const QuantRows xq(xf);
+  const QuantRows xq(xc);
   return run(
       Int4Weights(xq, pc.data_ptr<uint8_t>(), sc.data_ptr<float>(), zc.data_ptr<uint8_t>(), group),
-      xf, n);
+      xc, n);
 }
 
 // int4_linear's weights as float32 [N, K], for prefill's many rows (a GEMM, torch's part).
@@ -457,17 +498,18 @@ at::Tensor int4_dequantize(const at::Tensor& packed, const at::Tensor& scales,
   return out;
 }
 
-// y [M, N] float32 = x [M, K] @ weight^T for a float32 or bf16 weight, K a multiple of 8.
+// y [M, N] = x [M, K] @ weight^T for a float32 or bf16 weight, K a multiple of 8.
 at::Tensor float_linear(const at::Tensor& x, const at::Tensor& weight) {
   check_rows(x, weight, "float_linear");
   const int64_t k = x.size(1), n = weight.size(0);
   TORCH_CHECK(weight.size(1) == k && k % 8 == 0, "float_linear: weight [N, K], K a multiple of 8");
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const at::Tensor xc = x.contiguous();
   const at::Tensor wc = weight.contiguous();
   if (wc.scalar_type() == at::kBFloat16)
-    return run(Bf16Weights(xf, wc.data_ptr<at::BFloat16>()), xf, n);
+    return run(Bf16Weights(xc, wc.data_ptr<at::BFloat16>()), xc, n);
   TORCH_CHECK(wc.scalar_type() == at::kFloat, "float_linear: a float32 or bf16 weight");
-  return run(Fp32Weights{xf.data_ptr<float>(), wc.data_ptr<float>(), k}, xf, n);
+  const at::Tensor xf = x.to(at::kFloat).contiguous();  // a float32 model's are already
+  return run(Fp32Weights{xf.data_ptr<float>(), wc.data_ptr<float>(), k}, xc, n);
 }
 
 // Reads every byte of t once (a plain streaming read, split over threads as the matmuls are) and

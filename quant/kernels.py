@@ -29,6 +29,7 @@ def op(name: str):
       int8_linear(x [M, K], weight int8 [N, K], scales [N])
       int4_linear(x [M, K], packed uint8 [N, K/2], scales float32 [N, K/g], zeros uint8 [N, K/g], g)
       float_linear(x [M, K], weight float32 or bf16 [N, K])
-    each -> float32 [M, N]; int4_dequantize(packed, scales, zeros, g) -> float32 [N, K];
+    x float32, bf16 or fp16, each -> [M, N] in x's dtype;
+    int4_dequantize(packed, scales, zeros, g) -> float32 [N, K];
     stream_read(t) -> int (reads every byte of t once)."""
     return getattr(torch.ops.pagechat, name) if loaded() else None

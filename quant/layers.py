@@ -128,7 +128,7 @@ class FloatLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2 or x.shape[0] > kernels.MAX_ROWS:
             return F.linear(x, self.weight, self.bias)
-        y = torch.ops.pagechat.float_linear(x, self.weight).to(x.dtype)
+        y = torch.ops.pagechat.float_linear(x, self.weight)
         return y if self.bias is None else y + self.bias
 
 
@@ -218,7 +218,7 @@ class AWQLinear(_WeightOnlyLinear):
         if self.path == INT4_KERNEL_PATH:
             args = (self.weight_packed, self.scales, self.zeros, self.group)
             if x2.shape[0] <= kernels.MAX_ROWS:
-                return torch.ops.pagechat.int4_linear(x2, *args).to(x2.dtype)
+                return torch.ops.pagechat.int4_linear(x2, *args)
             # many rows are a GEMM on the weights dequantised for this call
             dtype = gemm_dtype(x2)
             w = torch.ops.pagechat.int4_dequantize(*args).to(dtype)
@@ -282,7 +282,7 @@ class Int8WOLinear(_WeightOnlyLinear):
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
             if x2.shape[0] <= kernels.MAX_ROWS:
-                return self.kernel(x2, self.weight, self.scales).to(x2.dtype)
+                return self.kernel(x2, self.weight, self.scales)
             # many rows are a GEMM (faster than int8pack's) on the int8 values, exact in bf16 too
             dtype = gemm_dtype(x2)
             y = F.linear(x2.to(dtype), self.weight.to(dtype)) * self.scales.to(dtype)
@@ -323,7 +323,7 @@ class Bf16WOLinear(_WeightOnlyLinear):
         if x2.shape[0] > self.max_rows:
             return F.linear(x2, self.weight.to(x2.dtype))
         if self.path == BF16_KERNEL_PATH:
-            return torch.ops.pagechat.float_linear(x2, self.weight).to(x2.dtype)
+            return torch.ops.pagechat.float_linear(x2, self.weight)
         return F.linear(x2.to(_BF16), self.weight).to(x2.dtype)
 
     def extra_repr(self) -> str:
