@@ -48,16 +48,25 @@ def enabled() -> bool:
     )
 
 
-def _cpu_ok() -> bool:
+@functools.cache
+def cpu_flags() -> frozenset[str] | None:
+    """The CPU's feature flags as Linux lists them (/proc/cpuinfo), or None elsewhere."""
     try:
-        flags = next(
+        line = next(
             line
             for line in Path("/proc/cpuinfo").read_text().splitlines()
             if line.startswith("flags")
-        ).split()
-    except (OSError, StopIteration):  # not Linux: trust torch's own dispatch level
+        )
+    except (OSError, StopIteration):
+        return None
+    return frozenset(line.split(":", 1)[1].split())
+
+
+def _cpu_ok() -> bool:
+    flags = cpu_flags()
+    if flags is None:  # not Linux: trust torch's own dispatch level
         return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
-    return {"avx2", "fma", "f16c"} <= set(flags)
+    return {"avx2", "fma", "f16c"} <= flags
 
 
 def cache_dir() -> Path:

@@ -138,8 +138,8 @@ class Int8Rows(_TiedRows):
 
 
 class Int4Rows(_TiedRows):
-    """A tied embedding over a 4-bit head on pagechat's int4 kernel, whose tensors hold a row per
-    output: the looked-up rows of each, dequantised by the kernel's own op (float32 [T, hidden])."""
+    """A tied embedding over a 4-bit head on pagechat's int4 kernel: the looked-up rows of its
+    table, dequantised by the kernel's own op (float32 [T, hidden]) from either of its layouts."""
 
     def __init__(self, head: AWQLinear) -> None:
         super().__init__(head)
@@ -148,8 +148,9 @@ class Int4Rows(_TiedRows):
             self.register_buffer(name, getattr(head, name))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = (self.weight_packed[ids], self.scales[ids], self.zeros[ids])
-        return torch.ops.pagechat.int4_dequantize(*rows, self.group)
+        return torch.ops.pagechat.int4_dequantize(
+            self.weight_packed, self.scales, self.zeros, self.group, ids
+        )
 
 
 class Int4PackRows(_TiedRows):

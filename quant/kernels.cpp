@@ -18,13 +18,15 @@
 //          at load: uint8 [N, K/2] where byte j of a block of 32 holds q[j] (low nibble) and
 //          q[j + 16] (high), float32 scales [N, K/g] (AWQ's fp16 ones, exact) and uint8 zeros
 //          [N, K/g]; 21 bytes per 32 weights at g = 32 (ggml's Q4_0: 18, Q4_1: 20), 16.6 at
-//          AWQ's usual 128.
+//          AWQ's usual 128. On a CPU with AVX512-VNNI and VBMI: in panels of 16 rows instead
+//          (Int4Panels, below).
 //   float: fp32 or bf16 [N, K].
 // Activations are float32, bf16 or fp16 [M, K], and the output [M, N] comes in the same dtype:
 // a cast on each side of a decode step's ~120 small matmuls cost more than their arithmetic.
 //
 // Compiled on first use by core/native.py with -mavx2 -mfma -mf16c (no -march=native, so that a
-// cached build runs on any AVX2 host); registered as torch.ops.pagechat.* so that traced steps
+// cached build runs on any AVX2 host; the panels' code alone is compiled for AVX512 and runs only
+// where the CPU has it); registered as torch.ops.pagechat.* so that traced steps
 // record it.
 
 #include <ATen/ATen.h>
@@ -35,6 +37,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "simd.h"
@@ -45,6 +48,7 @@ constexpr int64_t kBlock = 32;
 constexpr int64_t kMaxRowsPerPass = 4;    // activation rows that share one load of a weight block
 constexpr int kStreams = 4;               // weight rows read at once, each from its own part of N
 constexpr int64_t kPrefetchBytes = 1024;  // how far ahead in its row each stream asks for lines
+constexpr int64_t kPanelPrefetchBytes = 2048;  // and in its panels (int4 panels, below), into L1
 
 // Asks for the cache line kPrefetchBytes ahead of byte `off` of a weight row, once per line. Into
 // L2 (T1), not L1: the line is needed only after several hundred more bytes of every stream, and
@@ -164,6 +168,21 @@ struct Int8Weights {
   void tile(int64_t m0, int64_t j0, int64_t step, const Out& out) const;
 };
 
+// Each activation row's groups of `group` inputs summed as quantised (sum over its blocks of
+// scale * the block's int16 values summed): [M, K/group], what a group's zero is multiplied by.
+std::vector<float> group_sums(const QuantRows& xq, int64_t group) {
+  const int64_t k = xq.k, blocks = k / kBlock, groups = k / group, rows = xq.q.size() / k;
+  std::vector<float> sums(rows * groups);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      int32_t t = 0;
+      for (int64_t i = 0; i < kBlock; ++i) t += xq.q[r * k + b * kBlock + i];
+      sums[r * groups + b / (group / kBlock)] += t * xq.scales[r * blocks + b];
+    }
+  }
+  return sums;
+}
+
 // int4 rows in groups (w = (q - zero) * scale): the products are summed with q as it is, and
 // the zero's share, zero * scale * (the group's activations summed), is taken off once per output.
 // Unpacking then needs one lane-crossing widen per block (port 5 on Intel, the limit at one row)
@@ -180,16 +199,7 @@ struct Int4Weights {
         k(xq.k),
         blocks_per_group(group / kBlock),
         groups(k / group),
-        xsums(xq.q.size() / k * groups) {
-    const int64_t blocks = k / kBlock;
-    for (size_t r = 0; r < xq.q.size() / k; ++r) {
-      for (int64_t b = 0; b < blocks; ++b) {
-        int32_t t = 0;
-        for (int64_t i = 0; i < kBlock; ++i) t += xq.q[r * k + b * kBlock + i];
-        xsums[r * groups + b / blocks_per_group] += t * xq.scales[r * blocks + b];
-      }
-    }
-  }
+        xsums(group_sums(xq, group)) {}
   const QuantRows& x;
   const uint8_t* w;
   const float* scales;   // [N, K/g]
@@ -427,8 +437,171 @@ at::Tensor run(const Wt& wt, const at::Tensor& x, int64_t n) {
   return out;
 }
 
-void check_rows(const at::Tensor& x, const at::Tensor& weight, const char* op) {
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, op, ": x [M, K] and a 2-d weight");
+// int4 in panels of 16 rows, for CPUs with AVX512-VNNI and VBMI (int4_panels()). A horizontal tile
+// (above) spends four float operations per block of 32 weights and activation row on the block's
+// scales, as many as on its products: the int4 kernel was bound by its arithmetic at one row (about
+// 24 of 30 GB/s) and more so at several. A panel turns that around: its 16 rows lie side by side in
+// the lanes, each lane one row's sum, so each block's scales cost those operations once per 16
+// rows, and vpdpwssd does 32 products and their pair sums in one instruction.
+// Layout (made by quant/kernels.py's int4_pack), per panel of rows 16p .. 16p + 15 and block of 32
+// inputs, 256 bytes: for each input pair (2i, 2i + 1), 8 little-endian 16-bit words, word 2m + e
+// holding in its nibble c (bits 4c .. 4c + 3) q[row 16p + 4c + m][input 2i + e]. Broadcast to the
+// four 128-bit parts of a register, vpmultishiftqb moves nibble c of each word to the low byte of
+// the word's lane in part c (a shift per part, on the shuffle port, so that the products have the
+// other port to themselves), and masked to 4 bits they are the 16 rows' pairs in the 32 int16
+// lanes, row 4c + m in 32-bit lane 4c + m: vpdpwssd multiplies them by the activation pair
+// broadcast and sums each pair into its row's lane. Scales float32 and zeros uint8
+// [N/16, K/g, 16]: a group's 16 values are one load. The same bytes per weight as in rows.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi")
+
+struct Int4Panels {
+  static constexpr int64_t kRows = 16, kBlockBytes = kRows * kBlock / 2;
+  // activation rows that share one unpacking of the weights: the more, the fewer operations per
+  // product (3 registers per row of 32)
+  static constexpr int64_t kRowsPerPass = 8;
+  Int4Panels(const QuantRows& xq, const uint8_t* w, const float* scales, const uint8_t* zeros,
+             int64_t group)
+      : x(xq),
+        w(w),
+        scales(scales),
+        zeros(zeros),
+        blocks(xq.k / kBlock),
+        blocks_per_group(group / kBlock),
+        groups(xq.k / group),
+        xsums(group_sums(xq, group)) {}
+  const QuantRows& x;
+  const uint8_t* w;
+  const float* scales;
+  const uint8_t* zeros;
+  const int64_t blocks, blocks_per_group, groups;
+  std::vector<float> xsums;
+
+  // the 16 outputs of each of the W panels p0, p0 + step, ... for R activation rows from m0
+  template <int R, int W>
+  void tile(int64_t m0, int64_t p0, int64_t step, const Out& out) const {
+    alignas(64) uint8_t pick[64];  // the low byte of 16-bit lane w of part c: bits 16 (w % 4) + 4c
+    for (int j = 0; j < 64; ++j) pick[j] = j % 2 ? 0 : 16 * (j / 2 % 4) + 4 * (j / 16);
+    const __m512i picks = _mm512_load_si512(pick);
+    const __m512i low4 = _mm512_set1_epi16(0x0F);
+    const int64_t k = x.k;
+    const uint8_t* wp[W];
+    for (int c = 0; c < W; ++c) wp[c] = w + (p0 + c * step) * blocks * kBlockBytes;
+    __m512 acc[R][W], grp[R][W];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < W; ++c) acc[r][c] = grp[r][c] = _mm512_setzero_ps();
+    int64_t g = 0, left = blocks_per_group;
+    for (int64_t b = 0; b < blocks; ++b) {
+      __m512i sums[R][W];
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < W; ++c) sums[r][c] = _mm512_setzero_si512();
+      const int16_t* xb = &x.q[m0 * k + b * kBlock];
+      for (int c = 0; c < W; ++c) {
+        const char* wb = reinterpret_cast<const char*>(wp[c] + b * kBlockBytes);
+        for (int64_t l = 0; l < kBlockBytes; l += 64) {
+          _mm_prefetch(wb + l + kPanelPrefetchBytes, _MM_HINT_T0);
+        }
+      }
+      for (int i = 0; i < kBlock / 2; ++i) {
+        __m512i v[W];
+        for (int c = 0; c < W; ++c) {
+          const __m128i* wb = reinterpret_cast<const __m128i*>(wp[c] + b * kBlockBytes);
+          v[c] = _mm512_and_si512(
+              _mm512_multishift_epi64_epi8(picks, _mm512_broadcast_i32x4(_mm_loadu_si128(wb + i))),
+              low4);
+        }
+        // |a lane| <= 32 * 15 * 32767 < 2^24 over a block: exact in int32 and in float
+        for (int r = 0; r < R; ++r) {
+          int32_t pair;
+          std::memcpy(&pair, xb + r * k + 2 * i, sizeof pair);
+          const __m512i xp = _mm512_set1_epi32(pair);
+          for (int c = 0; c < W; ++c) sums[r][c] = _mm512_dpwssd_epi32(sums[r][c], v[c], xp);
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512 d = _mm512_set1_ps(x.scales[(m0 + r) * blocks + b]);
+        for (int c = 0; c < W; ++c) {
+          grp[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r][c]), d, grp[r][c]);
+        }
+      }
+      if (--left == 0) {  // the group's scales and its zeros' share, once per 16 rows
+        for (int c = 0; c < W; ++c) {
+          const int64_t at = ((p0 + c * step) * groups + g) * kRows;
+          const __m512 ws = _mm512_loadu_ps(scales + at);
+          const __m512 zf = _mm512_cvtepi32_ps(
+              _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(zeros + at))));
+          for (int r = 0; r < R; ++r) {
+            const __m512 xs = _mm512_set1_ps(xsums[(m0 + r) * groups + g]);
+            acc[r][c] = _mm512_fmadd_ps(_mm512_fnmadd_ps(zf, xs, grp[r][c]), ws, acc[r][c]);
+            grp[r][c] = _mm512_setzero_ps();
+          }
+        }
+        ++g;
+        left = blocks_per_group;
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      for (int c = 0; c < W; ++c) {
+        alignas(64) float o[kRows];
+        _mm512_store_ps(o, acc[r][c]);
+        for (int j = 0; j < kRows; ++j) out.set(m0 + r, (p0 + c * step) * kRows + j, o[j]);
+      }
+    }
+  }
+};
+
+// R activation rows from m0 times the kStreams panels p, p + step, ...: W panels at a time, the
+// fewer the more rows (three registers per row and panel)
+template <int R>
+void panels_times_rows(const Int4Panels& wt, int64_t m0, int64_t p, int64_t step, const Out& out) {
+  constexpr int W = R <= 2 ? kStreams : R <= 4 ? 2 : 1;
+  for (int c = 0; c < kStreams; c += W) wt.tile<R, W>(m0, p + c * step, step, out);
+}
+
+// panels_times_rows<rows> for 0 < rows <= R
+template <int R>
+void panels_times(int64_t rows, const Int4Panels& wt, int64_t m0, int64_t p, int64_t step,
+                  const Out& out) {
+  if constexpr (R > 0) {
+    if (rows == R) return panels_times_rows<R>(wt, m0, p, step, out);
+    panels_times<R - 1>(rows, wt, m0, p, step, out);
+  }
+}
+
+// out [M, 16 * panels]: every activation row times every panel, split over threads by panels and
+// read as kStreams streams per thread, as run() reads rows.
+at::Tensor run_panels(const Int4Panels& wt, const at::Tensor& x, int64_t panels) {
+  const int64_t m = x.size(0);
+  at::Tensor out = at::empty({m, panels * Int4Panels::kRows}, x.options());
+  const Out o(out);
+  constexpr int64_t kPass = Int4Panels::kRowsPerPass;
+  at::parallel_for(0, panels, 4, [&](int64_t p0, int64_t p1) {
+    const int64_t step = (p1 - p0) / kStreams;
+    for (int64_t p = p0; p < p0 + step; ++p) {
+      for (int64_t m0 = 0; m0 < m; m0 += kPass) {
+        panels_times<kPass>(std::min(m - m0, kPass), wt, m0, p, step, o);
+      }
+    }
+    for (int64_t p = p0 + kStreams * step; p < p1; ++p) {
+      for (int64_t m0 = 0; m0 < m; ++m0) wt.tile<1, 1>(m0, p, 0, o);
+    }
+  });
+  return out;
+}
+
+#pragma GCC pop_options
+
+// Whether this CPU runs int4 panels (AVX512F, BW, VNNI and VBMI).
+bool int4_panels() {
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi");
+}
+
+// panels: int4's packed weight, 3-d in panels (Int4Args checks its shape)
+void check_rows(const at::Tensor& x, const at::Tensor& weight, const char* op,
+                bool panels = false) {
+  TORCH_CHECK(x.dim() == 2 && (weight.dim() == 2 || (panels && weight.dim() == 3)), op,
+              ": x [M, K] and a 2-d weight");
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), op, ": CPU tensors only");
 }
 
@@ -446,51 +619,94 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   return run(Int8Weights{xq, wc.data_ptr<int8_t>(), sf.data_ptr<float>(), k}, xc, n);
 }
 
-// y [M, N] = x [M, K] @ W^T, W[j, i] = (q[j, i] - zeros[j, i / g]) * scales[j, i / g],
-// q packed as uint8 [N, K/2] (see the top of this file), scales float32 and zeros uint8 [N, K/g].
+// int4 weights as int4_linear and int4_dequantize take them: in rows (packed uint8 [N, K/2], see
+// the top of this file; scales float32 and zeros uint8 [N, K/g]) or in panels of 16 rows (packed
+// [N/16, K/32, 256], scales and zeros [N/16, K/g, 16]; see Int4Panels), told apart by packed's
+// dimensions. n counts the rows (in panels, 16 per panel).
+struct Int4Args {
+  Int4Args(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& zeros,
+           int64_t group, const char* op)
+      : panels(packed.dim() == 3),
+        n(panels ? packed.size(0) * Int4Panels::kRows : packed.size(0)),
+        k(panels ? packed.size(1) * kBlock : packed.size(1) * 2),
+        group(group),
+        pc(packed.contiguous()),
+        sc(scales.contiguous()),
+        zc(zeros.contiguous()) {
+    TORCH_CHECK(packed.scalar_type() == at::kByte &&
+                    (panels ? packed.size(2) == Int4Panels::kBlockBytes : packed.dim() == 2),
+                op, ": packed uint8 [N, K/2] (rows) or [N/16, K/32, 256] (panels)");
+    TORCH_CHECK(group > 0 && group % kBlock == 0 && k % group == 0, op,
+                ": a group size that is a multiple of 32 and divides K");
+    TORCH_CHECK(scales.scalar_type() == at::kFloat && zeros.scalar_type() == at::kByte &&
+                    scales.numel() == n * (k / group) && zeros.numel() == n * (k / group),
+                op, ": float32 scales and uint8 zeros, a value per row and group");
+    TORCH_CHECK(!panels || int4_panels(), op, ": int4 panels need a CPU with AVX512-VNNI and VBMI");
+  }
+  const bool panels;
+  const int64_t n, k, group;
+  const at::Tensor pc, sc, zc;
+};
+
+// y [M, N] = x [M, K] @ W^T, W[j, i] = (q[j, i] - zeros[j, i / g]) * scales[j, i / g].
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                        const at::Tensor& zeros, int64_t group) {
-  check_rows(x, packed, "int4_linear");
-  const int64_t k = x.size(1), n = packed.size(0);
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.size(1) * 2 == k,
-              "int4_linear: packed uint8 [N, K/2]");
-  TORCH_CHECK(group % kBlock == 0 && k % group == 0, "int4_linear: a group size that is a ",
-              "multiple of 32 and divides K");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && zeros.scalar_type() == at::kByte &&
-                  scales.numel() == n * (k / group) && zeros.numel() == n * (k / group),
-              "int4_linear: float32 scales and uint8 zeros [N, K/g]");
+  check_rows(x, packed, "int4_linear", true);
+  const Int4Args a(packed, scales, zeros, group, "int4_linear");
+  TORCH_CHECK(a.k == x.size(1), "int4_linear: x [M, K] and weights of K inputs");
   const at::Tensor xc = x.contiguous();
-  const at::Tensor pc = packed.contiguous(), sc = scales.contiguous(), zc = zeros.contiguous();
   const QuantRows xq(xc);
-  return run(
-      Int4Weights(xq, pc.data_ptr<uint8_t>(), sc.data_ptr<float>(), zc.data_ptr<uint8_t>(), group),
-      xc, n);
+  const uint8_t* w = a.pc.data_ptr<uint8_t>();
+  const float* sp = a.sc.data_ptr<float>();
+  const uint8_t* zp = a.zc.data_ptr<uint8_t>();
+  if (a.panels) return run_panels(Int4Panels(xq, w, sp, zp, group), xc, a.pc.size(0));
+  return run(Int4Weights(xq, w, sp, zp, group), xc, a.n);
 }
 
-// int4_linear's weights as float32 [N, K], for prefill's many rows (a GEMM, torch's part).
+// int4_linear's weights as float32: the rows given (int64 [T]), else all [N, K]; for prefill's
+// many rows (a GEMM, torch's part) and a tied embedding's lookups.
 at::Tensor int4_dequantize(const at::Tensor& packed, const at::Tensor& scales,
-                           const at::Tensor& zeros, int64_t group) {
-  const int64_t n = packed.size(0), k = packed.size(1) * 2, groups = k / group;
-  TORCH_CHECK(packed.scalar_type() == at::kByte && scales.scalar_type() == at::kFloat &&
-                  zeros.scalar_type() == at::kByte && scales.numel() == n * groups &&
-                  zeros.numel() == n * groups && group % kBlock == 0 && k % group == 0,
-              "int4_dequantize: packed uint8 [N, K/2], float32 scales and uint8 zeros [N, K/g]");
-  const at::Tensor pc = packed.contiguous(), sc = scales.contiguous(), zc = zeros.contiguous();
-  at::Tensor out = at::empty({n, k}, scales.options());
-  const uint8_t* w = pc.data_ptr<uint8_t>();
-  const float* sp = sc.data_ptr<float>();
-  const uint8_t* zp = zc.data_ptr<uint8_t>();
+                           const at::Tensor& zeros, int64_t group,
+                           const std::optional<at::Tensor>& rows) {
+  const Int4Args a(packed, scales, zeros, group, "int4_dequantize");
+  const int64_t k = a.k, groups = k / group, blocks = k / kBlock;
+  at::Tensor ids = rows ? rows->to(at::kLong).contiguous() : at::arange(a.n, at::kLong);
+  TORCH_CHECK(ids.dim() == 1 && (ids.numel() == 0 || (ids.min().item<int64_t>() >= 0 &&
+                                                      ids.max().item<int64_t>() < a.n)),
+              "int4_dequantize: row ids [T] within the weight's ", a.n, " rows");
+  at::Tensor out = at::empty({ids.numel(), k}, scales.options());
+  const int64_t* id = ids.data_ptr<int64_t>();
+  const uint8_t* w = a.pc.data_ptr<uint8_t>();
+  const float* sp = a.sc.data_ptr<float>();
+  const uint8_t* zp = a.zc.data_ptr<uint8_t>();
   float* o = out.data_ptr<float>();
-  at::parallel_for(0, n, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t j = n0; j < n1; ++j) {
-      for (int64_t b = 0; b < k / kBlock; ++b) {
-        const int64_t g = j * groups + b * kBlock / group;
-        const float scale = sp[g], zero = zp[g];
-        const uint8_t* p = w + j * (k / 2) + b * (kBlock / 2);
-        float* dst = o + j * k + b * kBlock;
-        for (int i = 0; i < 16; ++i) {
-          dst[i] = ((p[i] & 0x0F) - zero) * scale;
-          dst[i + 16] = ((p[i] >> 4) - zero) * scale;
+  at::parallel_for(0, ids.numel(), 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t j = id[t];
+      // panels: row j is lane 4c + m of panel p (see Int4Panels)
+      const int64_t p = j / Int4Panels::kRows, lane = j % Int4Panels::kRows;
+      const int c = static_cast<int>(lane / 4), m = static_cast<int>(lane % 4);
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t g = b * kBlock / group;
+        const int64_t at_g =
+            a.panels ? (p * groups + g) * Int4Panels::kRows + lane : j * groups + g;
+        const float scale = sp[at_g], zero = zp[at_g];
+        float* dst = o + t * k + b * kBlock;
+        if (a.panels) {
+          const uint8_t* wb = w + (p * blocks + b) * Int4Panels::kBlockBytes;
+          for (int i = 0; i < kBlock / 2; ++i) {
+            for (int e = 0; e < 2; ++e) {
+              uint16_t word;
+              std::memcpy(&word, wb + 16 * i + 2 * (2 * m + e), sizeof word);
+              dst[2 * i + e] = (((word >> (4 * c)) & 0x0F) - zero) * scale;
+            }
+          }
+        } else {
+          const uint8_t* q = w + j * (k / 2) + b * (kBlock / 2);
+          for (int i = 0; i < 16; ++i) {
+            dst[i] = ((q[i] & 0x0F) - zero) * scale;
+            dst[i + 16] = ((q[i] >> 4) - zero) * scale;
+          }
         }
       }
     }
@@ -556,7 +772,9 @@ int64_t stream_read(const at::Tensor& t) {
 TORCH_LIBRARY_FRAGMENT(pagechat, m) {
   m.def("int8_linear(Tensor x, Tensor weight, Tensor scales) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor packed, Tensor scales, Tensor zeros, int group) -> Tensor");
-  m.def("int4_dequantize(Tensor packed, Tensor scales, Tensor zeros, int group) -> Tensor");
+  m.def(
+      "int4_dequantize(Tensor packed, Tensor scales, Tensor zeros, int group, Tensor? rows=None) "
+      "-> Tensor");
   m.def("float_linear(Tensor x, Tensor weight) -> Tensor");
   m.def("stream_read(Tensor t) -> int");
 }

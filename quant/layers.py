@@ -181,19 +181,22 @@ class AWQLinear(_WeightOnlyLinear):
         group: int,
         device: torch.device,
         path: str | None = None,
+        panels: bool = kernels.INT4_PANELS,
     ) -> None:
-        """q [K, N] values 0..15, zeros [K/g, N], scales [K/g, N] (AWQ layout, unpacked)."""
+        """q [K, N] values 0..15, zeros [K/g, N], scales [K/g, N] (AWQ layout, unpacked); on
+        pagechat's kernel, `panels` picks its layout (kernels.int4_pack)."""
         super().__init__()
         k, n = q.shape
         self.in_features, self.out_features, self.group = k, n, group
         self.path = path or awq_path(n, k, group, device)
         if self.path == INT4_KERNEL_PATH:
-            # byte j of each block of 32 inputs holds q[j] (low nibble) and q[j + 16] (high)
-            halves = q.t().to(torch.uint8).reshape(n, k // kernels.BLOCK, 2, kernels.BLOCK // 2)
-            packed = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2)
-            self.register_buffer("weight_packed", packed.contiguous().to(device))
-            self.register_buffer("scales", scales.t().float().contiguous().to(device))
-            self.register_buffer("zeros", zeros.t().to(torch.uint8).contiguous().to(device))
+            tensors = kernels.int4_pack(
+                q.t().to(torch.uint8), scales.t(), zeros.t().to(torch.uint8), panels
+            )
+            for name, t in zip(("weight_packed", "scales", "zeros"), tensors, strict=True):
+                self.register_buffer(name, t.to(device))
+            # in panels, the rows past n are padding: their outputs are cut off
+            self.padded = self.weight_packed.dim() == 3 and n % kernels.PANEL != 0
         elif self.path == "int4pack-cpu":
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
                 q.t().contiguous().to(torch.int32), 2
@@ -218,11 +221,12 @@ class AWQLinear(_WeightOnlyLinear):
         if self.path == INT4_KERNEL_PATH:
             args = (self.weight_packed, self.scales, self.zeros, self.group)
             if x2.shape[0] <= kernels.MAX_ROWS:
-                return torch.ops.pagechat.int4_linear(x2, *args)
+                y = torch.ops.pagechat.int4_linear(x2, *args)
+                return y[:, : self.out_features] if self.padded else y
             # many rows are a GEMM on the weights dequantised for this call
             dtype = gemm_dtype(x2)
             w = torch.ops.pagechat.int4_dequantize(*args).to(dtype)
-            return F.linear(x2.to(dtype), w).to(x2.dtype)
+            return F.linear(x2.to(dtype), w[: self.out_features]).to(x2.dtype)
         if self.path == "dequant":
             return x2 @ dequantize(
                 unpack_awq(self.qweight), unpack_awq(self.qzeros), self.scales, self.group, x2.dtype

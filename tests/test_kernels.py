@@ -147,43 +147,59 @@ def test_layer_runs_the_kernel_for_up_to_16_rows_and_a_float32_matmul_beyond(ker
     assert layer(x[:3].reshape(1, 3, 256)).shape == (1, 3, 96)
 
 
-def int4_weight(n: int, k: int, group: int, seed: int):
-    """Random AWQ-style groups in the kernel's layout: packed [N, K/2], scales, zeros [N, K/g];
-    and the dequantised weight [N, K] they stand for."""
+def int4_weight(n: int, k: int, group: int, seed: int, panels: bool = False):
+    """Random AWQ-style groups in the kernel's layout (in rows: packed [N, K/2], scales and zeros
+    [N, K/g]; or in panels of 16 rows, N padded); and the dequantised weight [N, K]."""
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
     q, z, s = quantize_groups(w, group)
     s = s.half().float()  # AWQ's scales are fp16
-    halves = q.reshape(n, k // 32, 2, 16)
-    packed = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
     deq = (
         q.double().reshape(n, k // group, group) - z.double().unsqueeze(-1)
     ) * s.double().unsqueeze(-1)
-    return packed, s, z, deq.reshape(n, k)
+    return *kernels.int4_pack(q, s, z, panels), deq.reshape(n, k)
 
 
-# odd n, groups of 1-4 blocks (96: three), batch sizes 1-16
+# both layouts where this CPU runs both (panels: AVX512-VNNI and VBMI)
+LAYOUTS = [
+    False,
+    pytest.param(
+        True,
+        marks=pytest.mark.skipif(not kernels.INT4_PANELS, reason="needs AVX512-VNNI and VBMI"),
+    ),
+]
+
+
+# odd n (panels: padded), groups of 1-4 blocks (96: three), batch sizes 1-16
 @needs_kernel
+@pytest.mark.parametrize("panels", LAYOUTS)
 @pytest.mark.parametrize(
-    "n,k,group", [(1, 32, 32), (7, 96, 32), (13, 192, 64), (257, 576, 96), (1000, 512, 128)]
+    "n,k,group",
+    [(1, 32, 32), (7, 96, 32), (13, 192, 64), (48, 64, 32), (257, 576, 96), (1000, 512, 128)],
 )
-def test_int4_kernel_matches_dequantised_matmul_at_every_batch_size(kernel, n, k, group):
-    packed, s, z, deq = int4_weight(n, k, group, seed=n)
+def test_int4_kernel_matches_dequantised_matmul_at_every_batch_size(kernel, n, k, group, panels):
+    packed, s, z, deq = int4_weight(n, k, group, seed=n, panels=panels)
     op = kernels.op("int4_linear")
     g = torch.Generator().manual_seed(k)
     for m in range(1, 17):
         x = torch.randn(m, k, generator=g) * torch.rand(m, k, generator=g) * 4
         y = op(x, packed, s, z, group)
-        assert y.shape == (m, n) and y.dtype == torch.float32
+        assert y.shape == (m, n + (-n % 16 if panels else 0)) and y.dtype == torch.float32
+        assert torch.all(y[:, n:] == 0)  # the panels' padding rows
+        y = y[:, :n]
         # the zero's share is taken off in float: a few float32 roundings of the larger sums
         assert rel(y, quantised_activations(x) @ deq.t()) <= 1e-5, (m, n, k)
         if n >= 13:
             assert rel(y, x.double() @ deq.t()) <= 1e-4, (m, n, k)
-    assert torch.equal(kernels.op("int4_dequantize")(packed, s, z, group), deq.float())
+    dequantize = kernels.op("int4_dequantize")
+    assert torch.equal(dequantize(packed, s, z, group)[:n], deq.float())
+    ids = torch.tensor([n - 1, 0, n // 2, n - 1])  # a tied embedding's lookups
+    assert torch.equal(dequantize(packed, s, z, group, ids), deq.float()[ids])
 
 
 @needs_kernel
-def test_int4_kernel_passes_on_nan_and_refuses_bad_shapes(kernel):
-    packed, s, z, _ = int4_weight(16, 64, 32, seed=2)
+@pytest.mark.parametrize("panels", LAYOUTS)
+def test_int4_kernel_passes_on_nan_and_refuses_bad_shapes(kernel, panels):
+    packed, s, z, _ = int4_weight(16, 64, 32, seed=2, panels=panels)
     op = kernels.op("int4_linear")
     x = torch.randn(2, 64)
     x[0, 5] = float("nan")
@@ -193,6 +209,10 @@ def test_int4_kernel_passes_on_nan_and_refuses_bad_shapes(kernel):
         op(x, packed, s, z, 16)
     with pytest.raises(RuntimeError, match="float32 scales"):
         op(x, packed, s.half(), z, 32)
+    with pytest.raises(RuntimeError, match="K inputs"):
+        op(torch.randn(2, 96), packed, s, z, 32)
+    with pytest.raises(RuntimeError, match="within the weight's 16 rows"):
+        kernels.op("int4_dequantize")(packed, s, z, 32, torch.tensor([16]))
 
 
 @needs_kernel
@@ -209,15 +229,17 @@ def test_float_kernel_matches_matmul_at_every_batch_size(kernel, dtype, n, k):
 
 
 @needs_kernel
-def test_awq_layer_runs_the_int4_kernel_for_up_to_16_rows_and_float32_beyond(kernel):
-    packed, s, z, deq = int4_weight(96, 256, 64, seed=4)
+@pytest.mark.parametrize("panels", LAYOUTS)
+@pytest.mark.parametrize("n", [96, 37])  # 37: panels padded to 48 rows, cut off again
+def test_awq_layer_runs_the_int4_kernel_for_up_to_16_rows_and_float32_beyond(kernel, panels, n):
+    *_, deq = int4_weight(n, 256, 64, seed=4)
     q, zt, st = quantize_groups(deq.float(), 64)  # already on the grid: the same groups again
-    layer = AWQLinear(q.t(), zt.t(), st.t(), None, 64, CPU)
-    assert layer.path == INT4_KERNEL_PATH
+    layer = AWQLinear(q.t(), zt.t(), st.t(), None, 64, CPU, panels=panels)
+    assert layer.path == INT4_KERNEL_PATH and (layer.weight_packed.dim() == 3) == panels
     x = torch.randn(17, 256)
     ref = x.double() @ deq.t()
-    assert rel(layer(x[:16]), ref[:16]) <= 1e-4  # the kernel
-    assert rel(layer(x), ref) <= 1e-6  # 17 rows: float32 on the dequantised weights
+    assert layer(x[:16]).shape == (16, n) and rel(layer(x[:16]), ref[:16]) <= 1e-4  # the kernel
+    assert layer(x).shape == (17, n) and rel(layer(x), ref) <= 1e-6  # 17 rows: float32 GEMM
     assert layer(x[:2].bfloat16()).dtype == torch.bfloat16
 
 
@@ -259,6 +281,7 @@ def test_engine_with_the_int4_kernel_decodes_as_the_exact_dequantised_model(
         if isinstance(m, AWQLinear):
             parent, _, attr = name.rpartition(".")
             deq = kernels.op("int4_dequantize")(m.weight_packed, m.scales, m.zeros, m.group)
+            deq = deq[: m.out_features]  # in panels, padded to a multiple of 16 rows
             layer = torch.nn.Linear(m.in_features, m.out_features, bias=m.bias is not None)
             layer.weight.data, layer.bias = deq, m.bias
             setattr(ref.model.get_submodule(parent), attr, layer)
