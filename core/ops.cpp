@@ -261,11 +261,18 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
         }
       }
       std::fill(acc.begin(), acc.end(), 0.0f);
-      std::fill(total.begin(), total.end(), 0.0f);
-      for (int64_t h = 0; h < group; ++h) {
+      for (int64_t h = 0; h < group; ++h) {  // the exponentials 8 at a time, as silu_mul's
         float* sc = &scores[h * n];
         const float top = *std::max_element(sc, sc + n);
-        for (int64_t t = 0; t < n; ++t) total[h] += (sc[t] = std::exp(sc[t] - top));
+        __m256 sum = _mm256_setzero_ps();
+        int64_t t = 0;
+        for (; t + 8 <= n; t += 8) {
+          const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + t), _mm256_set1_ps(top)));
+          _mm256_storeu_ps(sc + t, e);
+          sum = _mm256_add_ps(sum, e);
+        }
+        total[h] = sum8(sum);
+        for (; t < n; ++t) total[h] += (sc[t] = std::exp(sc[t] - top));
       }
       for (int64_t t = 0; t < n; ++t) {
         const C* vr = vc + (rows[t] * kv_heads + g) * d;

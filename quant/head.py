@@ -17,6 +17,7 @@ import torch
 from pagechat.core.errors import PagechatError
 from pagechat.core.loader import ModelSpec
 from pagechat.core.model import linear
+from pagechat.quant import kernels
 from pagechat.quant.layers import (
     INT4_KERNEL_PATH,
     AWQLinear,
@@ -134,7 +135,7 @@ class Int8Rows(_TiedRows):
         self.register_buffer("scales", head.scales)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.weight[ids].float() * self.scales[ids].float().unsqueeze(1)
+        return kernels.int8_rows(self.weight, ids).float() * self.scales[ids].float().unsqueeze(1)
 
 
 class Int4Rows(_TiedRows):

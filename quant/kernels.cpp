@@ -18,11 +18,11 @@
 //          at load: uint8 [N, K/2] where byte j of a block of 32 holds q[j] (low nibble) and
 //          q[j + 16] (high), float32 scales [N, K/g] (AWQ's fp16 ones, exact) and uint8 zeros
 //          [N, K/g]; 21 bytes per 32 weights at g = 32 (ggml's Q4_0: 18, Q4_1: 20), 16.6 at
-//          AWQ's usual 128. On a CPU with AVX512-VNNI and VBMI: in panels of 16 rows instead
-//          (Int4Panels, below).
+//          AWQ's usual 128.
 //   float: fp32 or bf16 [N, K].
-// Activations are float32, bf16 or fp16 [M, K], and the output [M, N] comes in the same dtype:
-// a cast on each side of a decode step's ~120 small matmuls cost more than their arithmetic.
+// On a CPU with AVX512-VNNI and VBMI, int4 and int8 weights go in panels of 16 rows instead
+// (Panels). Activations are float32, bf16 or fp16 [M, K], and the output [M, N] comes in the same
+// dtype: a cast on each side of a decode step's ~120 small matmuls cost more than their arithmetic.
 //
 // Compiled on first use by core/native.py with -mavx2 -mfma -mf16c (no -march=native, so that a
 // cached build runs on any AVX2 host; the panels' code alone is compiled for AVX512 and runs only
@@ -437,31 +437,36 @@ at::Tensor run(const Wt& wt, const at::Tensor& x, int64_t n) {
   return out;
 }
 
-// int4 in panels of 16 rows, for CPUs with AVX512-VNNI and VBMI (int4_panels()). A horizontal tile
-// (above) spends four float operations per block of 32 weights and activation row on the block's
-// scales, as many as on its products: the int4 kernel was bound by its arithmetic at one row (about
-// 24 of 30 GB/s) and more so at several. A panel turns that around: its 16 rows lie side by side in
-// the lanes, each lane one row's sum, so each block's scales cost those operations once per 16
-// rows, and vpdpwssd does 32 products and their pair sums in one instruction.
-// Layout (made by quant/kernels.py's int4_pack), per panel of rows 16p .. 16p + 15 and block of 32
-// inputs, 256 bytes: for each input pair (2i, 2i + 1), 8 little-endian 16-bit words, word 2m + e
-// holding in its nibble c (bits 4c .. 4c + 3) q[row 16p + 4c + m][input 2i + e]. Broadcast to the
-// four 128-bit parts of a register, vpmultishiftqb moves nibble c of each word to the low byte of
-// the word's lane in part c (a shift per part, on the shuffle port, so that the products have the
-// other port to themselves), and masked to 4 bits they are the 16 rows' pairs in the 32 int16
-// lanes, row 4c + m in 32-bit lane 4c + m: vpdpwssd multiplies them by the activation pair
-// broadcast and sums each pair into its row's lane. Scales float32 and zeros uint8
-// [N/16, K/g, 16]: a group's 16 values are one load. The same bytes per weight as in rows.
+// int4 and int8 in panels of 16 rows, for CPUs with AVX512-VNNI and VBMI (panels_here()). A
+// horizontal tile (above) spends four float operations per block of 32 weights and activation row
+// on the block's scales, as many as on its products: the int4 kernel was bound by its arithmetic at
+// one row (about 24 of 30 GB/s) and more so at several. A panel turns that around: its 16 rows lie
+// side by side in the lanes, each lane one row's sum, so each block's scales cost those operations
+// once per 16 rows, and vpdpwssd does 32 products and their pair sums in one instruction: per
+// input pair (2i, 2i + 1) of a block, the 16 rows' pairs as 32 int16 lanes, row r's in 32-bit lane
+// r, times the activation pair broadcast. Layouts (made by quant/kernels.py's int4_pack and
+// int8_pack), per panel of rows 16p .. 16p + 15 and block of 32 inputs:
+//   int4: 256 bytes; per pair, 8 little-endian 16-bit words, word 2m + e holding in its nibble c
+//         (bits 4c .. 4c + 3) q[row 16p + 4c + m][input 2i + e]. Broadcast to the four 128-bit
+//         parts of a register, vpmultishiftqb moves nibble c of each word to the low byte of the
+//         word's lane in part c (a shift per part, on the shuffle port, so that the products have
+//         the other port to themselves); masked to 4 bits, row 4c + m's pair is in lane 4c + m.
+//         Scales float32 and zeros uint8 [N/16, K/g, 16]: a group's 16 values are one load.
+//   int8: 512 bytes; per pair, 32 bytes, byte 2r + e = q[row 16p + r][input 2i + e], widened to
+//         int16 in one instruction. Scales float32 [N].
+// The same bytes per weight as in rows.
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi")
 
-struct Int4Panels {
-  static constexpr int64_t kRows = 16, kBlockBytes = kRows * kBlock / 2;
+template <int Bits>
+struct Panels {
+  static constexpr int64_t kRows = 16, kBlockBytes = kRows * kBlock * Bits / 8;
   // activation rows that share one unpacking of the weights: the more, the fewer operations per
   // product (3 registers per row of 32)
   static constexpr int64_t kRowsPerPass = 8;
-  Int4Panels(const QuantRows& xq, const uint8_t* w, const float* scales, const uint8_t* zeros,
-             int64_t group)
+  // zeros: int4's, or none (int8); then group = K and scales are the rows'
+  Panels(const QuantRows& xq, const uint8_t* w, const float* scales, const uint8_t* zeros,
+         int64_t group)
       : x(xq),
         w(w),
         scales(scales),
@@ -469,13 +474,24 @@ struct Int4Panels {
         blocks(xq.k / kBlock),
         blocks_per_group(group / kBlock),
         groups(xq.k / group),
-        xsums(group_sums(xq, group)) {}
+        xsums(zeros ? group_sums(xq, group) : std::vector<float>()) {}
   const QuantRows& x;
   const uint8_t* w;
   const float* scales;
   const uint8_t* zeros;
   const int64_t blocks, blocks_per_group, groups;
   std::vector<float> xsums;
+
+  // pair i of a block's 16 rows as 32 int16 lanes, row r's pair in 32-bit lane r
+  static __m512i unpack(const uint8_t* wb, int i, __m512i picks, __m512i low4) {
+    if constexpr (Bits == 4) {
+      const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wb) + i);
+      return _mm512_and_si512(_mm512_multishift_epi64_epi8(picks, _mm512_broadcast_i32x4(packed)),
+                              low4);
+    } else {
+      return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb) + i));
+    }
+  }
 
   // the 16 outputs of each of the W panels p0, p0 + step, ... for R activation rows from m0
   template <int R, int W>
@@ -504,13 +520,9 @@ struct Int4Panels {
       }
       for (int i = 0; i < kBlock / 2; ++i) {
         __m512i v[W];
-        for (int c = 0; c < W; ++c) {
-          const __m128i* wb = reinterpret_cast<const __m128i*>(wp[c] + b * kBlockBytes);
-          v[c] = _mm512_and_si512(
-              _mm512_multishift_epi64_epi8(picks, _mm512_broadcast_i32x4(_mm_loadu_si128(wb + i))),
-              low4);
-        }
-        // |a lane| <= 32 * 15 * 32767 < 2^24 over a block: exact in int32 and in float
+        for (int c = 0; c < W; ++c) v[c] = unpack(wp[c] + b * kBlockBytes, i, picks, low4);
+        // |a lane| <= 32 * 127 * 32767 < 2^31 over a block (int4: 32 * 15 * 32767 < 2^24, exact
+        // in float too)
         for (int r = 0; r < R; ++r) {
           int32_t pair;
           std::memcpy(&pair, xb + r * k + 2 * i, sizeof pair);
@@ -528,11 +540,16 @@ struct Int4Panels {
         for (int c = 0; c < W; ++c) {
           const int64_t at = ((p0 + c * step) * groups + g) * kRows;
           const __m512 ws = _mm512_loadu_ps(scales + at);
-          const __m512 zf = _mm512_cvtepi32_ps(
-              _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(zeros + at))));
+          if (zeros) {
+            const __m512 zf = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                _mm_loadu_si128(reinterpret_cast<const __m128i*>(zeros + at))));
+            for (int r = 0; r < R; ++r) {
+              const __m512 xs = _mm512_set1_ps(xsums[(m0 + r) * groups + g]);
+              grp[r][c] = _mm512_fnmadd_ps(zf, xs, grp[r][c]);
+            }
+          }
           for (int r = 0; r < R; ++r) {
-            const __m512 xs = _mm512_set1_ps(xsums[(m0 + r) * groups + g]);
-            acc[r][c] = _mm512_fmadd_ps(_mm512_fnmadd_ps(zf, xs, grp[r][c]), ws, acc[r][c]);
+            acc[r][c] = _mm512_fmadd_ps(grp[r][c], ws, acc[r][c]);
             grp[r][c] = _mm512_setzero_ps();
           }
         }
@@ -552,16 +569,15 @@ struct Int4Panels {
 
 // R activation rows from m0 times the kStreams panels p, p + step, ...: W panels at a time, the
 // fewer the more rows (three registers per row and panel)
-template <int R>
-void panels_times_rows(const Int4Panels& wt, int64_t m0, int64_t p, int64_t step, const Out& out) {
+template <int R, class Wt>
+void panels_times_rows(const Wt& wt, int64_t m0, int64_t p, int64_t step, const Out& out) {
   constexpr int W = R <= 2 ? kStreams : R <= 4 ? 2 : 1;
-  for (int c = 0; c < kStreams; c += W) wt.tile<R, W>(m0, p + c * step, step, out);
+  for (int c = 0; c < kStreams; c += W) wt.template tile<R, W>(m0, p + c * step, step, out);
 }
 
 // panels_times_rows<rows> for 0 < rows <= R
-template <int R>
-void panels_times(int64_t rows, const Int4Panels& wt, int64_t m0, int64_t p, int64_t step,
-                  const Out& out) {
+template <int R, class Wt>
+void panels_times(int64_t rows, const Wt& wt, int64_t m0, int64_t p, int64_t step, const Out& out) {
   if constexpr (R > 0) {
     if (rows == R) return panels_times_rows<R>(wt, m0, p, step, out);
     panels_times<R - 1>(rows, wt, m0, p, step, out);
@@ -570,11 +586,12 @@ void panels_times(int64_t rows, const Int4Panels& wt, int64_t m0, int64_t p, int
 
 // out [M, 16 * panels]: every activation row times every panel, split over threads by panels and
 // read as kStreams streams per thread, as run() reads rows.
-at::Tensor run_panels(const Int4Panels& wt, const at::Tensor& x, int64_t panels) {
+template <class Wt>
+at::Tensor run_panels(const Wt& wt, const at::Tensor& x, int64_t panels) {
   const int64_t m = x.size(0);
-  at::Tensor out = at::empty({m, panels * Int4Panels::kRows}, x.options());
+  at::Tensor out = at::empty({m, panels * Wt::kRows}, x.options());
   const Out o(out);
-  constexpr int64_t kPass = Int4Panels::kRowsPerPass;
+  constexpr int64_t kPass = Wt::kRowsPerPass;
   at::parallel_for(0, panels, 4, [&](int64_t p0, int64_t p1) {
     const int64_t step = (p1 - p0) / kStreams;
     for (int64_t p = p0; p < p0 + step; ++p) {
@@ -583,7 +600,7 @@ at::Tensor run_panels(const Int4Panels& wt, const at::Tensor& x, int64_t panels)
       }
     }
     for (int64_t p = p0 + kStreams * step; p < p1; ++p) {
-      for (int64_t m0 = 0; m0 < m; ++m0) wt.tile<1, 1>(m0, p, 0, o);
+      for (int64_t m0 = 0; m0 < m; ++m0) wt.template tile<1, 1>(m0, p, 0, o);
     }
   });
   return out;
@@ -591,8 +608,8 @@ at::Tensor run_panels(const Int4Panels& wt, const at::Tensor& x, int64_t panels)
 
 #pragma GCC pop_options
 
-// Whether this CPU runs int4 panels (AVX512F, BW, VNNI and VBMI).
-bool int4_panels() {
+// Whether this CPU runs panels (AVX512F, BW, VNNI and VBMI).
+bool panels_here() {
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi");
 }
@@ -607,41 +624,50 @@ void check_rows(const at::Tensor& x, const at::Tensor& weight, const char* op,
 
 // y [M, N] = x [M, K] @ (weight int8 [N, K] * scales [N])^T.
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
-  check_rows(x, weight, "int8_linear");
-  const int64_t k = x.size(1), n = weight.size(0);
+  check_rows(x, weight, "int8_linear", true);
+  const bool panels = weight.dim() == 3;
+  const int64_t k = x.size(1), n = weight.size(0) * (panels ? Panels<8>::kRows : 1);
   TORCH_CHECK(weight.scalar_type() == at::kChar, "int8_linear: an int8 weight [N, K]");
-  TORCH_CHECK(weight.size(1) == k && k % kBlock == 0 && scales.numel() == n,
-              "int8_linear: weight [N, K] with K a multiple of 32, scales [N]");
+  TORCH_CHECK(k % kBlock == 0 && scales.numel() == n &&
+                  (panels ? weight.size(1) * kBlock == k && weight.size(2) == Panels<8>::kBlockBytes
+                          : weight.size(1) == k),
+              "int8_linear: weight [N, K] (in panels [N/16, K/32, 512]) with K a multiple of 32, ",
+              "scales [N]");
+  TORCH_CHECK(!panels || panels_here(), "int8_linear: panels need a CPU with AVX512-VNNI and VBMI");
   const at::Tensor xc = x.contiguous();
   const at::Tensor wc = weight.contiguous();
   const at::Tensor sf = scales.to(at::kFloat).contiguous();
   const QuantRows xq(xc);
+  if (panels) {
+    const auto* w = reinterpret_cast<const uint8_t*>(wc.data_ptr<int8_t>());
+    return run_panels(Panels<8>(xq, w, sf.data_ptr<float>(), nullptr, k), xc, weight.size(0));
+  }
   return run(Int8Weights{xq, wc.data_ptr<int8_t>(), sf.data_ptr<float>(), k}, xc, n);
 }
 
 // int4 weights as int4_linear and int4_dequantize take them: in rows (packed uint8 [N, K/2], see
 // the top of this file; scales float32 and zeros uint8 [N, K/g]) or in panels of 16 rows (packed
-// [N/16, K/32, 256], scales and zeros [N/16, K/g, 16]; see Int4Panels), told apart by packed's
+// [N/16, K/32, 256], scales and zeros [N/16, K/g, 16]; see Panels), told apart by packed's
 // dimensions. n counts the rows (in panels, 16 per panel).
 struct Int4Args {
   Int4Args(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& zeros,
            int64_t group, const char* op)
       : panels(packed.dim() == 3),
-        n(panels ? packed.size(0) * Int4Panels::kRows : packed.size(0)),
+        n(panels ? packed.size(0) * Panels<4>::kRows : packed.size(0)),
         k(panels ? packed.size(1) * kBlock : packed.size(1) * 2),
         group(group),
         pc(packed.contiguous()),
         sc(scales.contiguous()),
         zc(zeros.contiguous()) {
     TORCH_CHECK(packed.scalar_type() == at::kByte &&
-                    (panels ? packed.size(2) == Int4Panels::kBlockBytes : packed.dim() == 2),
+                    (panels ? packed.size(2) == Panels<4>::kBlockBytes : packed.dim() == 2),
                 op, ": packed uint8 [N, K/2] (rows) or [N/16, K/32, 256] (panels)");
     TORCH_CHECK(group > 0 && group % kBlock == 0 && k % group == 0, op,
                 ": a group size that is a multiple of 32 and divides K");
     TORCH_CHECK(scales.scalar_type() == at::kFloat && zeros.scalar_type() == at::kByte &&
                     scales.numel() == n * (k / group) && zeros.numel() == n * (k / group),
                 op, ": float32 scales and uint8 zeros, a value per row and group");
-    TORCH_CHECK(!panels || int4_panels(), op, ": int4 panels need a CPU with AVX512-VNNI and VBMI");
+    TORCH_CHECK(!panels || panels_here(), op, ": panels need a CPU with AVX512-VNNI and VBMI");
   }
   const bool panels;
   const int64_t n, k, group;
@@ -659,7 +685,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   const uint8_t* w = a.pc.data_ptr<uint8_t>();
   const float* sp = a.sc.data_ptr<float>();
   const uint8_t* zp = a.zc.data_ptr<uint8_t>();
-  if (a.panels) return run_panels(Int4Panels(xq, w, sp, zp, group), xc, a.pc.size(0));
+  if (a.panels) return run_panels(Panels<4>(xq, w, sp, zp, group), xc, a.pc.size(0));
   return run(Int4Weights(xq, w, sp, zp, group), xc, a.n);
 }
 
@@ -683,17 +709,16 @@ at::Tensor int4_dequantize(const at::Tensor& packed, const at::Tensor& scales,
   at::parallel_for(0, ids.numel(), 16, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t j = id[t];
-      // panels: row j is lane 4c + m of panel p (see Int4Panels)
-      const int64_t p = j / Int4Panels::kRows, lane = j % Int4Panels::kRows;
+      // panels: row j is lane 4c + m of panel p (see Panels)
+      const int64_t p = j / Panels<4>::kRows, lane = j % Panels<4>::kRows;
       const int c = static_cast<int>(lane / 4), m = static_cast<int>(lane % 4);
       for (int64_t b = 0; b < blocks; ++b) {
         const int64_t g = b * kBlock / group;
-        const int64_t at_g =
-            a.panels ? (p * groups + g) * Int4Panels::kRows + lane : j * groups + g;
+        const int64_t at_g = a.panels ? (p * groups + g) * Panels<4>::kRows + lane : j * groups + g;
         const float scale = sp[at_g], zero = zp[at_g];
         float* dst = o + t * k + b * kBlock;
         if (a.panels) {
-          const uint8_t* wb = w + (p * blocks + b) * Int4Panels::kBlockBytes;
+          const uint8_t* wb = w + (p * blocks + b) * Panels<4>::kBlockBytes;
           for (int i = 0; i < kBlock / 2; ++i) {
             for (int e = 0; e < 2; ++e) {
               uint16_t word;

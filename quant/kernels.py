@@ -12,14 +12,12 @@ import torch
 from pagechat.core import native
 
 SOURCE = Path(__file__).with_name("kernels.cpp")
-PANEL = 16  # int4 rows per panel (kernels.cpp's Int4Panels)
-# int4 weights go in panels on a CPU with AVX512F, BW, VNNI and VBMI, else in rows (AVX2)
-INT4_PANELS = {"avx512f", "avx512bw", "avx512_vnni", "avx512vbmi"} <= (
-    native.cpu_flags() or frozenset()
-)
+PANEL = 16  # int4 and int8 rows per panel (kernels.cpp's Panels)
+# int4 and int8 weights go in panels on a CPU with AVX512F, BW, VNNI and VBMI, else in rows (AVX2)
+PANELS = {"avx512f", "avx512bw", "avx512_vnni", "avx512vbmi"} <= (native.cpu_flags() or frozenset())
 # the paths layers report when they run these kernels
-INT8_PATH, FLOAT_PATH = "int8-avx2", "avx2"
-INT4_PATH = "int4-avx512vnni" if INT4_PANELS else "int4-avx2"
+_ISA = "avx512vnni" if PANELS else "avx2"
+INT8_PATH, INT4_PATH, FLOAT_PATH = f"int8-{_ISA}", f"int4-{_ISA}", "avx2"
 # decode and small batches, as measured (1-16 rows); prefill's many rows are a GEMM, torch's part
 MAX_ROWS = 16
 BLOCK = 32  # activations are quantised per block of 32: K must be a multiple
@@ -32,8 +30,8 @@ def loaded() -> bool:
 
 def op(name: str):
     """torch.ops.pagechat.<name>, or None where pagechat's kernels cannot run:
-      int8_linear(x [M, K], weight int8 [N, K], scales [N])
-      int4_linear(x [M, K], packed uint8 [N, K/2], scales float32 [N, K/g], zeros uint8 [N, K/g], g)
+      int8_linear(x [M, K], weight int8 [N, K] (or int8_pack's panels), scales [N])
+      int4_linear(x [M, K], packed, scales, zeros, g) (int4_pack's, either layout)
       float_linear(x [M, K], weight float32 or bf16 [N, K])
     x float32, bf16 or fp16, each -> [M, N] in x's dtype;
     int4_dequantize(packed, scales, zeros, g, rows=None) -> float32 [N or T, K];
@@ -42,7 +40,7 @@ def op(name: str):
 
 
 def int4_pack(
-    q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, panels: bool = INT4_PANELS
+    q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, panels: bool = PANELS
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q uint8 [N, K] (values 0..15), scales [N, K/g], zeros uint8 [N, K/g] -> int4_linear's
     (packed, scales float32, zeros), laid out as kernels.cpp describes: in rows, or in panels of
@@ -52,9 +50,8 @@ def int4_pack(
         halves = q.reshape(n, k // BLOCK, 2, BLOCK // 2)
         packed = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2)
         return packed.contiguous(), scales.float().contiguous(), zeros.contiguous()
-    pad = -n % PANEL
-    q, scales, zeros = (torch.cat([t, t.new_zeros(pad, t.shape[1])]) for t in (q, scales, zeros))
-    p, groups = (n + pad) // PANEL, scales.shape[1]
+    q, scales, zeros = _pad_rows(q), _pad_rows(scales), _pad_rows(zeros)
+    p, groups = q.shape[0] // PANEL, scales.shape[1]
     # row 4c + m of a panel, inputs 2i + e of a block -> nibble c of word 2m + e of pair i
     v = q.to(torch.int32).reshape(p, 4, 4, k // BLOCK, BLOCK // 2, 2)
     words = sum(v[:, c] << (4 * c) for c in range(4)).permute(0, 2, 3, 1, 4)
@@ -64,3 +61,35 @@ def int4_pack(
         scales.float().reshape(p, PANEL, groups).transpose(1, 2).contiguous(),
         zeros.reshape(p, PANEL, groups).transpose(1, 2).contiguous(),
     )
+
+
+def _pad_rows(t: torch.Tensor) -> torch.Tensor:
+    """t [N, ...] with zero rows added up to a multiple of PANEL."""
+    return torch.cat([t, t.new_zeros(-t.shape[0] % PANEL, *t.shape[1:])])
+
+
+def int8_pack(
+    q: torch.Tensor, scales: torch.Tensor, panels: bool = PANELS
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q int8 [N, K], scales [N] -> int8_linear's (weight, scales): as they are, or in panels of
+    PANEL rows, [N/16, K/32, 512] and scales [N] (both padded with zero rows to a multiple of
+    PANEL; the outputs past N are 0)."""
+    if not panels:
+        return q.contiguous(), scales
+    q, scales = _pad_rows(q), _pad_rows(scales)
+    n, k = q.shape
+    # row r of a panel, inputs 2i + e of a block -> byte 2r + e of pair i
+    v = q.reshape(n // PANEL, PANEL, k // BLOCK, BLOCK // 2, 2).permute(0, 2, 3, 1, 4)
+    return v.reshape(n // PANEL, k // BLOCK, PANEL * BLOCK).contiguous(), scales
+
+
+def int8_rows(weight: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """int8_pack's weight (either layout) as int8 rows [N, K] (in panels, N padded), or only the
+    rows `ids` [T]."""
+    if weight.dim() == 2:
+        return weight if ids is None else weight[ids]
+    p, blocks = weight.shape[:2]
+    v = weight.view(p, blocks, BLOCK // 2, PANEL, 2)
+    if ids is None:
+        return v.permute(0, 3, 1, 2, 4).reshape(p * PANEL, blocks * BLOCK)
+    return v[ids // PANEL, :, :, ids % PANEL].reshape(ids.shape[0], blocks * BLOCK)

@@ -181,7 +181,7 @@ class AWQLinear(_WeightOnlyLinear):
         group: int,
         device: torch.device,
         path: str | None = None,
-        panels: bool = kernels.INT4_PANELS,
+        panels: bool = kernels.PANELS,
     ) -> None:
         """q [K, N] values 0..15, zeros [K/g, N], scales [K/g, N] (AWQ layout, unpacked); on
         pagechat's kernel, `panels` picks its layout (kernels.int4_pack)."""
@@ -257,21 +257,27 @@ class Int8WOLinear(_WeightOnlyLinear):
         bias: torch.Tensor | None,
         device: torch.device,
         path: str | None = None,
+        panels: bool = kernels.PANELS,
     ) -> None:
         """q int8 [N, K], scales [N] (w = q * scale). `path` forces torch's kernel (int8pack-*,
-        dequant); by default pagechat's kernel runs up to kernels.MAX_ROWS rows where it can."""
+        dequant); by default pagechat's kernel runs up to kernels.MAX_ROWS rows where it can,
+        its weights laid out as `panels` picks (kernels.int8_pack)."""
         super().__init__()
         self.out_features, self.in_features = q.shape
         self.kernel = None if path else int8_wo_kernel(self.in_features, device)
         self.torch_path = path or int8_wo_path(device)  # every call, where the kernel cannot run
         self.path = self.torch_path
-        if self.kernel is not None:
-            self.path = INT8_KERNEL_PATH
-        self.register_buffer("weight", q.to(device=device, dtype=torch.int8).contiguous())
         # the int8pack kernels take scales in the activations' dtype (bf16), and pagechat's kernel
         # reads the same bf16 scales, so both compute with the same weights; dequant keeps fp32
         dtype = torch.float32 if self.torch_path == "dequant" else _BF16
-        self.register_buffer("scales", scales.to(device=device, dtype=dtype))
+        q, scales = q.to(torch.int8), scales.to(dtype)
+        if self.kernel is not None:
+            self.path = INT8_KERNEL_PATH
+            q, scales = kernels.int8_pack(q, scales, panels)
+        # in panels, the rows past out_features are padding: their outputs are cut off
+        self.padded = q.dim() == 3 and self.out_features % kernels.PANEL != 0
+        self.register_buffer("weight", q.to(device).contiguous())
+        self.register_buffer("scales", scales.to(device))
         self.register_buffer("bias", None if bias is None else bias.to(device))
 
     @classmethod
@@ -286,11 +292,12 @@ class Int8WOLinear(_WeightOnlyLinear):
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
             if x2.shape[0] <= kernels.MAX_ROWS:
-                return self.kernel(x2, self.weight, self.scales)
-            # many rows are a GEMM (faster than int8pack's) on the int8 values, exact in bf16 too
-            dtype = gemm_dtype(x2)
-            y = F.linear(x2.to(dtype), self.weight.to(dtype)) * self.scales.to(dtype)
-            return y.to(x2.dtype)
+                y = self.kernel(x2, self.weight, self.scales)
+            else:  # a GEMM (faster than int8pack's) on the int8 values, exact in bf16 too
+                dtype = gemm_dtype(x2)
+                w = kernels.int8_rows(self.weight).to(dtype)
+                y = (F.linear(x2.to(dtype), w) * self.scales.to(dtype)).to(x2.dtype)
+            return y[:, : self.out_features] if self.padded else y
         if (
             self.torch_path == "dequant"
         ):  # x @ (q * s)^T == (x @ q^T) * s: scale the output, not the weight

@@ -38,17 +38,26 @@ needs_kernel = pytest.mark.skipif(
     not CAN_BUILD, reason="needs an AVX2 CPU, g++ and ninja, and PAGECHAT_KERNELS unset"
 )
 
+# the int4 and int8 kernels' layouts: both where the CPU runs both (panels: AVX512-VNNI, VBMI)
+LAYOUTS = [
+    False,
+    pytest.param(
+        True,
+        marks=pytest.mark.skipif(not kernels.PANELS, reason="needs AVX512-VNNI and VBMI"),
+    ),
+]
+
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def int8_weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random int8 rows and bf16 row scales, as Int8WOLinear stores them."""
+    """Random int8 rows [N, K] and bf16 row scales, as Int8WOLinear quantises them."""
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g)
-    layer = Int8WOLinear.from_float(w, None, CPU)
-    return layer.weight, layer.scales
+    layer = Int8WOLinear.from_float(w, None, CPU)  # in either layout
+    return kernels.int8_rows(layer.weight)[:n], layer.scales[:n]
 
 
 def quantised_activations(x: torch.Tensor) -> torch.Tensor:
@@ -80,14 +89,21 @@ def kernel():
 
 # odd n (tails of the 4-row tiles and of each thread's range), k odd multiples of 32
 @needs_kernel
-@pytest.mark.parametrize("n,k", [(1, 32), (7, 96), (13, 160), (257, 544), (1000, 288)])
-def test_kernel_matches_dequantised_matmul_at_every_batch_size(kernel, n, k):
+@pytest.mark.parametrize("panels", LAYOUTS)
+@pytest.mark.parametrize("n,k", [(1, 32), (7, 96), (13, 160), (48, 64), (257, 544), (1000, 288)])
+def test_kernel_matches_dequantised_matmul_at_every_batch_size(kernel, n, k, panels):
     q, s = int8_weight(n, k, seed=n)
+    packed = kernels.int8_pack(q, s, panels)
+    assert torch.equal(kernels.int8_rows(packed[0])[:n], q)
+    ids = torch.tensor([n - 1, 0, n // 2])  # a tied embedding's lookups
+    assert torch.equal(kernels.int8_rows(packed[0], ids), q[ids])
     g = torch.Generator().manual_seed(k)
     for m in range(1, 17):
         x = torch.randn(m, k, generator=g) * torch.rand(m, k, generator=g) * 4
-        y = kernel(x, q, s)
-        assert y.shape == (m, n) and y.dtype == torch.float32
+        y = kernel(x, *packed)
+        assert y.shape == (m, n + (-n % 16 if panels else 0)) and y.dtype == torch.float32
+        assert torch.all(y[:, n:] == 0)  # the panels' padding rows
+        y = y[:, :n]
         assert rel(y, reference(quantised_activations(x), q, s)) <= 1e-6, (m, n, k)
         err = (y.double() - reference(x, q, s)).abs()
         assert torch.all(err <= rounding_bound(x, q, s) * 1.001 + 1e-6), (m, n, k)
@@ -132,19 +148,22 @@ def test_kernel_refuses_shapes_it_cannot_take(kernel):
 
 
 @needs_kernel
-def test_layer_runs_the_kernel_for_up_to_16_rows_and_a_float32_matmul_beyond(kernel):
-    w = torch.randn(96, 256)
-    layer = Int8WOLinear.from_float(w, None, CPU)
-    assert layer.path == "int8-avx2 <= 16 rows, else GEMM" and layer.kernel is kernel
-    torch_only = Int8WOLinear(layer.weight, layer.scales, None, CPU, path="int8pack-cpu")
+@pytest.mark.parametrize("panels", LAYOUTS)
+@pytest.mark.parametrize("n", [96, 37])  # 37: panels padded to 48 rows, cut off again
+def test_layer_runs_the_kernel_for_up_to_16_rows_and_a_float32_matmul_beyond(kernel, panels, n):
+    q, s = int8_weight(n, 256, seed=7)
+    layer = Int8WOLinear(q, s, None, CPU, panels=panels)
+    assert layer.path == f"{kernels.INT8_PATH} <= 16 rows, else GEMM" and layer.kernel is kernel
+    assert (layer.weight.dim() == 3) == panels
+    torch_only = Int8WOLinear(q, s, None, CPU, path="int8pack-cpu")
     assert torch_only.kernel is None and torch_only.path == "int8pack-cpu"
     x = torch.randn(17, 256)
-    deq = reference(x, layer.weight, layer.scales)
-    assert rel(layer(x[:16]), deq[:16]) <= 1e-4  # the kernel
+    deq = reference(x, q, s)
+    assert layer(x[:16]).shape == (16, n) and rel(layer(x[:16]), deq[:16]) <= 1e-4  # the kernel
     assert rel(torch_only(x[:16]), deq[:16]) > 1e-4  # torch's, with bf16 activations
-    assert rel(layer(x), deq) <= 1e-6  # 17 rows: float32 on the same weights and scales
+    assert layer(x).shape == (17, n) and rel(layer(x), deq) <= 1e-6  # 17 rows: a float32 GEMM
     assert layer(x.bfloat16()).dtype == torch.bfloat16
-    assert layer(x[:3].reshape(1, 3, 256)).shape == (1, 3, 96)
+    assert layer(x[:3].reshape(1, 3, 256)).shape == (1, 3, n)
 
 
 def int4_weight(n: int, k: int, group: int, seed: int, panels: bool = False):
@@ -157,16 +176,6 @@ def int4_weight(n: int, k: int, group: int, seed: int, panels: bool = False):
         q.double().reshape(n, k // group, group) - z.double().unsqueeze(-1)
     ) * s.double().unsqueeze(-1)
     return *kernels.int4_pack(q, s, z, panels), deq.reshape(n, k)
-
-
-# both layouts where this CPU runs both (panels: AVX512-VNNI and VBMI)
-LAYOUTS = [
-    False,
-    pytest.param(
-        True,
-        marks=pytest.mark.skipif(not kernels.INT4_PANELS, reason="needs AVX512-VNNI and VBMI"),
-    ),
-]
 
 
 # odd n (panels: padded), groups of 1-4 blocks (96: three), batch sizes 1-16
@@ -255,7 +264,7 @@ def test_prefill_rows_of_bf16_activations_run_a_bf16_gemm_only_where_the_cpu_has
     q, zt, st = quantize_groups(deq.float(), 64)
     awq = AWQLinear(q.t(), zt.t(), st.t(), None, 64, CPU)
     x = torch.randn(17, 256).bfloat16()  # more rows than the kernels take: a GEMM
-    w8, s8, w4 = int8.weight.float(), int8.scales.float(), deq.float()
+    w8, s8, w4 = kernels.int8_rows(int8.weight).float(), int8.scales.float(), deq.float()
     if native_bf16:  # AMX's bf16 GEMM on the dequantised weights (int8 values exact in bf16)
         want8 = F.linear(x, w8.bfloat16()) * s8.bfloat16()
         want4 = F.linear(x, w4.bfloat16())
@@ -372,7 +381,9 @@ def _torch_engine(model_dir, path: str) -> Engine:
     )
     for m in e.model.modules():
         if isinstance(m, Int8WOLinear):
-            m.kernel, m.torch_path, m.path = None, path, path
+            m.kernel, m.torch_path, m.path, m.padded = None, path, path, False
+            m.weight = kernels.int8_rows(m.weight)[: m.out_features]  # from panels, if in them
+            m.scales = m.scales[: m.out_features]
             m.scales = m.scales.float() if path == "dequant" else m.scales
     return e
 
@@ -384,7 +395,7 @@ def test_engine_with_the_kernel_decodes_as_the_exact_dequantised_model(kernel, t
     of slightly different inputs, less than torch's int8pack path (bf16 activations) differs."""
     e = Engine(tiny_llama, EngineConfig(kv_blocks=64, dtype="float32", quant="int8-wo"))
     paths = {m.path for m in e.model.modules() if isinstance(m, Int8WOLinear)}
-    assert paths == {"int8-avx2 <= 16 rows, else GEMM"}
+    assert paths == {f"{kernels.INT8_PATH} <= 16 rows, else GEMM"}
     ref = _torch_engine(tiny_llama, "dequant")
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25]]

@@ -154,12 +154,13 @@ def test_int8_weight_only_layer():
     w = torch.randn(96, 256)
     layer = Int8WOLinear.from_float(w, None, CPU)
     # pagechat's kernel where it builds (tests/test_kernels.py), else torch's int8pack
-    assert layer.path in ("int8-avx2 <= 16 rows, else GEMM", "int8pack-cpu")
+    assert layer.path in (f"{qlayers.kernels.INT8_PATH} <= 16 rows, else GEMM", "int8pack-cpu")
     assert layer.weight.dtype == torch.int8
     x = torch.randn(4, 256)
-    deq = layer.weight.float() * layer.scales.float().unsqueeze(1)
+    q = qlayers.kernels.int8_rows(layer.weight)  # from the kernel's panels, where in them
+    deq = q.float() * layer.scales.float().unsqueeze(1)
     assert rel(layer(x), x @ deq.t()) <= 5e-3
-    slow = Int8WOLinear(layer.weight, layer.scales.float(), None, CPU, path="dequant")
+    slow = Int8WOLinear(q, layer.scales.float(), None, CPU, path="dequant")
     assert rel(slow(x), x @ deq.t()) <= 1e-5
     assert rel(layer(x), x @ w.t()) < 2e-2
 
