@@ -30,13 +30,13 @@ from torch import nn
 
 QUANT_MODES = ("int8", "int8-wo", "bf16-wo", "awq")
 MODE_LABELS = {
-    None: "none (weights in the model dtype; float32/bf16 decode rows on pagechat's AVX2 kernel "
-    "where it builds)",
+    None: "none (weights in the model dtype; float32/bf16 decode rows on pagechat's kernel where "
+    "it builds)",
     "int8": "int8 LLM.int8 (bitsandbytes Linear8bitLt, outlier threshold 6.0)",
-    "int8-wo": "int8 weight-only (pagechat's AVX2 kernel where it builds, else torch's int8pack)",
-    "bf16-wo": "bf16 weight-only (decode rows on pagechat's AVX2 kernel where it builds, else a "
+    "int8-wo": "int8 weight-only (pagechat's kernel where it builds, else torch's int8pack)",
+    "bf16-wo": "bf16 weight-only (decode rows on pagechat's kernel where it builds, else a "
     "bf16 matmul; prefill a GEMM in the activations' dtype)",
-    "awq": "AWQ 4-bit (pagechat's AVX2 int4 kernel where it builds, else torch's int4 matmul)",
+    "awq": "AWQ 4-bit (pagechat's int4 kernel where it builds, else torch's int4 matmul)",
 }
 
 
