@@ -209,6 +209,50 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
 using pagechat::load8;
 using pagechat::sum8;
 
+// Scores of H query heads (qf: [H, d], scaled) against one key row: each 8 of the key's values
+// widened once for all H heads.
+template <int H, class C>
+inline void score_row(const float* qf, int64_t d, const C* kr, float* out, int64_t stride) {
+  __m256 acc[H];
+  for (int h = 0; h < H; ++h) acc[h] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < d; j += 8) {
+    const __m256 kv = load8(kr + j);
+    for (int h = 0; h < H; ++h)
+      acc[h] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + h * d + j), kv, acc[h]);
+  }
+  for (int h = 0; h < H; ++h) out[h * stride] = sum8(acc[h]);
+}
+
+// acc[h][j0 .. j0 + 8 NV) = sum over the context of weight[h][t] * value row t, for H heads: the
+// H x NV sums stay in registers over the whole context, each 8 values widened once.
+template <int H, int NV, class C>
+inline void weigh_values(const float* weight, int64_t n, const C* vc, const int64_t* rows,
+                         int64_t row_stride, int64_t j0, float* acc, int64_t d) {
+  __m256 a[H][NV];
+  for (int h = 0; h < H; ++h)
+    for (int u = 0; u < NV; ++u) a[h][u] = _mm256_setzero_ps();
+  for (int64_t t = 0; t < n; ++t) {
+    const C* vr = vc + rows[t] * row_stride + j0;
+    __m256 vv[NV];
+    for (int u = 0; u < NV; ++u) vv[u] = load8(vr + 8 * u);
+    for (int h = 0; h < H; ++h) {
+      const __m256 w = _mm256_set1_ps(weight[h * n + t]);
+      for (int u = 0; u < NV; ++u) a[h][u] = _mm256_fmadd_ps(w, vv[u], a[h][u]);
+    }
+  }
+  for (int h = 0; h < H; ++h)
+    for (int u = 0; u < NV; ++u) _mm256_storeu_ps(acc + h * d + j0 + 8 * u, a[h][u]);
+}
+
+// Calls f(std::integral_constant<int, h>) for h = heads, 1 <= heads <= Max.
+template <int Max, class F>
+inline void with_heads(int64_t heads, F&& f) {
+  if constexpr (Max > 0) {
+    if (heads == Max) return f(std::integral_constant<int, Max>());
+    with_heads<Max - 1>(heads, f);
+  }
+}
+
 // One decode step's attention for every sequence computing one token: write each token's K and V
 // into the paged cache, then attend its query to its context, read in place through the gather
 // slots, without copying the context out as the torch path must (index_select of every position,
@@ -237,6 +281,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
     }
   }
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  constexpr int64_t kScoreHeads = 8;
   T* op = out.data_ptr<T>();
   at::parallel_for(0, b * kv_heads, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> qf(group * d), acc(group * d), total(group), scores;
@@ -249,18 +294,15 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
         const T* qs = qp + i * q.stride(0) + (g * group + h) * q.stride(1);
         for (int64_t j = 0; j < d; ++j) qf[h * d + j] = f32(qs[j]) * scale;
       }
-      scores.assign(group * n, 0.0f);
-      for (int64_t t = 0; t < n; ++t) {
-        const C* kr = kc + (rows[t] * kv_heads + g) * d;
-        for (int64_t h = 0; h < group; ++h) {
-          __m256 s = _mm256_setzero_ps();
-          for (int64_t j = 0; j < d; j += 8) {
-            s = _mm256_fmadd_ps(_mm256_loadu_ps(&qf[h * d + j]), load8(kr + j), s);
+      scores.resize(group * n);
+      for (int64_t h0 = 0; h0 < group; h0 += kScoreHeads) {  // up to 8 heads share a key row
+        with_heads<kScoreHeads>(std::min(group - h0, kScoreHeads), [&](auto heads) {
+          for (int64_t t = 0; t < n; ++t) {
+            const C* kr = kc + (rows[t] * kv_heads + g) * d;
+            score_row<heads()>(&qf[h0 * d], d, kr, &scores[h0 * n + t], n);
           }
-          scores[h * n + t] = sum8(s);
-        }
+        });
       }
-      std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t h = 0; h < group; ++h) {  // the exponentials 8 at a time, as silu_mul's
         float* sc = &scores[h * n];
         const float top = *std::max_element(sc, sc + n);
@@ -274,16 +316,20 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
         total[h] = sum8(sum);
         for (; t < n; ++t) total[h] += (sc[t] = std::exp(sc[t] - top));
       }
-      for (int64_t t = 0; t < n; ++t) {
-        const C* vr = vc + (rows[t] * kv_heads + g) * d;
-        for (int64_t j = 0; j < d; j += 8) {
-          const __m256 vv = load8(vr + j);
-          for (int64_t h = 0; h < group; ++h) {
-            float* a = &acc[h * d + j];
-            _mm256_storeu_ps(
-                a, _mm256_fmadd_ps(_mm256_set1_ps(scores[h * n + t]), vv, _mm256_loadu_ps(a)));
+      // up to 4 heads by 32 values (12 registers of sums), fewer values for the last ones
+      const int64_t row_stride = kv_heads * d;
+      const C* vg = vc + g * d;
+      for (int64_t h0 = 0; h0 < group; h0 += 4) {
+        with_heads<4>(std::min<int64_t>(group - h0, 4), [&](auto heads) {
+          constexpr int H = heads(), NV = H == 4 ? 3 : 4;
+          const float* w = &scores[h0 * n];
+          int64_t j0 = 0;
+          for (; j0 + 8 * NV <= d; j0 += 8 * NV) {
+            weigh_values<H, NV>(w, n, vg, rows, row_stride, j0, &acc[h0 * d], d);
           }
-        }
+          for (; j0 < d; j0 += 8)
+            weigh_values<H, 1>(w, n, vg, rows, row_stride, j0, &acc[h0 * d], d);
+        });
       }
       for (int64_t h = 0; h < group; ++h) {
         T* o = op + (i * heads + g * group + h) * d;

@@ -110,15 +110,18 @@ def test_model_uses_them_only_where_they_run(tiny_llama, monkeypatch):
     [(torch.float32, torch.float32), (torch.float32, torch.float16), (torch.bfloat16,) * 2],
 )
 @pytest.mark.parametrize("window", [None, 5])
-def test_decode_attention_matches_the_gathering_path(dtype, cache, window):
-    """Three sequences of different contexts decode one token each, 4 query heads on 2 kv heads,
+# query heads per kv head 2, 4, 10 (the kernel's chunks of 8 scored and 4 weighed heads and their
+# tails) and head sizes 16, 40 and 96 (chunks of 32 and 24 values and their tails)
+@pytest.mark.parametrize("heads,kv_heads,d", [(4, 2, 16), (8, 2, 96), (10, 1, 40)])
+def test_decode_attention_matches_the_gathering_path(dtype, cache, window, heads, kv_heads, d):
+    """Three sequences of different contexts decode one token each, query heads sharing kv heads,
     with the qkv rows strided as the model's are: the cache written as paged_attention's torch path
     writes it (gather, then scaled_dot_product_attention), and the output as close to the same
     attention in float64 as that path's (float32: equal to rounding; bf16 rounds the output)."""
     from pagechat.core.attention import build_metadata, paged_attention
 
     g = torch.Generator().manual_seed(0)
-    heads, kv_heads, d, block = 4, 2, 16, 4
+    block = 4
     meta = build_metadata([6, 13, 2], [1, 1, 1], [[3, 0], [1, 5, 6, 7], [2]], block, CPU)
     qkv = torch.randn(3, (heads + 2 * kv_heads) * d, generator=g)
     pool = torch.randn(2, 8 * block, kv_heads, d, generator=g).to(cache)
