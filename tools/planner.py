@@ -14,6 +14,7 @@ import torch
 from pagechat.core.kv import CUDA_FREE_FRACTION
 from pagechat.core.loader import ModelSpec, dtype_name
 from pagechat.core.memory import KINDS, WeightReport, WeightRow, kv_bytes_per_token
+from pagechat.quant import kernels
 from pagechat.quant.head import INT4_GROUP, check_int4_tie, head_format
 from pagechat.quant.layers import (
     INT4_GROUPS,
@@ -23,6 +24,12 @@ from pagechat.quant.layers import (
     int4_kernel_runs,
     int8_kernel_runs,
 )
+
+
+def _kernel_rows(n: int) -> int:
+    """The rows pagechat's int kernels store for n: in panels (kernels.PANELS), padded to a
+    multiple of kernels.PANEL."""
+    return n + (-n % kernels.PANEL if kernels.PANELS else 0)
 
 
 def _linear_bytes(
@@ -35,13 +42,16 @@ def _linear_bytes(
     if mode == "int8":
         return "int8", "bnb-llm.int8", n * k + 4 * n + b  # int8 rows + fp32 row absmax (SCB)
     if mode == "int8-wo":
-        path = INT8_KERNEL_PATH if int8_kernel_runs(k, device_type) else f"int8pack-{device_type}"
-        return "int8-wo", path, n * k + 2 * n + b  # int8 + bf16 scales
+        if int8_kernel_runs(k, device_type):  # int8 + bf16 scales, in panels padded
+            rows = _kernel_rows(n)
+            return "int8-wo", INT8_KERNEL_PATH, rows * k + 2 * rows + b
+        return "int8-wo", f"int8pack-{device_type}", n * k + 2 * n + b
     if mode == "bf16-wo":
         return "bf16-wo", bf16_wo_path(k, device_type), 2 * n * k + b
     g = group or 128
     if int4_kernel_runs(k, g, device_type):  # int4 [n, k/2] + fp32 scale and u8 zero per group
-        return f"awq-int4 g{g}", INT4_KERNEL_PATH, n * k // 2 + 5 * n * (k // g) + b
+        rows = _kernel_rows(n)
+        return f"awq-int4 g{g}", INT4_KERNEL_PATH, rows * k // 2 + 5 * rows * (k // g) + b
     fast = g in INT4_GROUPS and (
         n % 16 == 0 if device_type == "cpu" else n % 8 == 0 and k % 32 == 0
     )
