@@ -451,10 +451,10 @@ at::Tensor run(const Wt& wt, const at::Tensor& x, int64_t n) {
 //         parts of a register, vpmultishiftqb moves nibble c of each word to the low byte of the
 //         word's lane in part c (a shift per part, on the shuffle port, so that the products have
 //         the other port to themselves); masked to 4 bits, row 4c + m's pair is in lane 4c + m.
-//         Scales float32 and zeros uint8 [N/16, K/g, 16]: a group's 16 values are one load.
+//         Scales fp16 and zeros uint8 [N/16, K/g, 16]: a group's 16 values are one load each.
 //   int8: 512 bytes; per pair, 32 bytes, byte 2r + e = q[row 16p + r][input 2i + e], widened to
 //         int16 in one instruction. Scales float32 [N].
-// The same bytes per weight as in rows.
+// int8's bytes per weight are those of rows; int4's are 19 per 32 at g = 32, not 21 (fp16 scales).
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi")
 
@@ -465,7 +465,7 @@ struct Panels {
   // product (3 registers per row of 32)
   static constexpr int64_t kRowsPerPass = 8;
   // zeros: int4's, or none (int8); then group = K and scales are the rows'
-  Panels(const QuantRows& xq, const uint8_t* w, const float* scales, const uint8_t* zeros,
+  Panels(const QuantRows& xq, const uint8_t* w, const void* scales, const uint8_t* zeros,
          int64_t group)
       : x(xq),
         w(w),
@@ -477,10 +477,20 @@ struct Panels {
         xsums(zeros ? group_sums(xq, group) : std::vector<float>()) {}
   const QuantRows& x;
   const uint8_t* w;
-  const float* scales;
+  const void* scales;  // int4: fp16, AWQ's own precision (2 bytes a group less); int8: float32
   const uint8_t* zeros;
   const int64_t blocks, blocks_per_group, groups;
   std::vector<float> xsums;
+
+  // the 16 scales of a group from scales[at]
+  __m512 group_scales(int64_t at) const {
+    if constexpr (Bits == 4) {
+      return _mm512_cvtph_ps(_mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(static_cast<const at::Half*>(scales) + at)));
+    } else {
+      return _mm512_loadu_ps(static_cast<const float*>(scales) + at);
+    }
+  }
 
   // pair i of a block's 16 rows as 32 int16 lanes, row r's pair in 32-bit lane r
   static __m512i unpack(const uint8_t* wb, int i, __m512i picks, __m512i low4) {
@@ -539,7 +549,7 @@ struct Panels {
       if (--left == 0) {  // the group's scales and its zeros' share, once per 16 rows
         for (int c = 0; c < W; ++c) {
           const int64_t at = ((p0 + c * step) * groups + g) * kRows;
-          const __m512 ws = _mm512_loadu_ps(scales + at);
+          const __m512 ws = group_scales(at);
           if (zeros) {
             const __m512 zf = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
                 _mm_loadu_si128(reinterpret_cast<const __m128i*>(zeros + at))));
@@ -647,8 +657,8 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
 
 // int4 weights as int4_linear and int4_dequantize take them: in rows (packed uint8 [N, K/2], see
 // the top of this file; scales float32 and zeros uint8 [N, K/g]) or in panels of 16 rows (packed
-// [N/16, K/32, 256], scales and zeros [N/16, K/g, 16]; see Panels), told apart by packed's
-// dimensions. n counts the rows (in panels, 16 per panel).
+// [N/16, K/32, 256], scales fp16 and zeros uint8 [N/16, K/g, 16]; see Panels), told apart by
+// packed's dimensions. n counts the rows (in panels, 16 per panel).
 struct Int4Args {
   Int4Args(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& zeros,
            int64_t group, const char* op)
@@ -664,9 +674,10 @@ struct Int4Args {
                 op, ": packed uint8 [N, K/2] (rows) or [N/16, K/32, 256] (panels)");
     TORCH_CHECK(group > 0 && group % kBlock == 0 && k % group == 0, op,
                 ": a group size that is a multiple of 32 and divides K");
-    TORCH_CHECK(scales.scalar_type() == at::kFloat && zeros.scalar_type() == at::kByte &&
-                    scales.numel() == n * (k / group) && zeros.numel() == n * (k / group),
-                op, ": float32 scales and uint8 zeros, a value per row and group");
+    TORCH_CHECK(scales.scalar_type() == (panels ? at::kHalf : at::kFloat) &&
+                    zeros.scalar_type() == at::kByte && scales.numel() == n * (k / group) &&
+                    zeros.numel() == n * (k / group),
+                op, ": float32 scales (fp16 in panels) and uint8 zeros, a value per row and group");
     TORCH_CHECK(!panels || panels_here(), op, ": panels need a CPU with AVX512-VNNI and VBMI");
   }
   const bool panels;
@@ -683,10 +694,9 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   const at::Tensor xc = x.contiguous();
   const QuantRows xq(xc);
   const uint8_t* w = a.pc.data_ptr<uint8_t>();
-  const float* sp = a.sc.data_ptr<float>();
   const uint8_t* zp = a.zc.data_ptr<uint8_t>();
-  if (a.panels) return run_panels(Panels<4>(xq, w, sp, zp, group), xc, a.pc.size(0));
-  return run(Int4Weights(xq, w, sp, zp, group), xc, a.n);
+  if (a.panels) return run_panels(Panels<4>(xq, w, a.sc.data_ptr(), zp, group), xc, a.pc.size(0));
+  return run(Int4Weights(xq, w, a.sc.data_ptr<float>(), zp, group), xc, a.n);
 }
 
 // int4_linear's weights as float32: the rows given (int64 [T]), else all [N, K]; for prefill's
@@ -700,10 +710,9 @@ at::Tensor int4_dequantize(const at::Tensor& packed, const at::Tensor& scales,
   TORCH_CHECK(ids.dim() == 1 && (ids.numel() == 0 || (ids.min().item<int64_t>() >= 0 &&
                                                       ids.max().item<int64_t>() < a.n)),
               "int4_dequantize: row ids [T] within the weight's ", a.n, " rows");
-  at::Tensor out = at::empty({ids.numel(), k}, scales.options());
+  at::Tensor out = at::empty({ids.numel(), k}, scales.options().dtype(at::kFloat));
   const int64_t* id = ids.data_ptr<int64_t>();
   const uint8_t* w = a.pc.data_ptr<uint8_t>();
-  const float* sp = a.sc.data_ptr<float>();
   const uint8_t* zp = a.zc.data_ptr<uint8_t>();
   float* o = out.data_ptr<float>();
   at::parallel_for(0, ids.numel(), 16, [&](int64_t t0, int64_t t1) {
@@ -715,7 +724,9 @@ at::Tensor int4_dequantize(const at::Tensor& packed, const at::Tensor& scales,
       for (int64_t b = 0; b < blocks; ++b) {
         const int64_t g = b * kBlock / group;
         const int64_t at_g = a.panels ? (p * groups + g) * Panels<4>::kRows + lane : j * groups + g;
-        const float scale = sp[at_g], zero = zp[at_g];
+        const float scale = a.panels ? static_cast<float>(a.sc.const_data_ptr<at::Half>()[at_g])
+                                     : a.sc.const_data_ptr<float>()[at_g];
+        const float zero = zp[at_g];
         float* dst = o + t * k + b * kBlock;
         if (a.panels) {
           const uint8_t* wb = w + (p * blocks + b) * Panels<4>::kBlockBytes;

@@ -43,8 +43,9 @@ def int4_pack(
     q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, panels: bool = PANELS
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q uint8 [N, K] (values 0..15), scales [N, K/g], zeros uint8 [N, K/g] -> int4_linear's
-    (packed, scales float32, zeros), laid out as kernels.cpp describes: in rows, or in panels of
-    PANEL rows (N padded with zero rows to a multiple of PANEL; the outputs past N are 0)."""
+    (packed, scales, zeros), laid out as kernels.cpp describes: in rows (float32 scales), or in
+    panels of PANEL rows (fp16 scales, AWQ's own; N padded with zero rows to a multiple of PANEL,
+    whose outputs are 0)."""
     n, k = q.shape
     if not panels:
         halves = q.reshape(n, k // BLOCK, 2, BLOCK // 2)
@@ -58,7 +59,7 @@ def int4_pack(
     packed = torch.stack((words & 0xFF, words >> 8), -1).to(torch.uint8)
     return (
         packed.reshape(p, k // BLOCK, PANEL * BLOCK // 2),
-        scales.float().reshape(p, PANEL, groups).transpose(1, 2).contiguous(),
+        scales.half().reshape(p, PANEL, groups).transpose(1, 2).contiguous(),
         zeros.reshape(p, PANEL, groups).transpose(1, 2).contiguous(),
     )
 

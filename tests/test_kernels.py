@@ -217,7 +217,7 @@ def test_int4_kernel_passes_on_nan_and_refuses_bad_shapes(kernel, panels):
     with pytest.raises(RuntimeError, match="multiple of 32"):
         op(x, packed, s, z, 16)
     with pytest.raises(RuntimeError, match="float32 scales"):
-        op(x, packed, s.half(), z, 32)
+        op(x, packed, s.double(), z, 32)
     with pytest.raises(RuntimeError, match="K inputs"):
         op(torch.randn(2, 96), packed, s, z, 32)
     with pytest.raises(RuntimeError, match="within the weight's 16 rows"):

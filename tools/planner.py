@@ -49,9 +49,9 @@ def _linear_bytes(
     if mode == "bf16-wo":
         return "bf16-wo", bf16_wo_path(k, device_type), 2 * n * k + b
     g = group or 128
-    if int4_kernel_runs(k, g, device_type):  # int4 [n, k/2] + fp32 scale and u8 zero per group
-        rows = _kernel_rows(n)
-        return f"awq-int4 g{g}", INT4_KERNEL_PATH, rows * k // 2 + 5 * rows * (k // g) + b
+    if int4_kernel_runs(k, g, device_type):  # int4 [n, k/2] + a scale and u8 zero per group
+        rows, scale = _kernel_rows(n), 2 if kernels.PANELS else 4  # panels: fp16 scales
+        return f"awq-int4 g{g}", INT4_KERNEL_PATH, rows * k // 2 + (scale + 1) * rows * (k // g) + b
     fast = g in INT4_GROUPS and (
         n % 16 == 0 if device_type == "cpu" else n % 8 == 0 and k % 32 == 0
     )
