@@ -62,6 +62,12 @@ def cpu_flags() -> frozenset[str] | None:
     return frozenset(line.split(":", 1)[1].split())
 
 
+def avx2_only() -> bool:
+    """PAGECHAT_KERNELS=avx2: pagechat's C++ code without its AVX512 parts (int weights in rows,
+    not panels), to compare the two or to step around the newer one."""
+    return os.environ.get("PAGECHAT_KERNELS", "").strip().lower() == "avx2"
+
+
 def _cpu_ok() -> bool:
     flags = cpu_flags()
     if flags is None:  # not Linux: trust torch's own dispatch level

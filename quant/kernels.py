@@ -13,8 +13,11 @@ from pagechat.core import native
 
 SOURCE = Path(__file__).with_name("kernels.cpp")
 PANEL = 16  # int4 and int8 rows per panel (kernels.cpp's Panels)
-# int4 and int8 weights go in panels on a CPU with AVX512F, BW, VNNI and VBMI, else in rows (AVX2)
-PANELS = {"avx512f", "avx512bw", "avx512_vnni", "avx512vbmi"} <= (native.cpu_flags() or frozenset())
+# int4 and int8 weights go in panels on a CPU with AVX512F, BW, VNNI and VBMI, else in rows (AVX2;
+# also where PAGECHAT_KERNELS=avx2)
+PANELS = not native.avx2_only() and {"avx512f", "avx512bw", "avx512_vnni", "avx512vbmi"} <= (
+    native.cpu_flags() or frozenset()
+)
 # the paths layers report when they run these kernels
 _ISA = "avx512vnni" if PANELS else "avx2"
 INT8_PATH, INT4_PATH, FLOAT_PATH = f"int8-{_ISA}", f"int4-{_ISA}", "avx2"

@@ -429,3 +429,15 @@ def test_a_float_models_dense_layers_run_the_float_kernel_for_decode_rows(kernel
     kernel_rows = torch.ops.pagechat.float_linear(x32[:16], w32) + b32
     assert torch.equal(layer(x32[:16]), kernel_rows) and rel(kernel_rows, exact[:16]) <= 1e-5
     assert torch.equal(layer(x32), torch.nn.functional.linear(x32, w32, b32))
+
+
+def test_pagechat_kernels_avx2_keeps_the_int_weights_in_rows():
+    """PAGECHAT_KERNELS=avx2 (read at import): the AVX2 tiles, whatever the CPU has."""
+    import os
+    import subprocess
+    import sys
+
+    code = "from pagechat.quant import kernels; print(kernels.PANELS, kernels.INT4_PATH)"
+    env = {**os.environ, "PAGECHAT_KERNELS": "avx2"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.split() == ["False", "int4-avx2"], out.stderr
