@@ -13,7 +13,10 @@ activations' rounding, at most half a level (1/32767 of its block's max) times |
 from __future__ import annotations
 
 import logging
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -433,10 +436,6 @@ def test_a_float_models_dense_layers_run_the_float_kernel_for_decode_rows(kernel
 
 def test_pagechat_kernels_avx2_keeps_the_int_weights_in_rows():
     """PAGECHAT_KERNELS=avx2 (read at import): the AVX2 tiles, whatever the CPU has."""
-    import os
-    import subprocess
-    import sys
-
     code = "from pagechat.quant import kernels; print(kernels.PANELS, kernels.INT4_PATH)"
     env = {**os.environ, "PAGECHAT_KERNELS": "avx2"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
