@@ -38,6 +38,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
@@ -616,6 +617,41 @@ at::Tensor run_panels(const Wt& wt, const at::Tensor& x, int64_t panels) {
   return out;
 }
 
+// int8 panels back to rows [16 * panels, K] of T (float32 or bf16; int8 values are exact in both),
+// for prefill's GEMM: per row and block, its 16 pairs gathered from the block's 512 bytes (the
+// dwords at 4-byte boundaries, so that no read passes the block's end; an odd row's pair is the
+// high half), narrowed to 32 bytes and widened to T.
+template <class T>
+void unpanel_rows(const int8_t* w, int64_t panels, int64_t k, T* out) {
+  const int64_t blocks = k / kBlock;
+  at::parallel_for(0, panels * Panels<8>::kRows, 16, [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; ++j) {
+      const int64_t p = j / Panels<8>::kRows, r = j % Panels<8>::kRows;
+      alignas(64) int32_t at[16];
+      for (int i = 0; i < 16; ++i) at[i] = 32 * i + 4 * (r / 2);
+      const __m512i offsets = _mm512_load_si512(at);
+      T* dst = out + j * k;
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int8_t* wb = w + (p * blocks + b) * Panels<8>::kBlockBytes;
+        __m512i pairs = _mm512_i32gather_epi32(offsets, wb, 1);
+        if (r % 2) pairs = _mm512_srli_epi32(pairs, 16);
+        const __m256i q = _mm512_cvtepi32_epi16(pairs);  // the row's 32 int8 values, in order
+        for (int h = 0; h < 2; ++h) {
+          const __m512 f = _mm512_cvtepi32_ps(
+              _mm512_cvtepi8_epi32(h ? _mm256_extracti128_si256(q, 1) : _mm256_castsi256_si128(q)));
+          if constexpr (std::is_same_v<T, float>) {
+            _mm512_storeu_ps(dst + b * kBlock + 16 * h, f);
+          } else {  // exact in bf16: a float's high half
+            _mm256_storeu_si256(
+                reinterpret_cast<__m256i*>(dst + b * kBlock + 16 * h),
+                _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(f), 16)));
+          }
+        }
+      }
+    }
+  });
+}
+
 #pragma GCC pop_options
 
 // Whether this CPU runs panels (AVX512F, BW, VNNI and VBMI).
@@ -653,6 +689,24 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
     return run_panels(Panels<8>(xq, w, sf.data_ptr<float>(), nullptr, k), xc, weight.size(0));
   }
   return run(Int8Weights{xq, wc.data_ptr<int8_t>(), sf.data_ptr<float>(), k}, xc, n);
+}
+
+// int8_linear's weight in panels as rows [N, K] of dtype (float32 or bf16), for prefill's GEMM.
+at::Tensor int8_unpanel(const at::Tensor& weight, at::ScalarType dtype) {
+  TORCH_CHECK(weight.dim() == 3 && weight.scalar_type() == at::kChar &&
+                  weight.size(2) == Panels<8>::kBlockBytes && weight.device().is_cpu(),
+              "int8_unpanel: an int8 weight in panels [N/16, K/32, 512]");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "int8_unpanel: float32 or bf16 rows");
+  TORCH_CHECK(panels_here(), "int8_unpanel: panels need a CPU with AVX512-VNNI and VBMI");
+  const at::Tensor wc = weight.contiguous();
+  const int64_t panels = wc.size(0), k = wc.size(1) * kBlock;
+  at::Tensor out = at::empty({panels * Panels<8>::kRows, k}, wc.options().dtype(dtype));
+  if (dtype == at::kFloat) {
+    unpanel_rows(wc.data_ptr<int8_t>(), panels, k, out.data_ptr<float>());
+  } else {
+    unpanel_rows(wc.data_ptr<int8_t>(), panels, k, out.data_ptr<at::BFloat16>());
+  }
+  return out;
 }
 
 // int4 weights as int4_linear and int4_dequantize take them: in rows (packed uint8 [N, K/2], see
@@ -807,6 +861,7 @@ int64_t stream_read(const at::Tensor& t) {
 
 TORCH_LIBRARY_FRAGMENT(pagechat, m) {
   m.def("int8_linear(Tensor x, Tensor weight, Tensor scales) -> Tensor");
+  m.def("int8_unpanel(Tensor weight, ScalarType dtype) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor packed, Tensor scales, Tensor zeros, int group) -> Tensor");
   m.def(
       "int4_dequantize(Tensor packed, Tensor scales, Tensor zeros, int group, Tensor? rows=None) "
@@ -817,6 +872,7 @@ TORCH_LIBRARY_FRAGMENT(pagechat, m) {
 
 TORCH_LIBRARY_IMPL(pagechat, CPU, m) {
   m.impl("int8_linear", &int8_linear);
+  m.impl("int8_unpanel", &int8_unpanel);
   m.impl("int4_linear", &int4_linear);
   m.impl("int4_dequantize", &int4_dequantize);
   m.impl("float_linear", &float_linear);

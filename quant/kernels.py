@@ -38,6 +38,7 @@ def op(name: str):
       float_linear(x [M, K], weight float32 or bf16 [N, K])
     x float32, bf16 or fp16, each -> [M, N] in x's dtype;
     int4_dequantize(packed, scales, zeros, g, rows=None) -> float32 [N or T, K];
+    int8_unpanel(weight in panels, dtype) -> [N, K] float32 or bf16;
     stream_read(t) -> int (reads every byte of t once)."""
     return getattr(torch.ops.pagechat, name) if loaded() else None
 
@@ -87,13 +88,18 @@ def int8_pack(
     return v.reshape(n // PANEL, k // BLOCK, PANEL * BLOCK).contiguous(), scales
 
 
-def int8_rows(weight: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
-    """int8_pack's weight (either layout) as int8 rows [N, K] (in panels, N padded), or only the
-    rows `ids` [T]."""
+def int8_rows(
+    weight: torch.Tensor, ids: torch.Tensor | None = None, dtype: torch.dtype = torch.int8
+) -> torch.Tensor:
+    """int8_pack's weight (either layout) as rows [N, K] of dtype (int8 values, exact in bf16 and
+    float32; in panels, N padded), or only the rows `ids` [T]. All the rows of panels as float32 or
+    bf16 (prefill's GEMM) come from int8_unpanel, in one pass."""
     if weight.dim() == 2:
-        return weight if ids is None else weight[ids]
+        return (weight if ids is None else weight[ids]).to(dtype)
     p, blocks = weight.shape[:2]
+    if ids is None and dtype in (torch.float32, torch.bfloat16):
+        return op("int8_unpanel")(weight, dtype)
     v = weight.view(p, blocks, BLOCK // 2, PANEL, 2)
     if ids is None:
-        return v.permute(0, 3, 1, 2, 4).reshape(p * PANEL, blocks * BLOCK)
-    return v[ids // PANEL, :, :, ids % PANEL].reshape(ids.shape[0], blocks * BLOCK)
+        return v.permute(0, 3, 1, 2, 4).reshape(p * PANEL, blocks * BLOCK).to(dtype)
+    return v[ids // PANEL, :, :, ids % PANEL].reshape(ids.shape[0], blocks * BLOCK).to(dtype)

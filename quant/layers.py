@@ -296,7 +296,7 @@ class Int8WOLinear(_WeightOnlyLinear):
                 y = self.kernel(x2, self.weight, self.scales)
             else:  # a GEMM (faster than int8pack's) on the int8 values, exact in bf16 too
                 dtype = gemm_dtype(x2)
-                w = kernels.int8_rows(self.weight).to(dtype)
+                w = kernels.int8_rows(self.weight, dtype=dtype)
                 y = (F.linear(x2.to(dtype), w) * self.scales.to(dtype)).to(x2.dtype)
             return y[:, : self.out_features] if self.padded else y
         if (

@@ -100,6 +100,9 @@ def test_kernel_matches_dequantised_matmul_at_every_batch_size(kernel, n, k, pan
     assert torch.equal(kernels.int8_rows(packed[0])[:n], q)
     ids = torch.tensor([n - 1, 0, n // 2])  # a tied embedding's lookups
     assert torch.equal(kernels.int8_rows(packed[0], ids), q[ids])
+    for dtype in (torch.float32, torch.bfloat16):  # prefill's GEMM weights, exact
+        rows = kernels.int8_rows(packed[0], dtype=dtype)
+        assert rows.dtype == dtype and torch.equal(rows[:n], q.to(dtype))
     g = torch.Generator().manual_seed(k)
     for m in range(1, 17):
         x = torch.randn(m, k, generator=g) * torch.rand(m, k, generator=g) * 4
