@@ -652,6 +652,39 @@ void unpanel_rows(const int8_t* w, int64_t panels, int64_t k, T* out) {
   });
 }
 
+// 16 floats to dst as T: float32 as they are, bf16 rounded to nearest even as torch rounds (the
+// values are finite).
+template <class T>
+inline void store16(T* dst, __m512 v) {
+  if constexpr (std::is_same_v<T, float>) {
+    _mm512_storeu_ps(dst, v);
+  } else {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i up = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
+                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(up, 16)));
+  }
+}
+
+// Block b of row 4c + m of an int4 panel (wb: the block's 256 bytes) as 32 values of T: each
+// pair's dword gathered (words 2m and 2m + 1), nibble c of both words moved down and masked, so
+// that the 32 int16 lanes hold the inputs in order.
+template <class T>
+inline void unpanel_int4_block(const uint8_t* wb, int c, int m, float zero, float scale, T* dst) {
+  alignas(64) int32_t at[16];
+  for (int i = 0; i < 16; ++i) at[i] = 16 * i + 4 * m;
+  const __m512i q = _mm512_and_si512(
+      _mm512_srli_epi32(_mm512_i32gather_epi32(_mm512_load_si512(at), wb, 1), 4 * c),
+      _mm512_set1_epi32(0x000F000F));
+  for (int h = 0; h < 2; ++h) {
+    const __m256i half = h ? _mm512_extracti64x4_epi64(q, 1) : _mm512_castsi512_si256(q);
+    const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(half));
+    store16(dst + 16 * h,
+            _mm512_mul_ps(_mm512_sub_ps(v, _mm512_set1_ps(zero)), _mm512_set1_ps(scale)));
+  }
+}
+
 #pragma GCC pop_options
 
 // Whether this CPU runs panels (AVX512F, BW, VNNI and VBMI).
@@ -753,54 +786,60 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   return run(Int4Weights(xq, w, a.sc.data_ptr<float>(), zp, group), xc, a.n);
 }
 
-// int4_linear's weights as float32: the rows given (int64 [T]), else all [N, K]; for prefill's
-// many rows (a GEMM, torch's part) and a tied embedding's lookups.
-at::Tensor int4_dequantize(const at::Tensor& packed, const at::Tensor& scales,
-                           const at::Tensor& zeros, int64_t group,
-                           const std::optional<at::Tensor>& rows) {
-  const Int4Args a(packed, scales, zeros, group, "int4_dequantize");
-  const int64_t k = a.k, groups = k / group, blocks = k / kBlock;
-  at::Tensor ids = rows ? rows->to(at::kLong).contiguous() : at::arange(a.n, at::kLong);
-  TORCH_CHECK(ids.dim() == 1 && (ids.numel() == 0 || (ids.min().item<int64_t>() >= 0 &&
-                                                      ids.max().item<int64_t>() < a.n)),
-              "int4_dequantize: row ids [T] within the weight's ", a.n, " rows");
-  at::Tensor out = at::empty({ids.numel(), k}, scales.options().dtype(at::kFloat));
-  const int64_t* id = ids.data_ptr<int64_t>();
+// int4_dequantize's rows ids [T] into out [T, K].
+template <class T>
+void dequantize_rows(const Int4Args& a, const int64_t* id, int64_t count, T* out) {
+  const int64_t k = a.k, groups = k / a.group, blocks = k / kBlock;
   const uint8_t* w = a.pc.data_ptr<uint8_t>();
   const uint8_t* zp = a.zc.data_ptr<uint8_t>();
-  float* o = out.data_ptr<float>();
-  at::parallel_for(0, ids.numel(), 16, [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, count, 16, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t j = id[t];
       // panels: row j is lane 4c + m of panel p (see Panels)
       const int64_t p = j / Panels<4>::kRows, lane = j % Panels<4>::kRows;
       const int c = static_cast<int>(lane / 4), m = static_cast<int>(lane % 4);
       for (int64_t b = 0; b < blocks; ++b) {
-        const int64_t g = b * kBlock / group;
+        const int64_t g = b * kBlock / a.group;
         const int64_t at_g = a.panels ? (p * groups + g) * Panels<4>::kRows + lane : j * groups + g;
         const float scale = a.panels ? static_cast<float>(a.sc.const_data_ptr<at::Half>()[at_g])
                                      : a.sc.const_data_ptr<float>()[at_g];
         const float zero = zp[at_g];
-        float* dst = o + t * k + b * kBlock;
+        T* dst = out + t * k + b * kBlock;
         if (a.panels) {
-          const uint8_t* wb = w + (p * blocks + b) * Panels<4>::kBlockBytes;
-          for (int i = 0; i < kBlock / 2; ++i) {
-            for (int e = 0; e < 2; ++e) {
-              uint16_t word;
-              std::memcpy(&word, wb + 16 * i + 2 * (2 * m + e), sizeof word);
-              dst[2 * i + e] = (((word >> (4 * c)) & 0x0F) - zero) * scale;
-            }
-          }
+          unpanel_int4_block(w + (p * blocks + b) * Panels<4>::kBlockBytes, c, m, zero, scale, dst);
         } else {
           const uint8_t* q = w + j * (k / 2) + b * (kBlock / 2);
           for (int i = 0; i < 16; ++i) {
-            dst[i] = ((q[i] & 0x0F) - zero) * scale;
-            dst[i + 16] = ((q[i] >> 4) - zero) * scale;
+            dst[i] = static_cast<T>(((q[i] & 0x0F) - zero) * scale);
+            dst[i + 16] = static_cast<T>(((q[i] >> 4) - zero) * scale);
           }
         }
       }
     }
   });
+}
+
+// int4_linear's weights as float32 or bf16 (dtype; float32 if none): the rows given (int64 [T]),
+// else all [N, K]; for prefill's many rows (a GEMM, torch's part; bf16 where its GEMM is, written
+// once: a fresh tensor's first touch costs more than the arithmetic) and a tied embedding's
+// lookups.
+at::Tensor int4_dequantize(const at::Tensor& packed, const at::Tensor& scales,
+                           const at::Tensor& zeros, int64_t group,
+                           const std::optional<at::Tensor>& rows,
+                           std::optional<at::ScalarType> dtype) {
+  const Int4Args a(packed, scales, zeros, group, "int4_dequantize");
+  const at::ScalarType type = dtype.value_or(at::kFloat);
+  TORCH_CHECK(type == at::kFloat || type == at::kBFloat16, "int4_dequantize: float32 or bf16");
+  at::Tensor ids = rows ? rows->to(at::kLong).contiguous() : at::arange(a.n, at::kLong);
+  TORCH_CHECK(ids.dim() == 1 && (ids.numel() == 0 || (ids.min().item<int64_t>() >= 0 &&
+                                                      ids.max().item<int64_t>() < a.n)),
+              "int4_dequantize: row ids [T] within the weight's ", a.n, " rows");
+  at::Tensor out = at::empty({ids.numel(), a.k}, scales.options().dtype(type));
+  if (type == at::kFloat) {
+    dequantize_rows(a, ids.data_ptr<int64_t>(), ids.numel(), out.data_ptr<float>());
+  } else {
+    dequantize_rows(a, ids.data_ptr<int64_t>(), ids.numel(), out.data_ptr<at::BFloat16>());
+  }
   return out;
 }
 
@@ -864,8 +903,8 @@ TORCH_LIBRARY_FRAGMENT(pagechat, m) {
   m.def("int8_unpanel(Tensor weight, ScalarType dtype) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor packed, Tensor scales, Tensor zeros, int group) -> Tensor");
   m.def(
-      "int4_dequantize(Tensor packed, Tensor scales, Tensor zeros, int group, Tensor? rows=None) "
-      "-> Tensor");
+      "int4_dequantize(Tensor packed, Tensor scales, Tensor zeros, int group, Tensor? rows=None, "
+      "ScalarType? dtype=None) -> Tensor");
   m.def("float_linear(Tensor x, Tensor weight) -> Tensor");
   m.def("stream_read(Tensor t) -> int");
 }

@@ -37,7 +37,7 @@ def op(name: str):
       int4_linear(x [M, K], packed, scales, zeros, g) (int4_pack's, either layout)
       float_linear(x [M, K], weight float32 or bf16 [N, K])
     x float32, bf16 or fp16, each -> [M, N] in x's dtype;
-    int4_dequantize(packed, scales, zeros, g, rows=None) -> float32 [N or T, K];
+    int4_dequantize(packed, scales, zeros, g, rows=None, dtype=None) -> [N or T, K] float32/bf16;
     int8_unpanel(weight in panels, dtype) -> [N, K] float32 or bf16;
     stream_read(t) -> int (reads every byte of t once)."""
     return getattr(torch.ops.pagechat, name) if loaded() else None

@@ -226,7 +226,7 @@ class AWQLinear(_WeightOnlyLinear):
                 return y[:, : self.out_features] if self.padded else y
             # many rows are a GEMM on the weights dequantised for this call
             dtype = gemm_dtype(x2)
-            w = torch.ops.pagechat.int4_dequantize(*args).to(dtype)
+            w = torch.ops.pagechat.int4_dequantize(*args, dtype=dtype)
             return F.linear(x2.to(dtype), w[: self.out_features]).to(x2.dtype)
         if self.path == "dequant":
             return x2 @ dequantize(

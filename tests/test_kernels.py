@@ -207,6 +207,8 @@ def test_int4_kernel_matches_dequantised_matmul_at_every_batch_size(kernel, n, k
             assert rel(y, x.double() @ deq.t()) <= 1e-4, (m, n, k)
     dequantize = kernels.op("int4_dequantize")
     assert torch.equal(dequantize(packed, s, z, group)[:n], deq.float())
+    bf16 = dequantize(packed, s, z, group, dtype=torch.bfloat16)[:n]  # prefill's bf16 GEMM
+    assert torch.equal(bf16, deq.float().bfloat16())  # rounded as torch rounds
     ids = torch.tensor([n - 1, 0, n // 2, n - 1])  # a tied embedding's lookups
     assert torch.equal(dequantize(packed, s, z, group, ids), deq.float()[ids])
 
