@@ -24,7 +24,8 @@ import torch
 log = logging.getLogger(__name__)
 
 # AVX2, FMA and F16C only, not -march=native: a cached build must run on any host that passes
-# _cpu_ok
+# _cpu_ok (code for newer CPUs is compiled per function, under a target pragma, and called only
+# where the CPU has it)
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 
 
