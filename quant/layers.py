@@ -223,7 +223,8 @@ class AWQLinear(_WeightOnlyLinear):
             args = (self.weight_packed, self.scales, self.zeros, self.group)
             if x2.shape[0] <= kernels.MAX_ROWS:
                 y = torch.ops.pagechat.int4_linear(x2, *args)
-                return y[:, : self.out_features] if self.padded else y
+                # the fused ops after a layer take dense rows
+                return y[:, : self.out_features].contiguous() if self.padded else y
             # many rows are a GEMM on the weights dequantised for this call
             dtype = gemm_dtype(x2)
             w = torch.ops.pagechat.int4_dequantize(*args, dtype=dtype)
@@ -298,7 +299,7 @@ class Int8WOLinear(_WeightOnlyLinear):
                 dtype = gemm_dtype(x2)
                 w = kernels.int8_rows(self.weight, dtype=dtype)
                 y = (F.linear(x2.to(dtype), w) * self.scales.to(dtype)).to(x2.dtype)
-            return y[:, : self.out_features] if self.padded else y
+            return y[:, : self.out_features].contiguous() if self.padded else y
         if (
             self.torch_path == "dequant"
         ):  # x @ (q * s)^T == (x @ q^T) * s: scale the output, not the weight

@@ -166,6 +166,7 @@ def test_layer_runs_the_kernel_for_up_to_16_rows_and_a_float32_matmul_beyond(ker
     x = torch.randn(17, 256)
     deq = reference(x, q, s)
     assert layer(x[:16]).shape == (16, n) and rel(layer(x[:16]), deq[:16]) <= 1e-4  # the kernel
+    assert layer(x[:16]).is_contiguous()  # as the fused ops after it take rows
     assert rel(torch_only(x[:16]), deq[:16]) > 1e-4  # torch's, with bf16 activations
     assert layer(x).shape == (17, n) and rel(layer(x), deq) <= 1e-6  # 17 rows: a float32 GEMM
     assert layer(x.bfloat16()).dtype == torch.bfloat16
@@ -256,6 +257,7 @@ def test_awq_layer_runs_the_int4_kernel_for_up_to_16_rows_and_float32_beyond(ker
     x = torch.randn(17, 256)
     ref = x.double() @ deq.t()
     assert layer(x[:16]).shape == (16, n) and rel(layer(x[:16]), ref[:16]) <= 1e-4  # the kernel
+    assert layer(x[:16]).is_contiguous()  # as the fused ops after it take rows
     assert layer(x).shape == (17, n) and rel(layer(x), ref) <= 1e-6  # 17 rows: float32 GEMM
     assert layer(x[:2].bfloat16()).dtype == torch.bfloat16
 
