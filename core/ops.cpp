@@ -244,15 +244,6 @@ inline void weigh_values(const float* weight, int64_t n, const C* vc, const int6
     for (int u = 0; u < NV; ++u) _mm256_storeu_ps(acc + h * d + j0 + 8 * u, a[h][u]);
 }
 
-// Calls f(std::integral_constant<int, h>) for h = heads, 1 <= heads <= Max.
-template <int Max, class F>
-inline void with_heads(int64_t heads, F&& f) {
-  if constexpr (Max > 0) {
-    if (heads == Max) return f(std::integral_constant<int, Max>());
-    with_heads<Max - 1>(heads, f);
-  }
-}
-
 // One decode step's attention for every sequence computing one token: write each token's K and V
 // into the paged cache, then attend its query to its context, read in place through the gather
 // slots, without copying the context out as the torch path must (index_select of every position,
@@ -296,7 +287,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
       }
       scores.resize(group * n);
       for (int64_t h0 = 0; h0 < group; h0 += kScoreHeads) {  // up to 8 heads share a key row
-        with_heads<kScoreHeads>(std::min(group - h0, kScoreHeads), [&](auto heads) {
+        pagechat::with_count<kScoreHeads>(std::min(group - h0, kScoreHeads), [&](auto heads) {
           for (int64_t t = 0; t < n; ++t) {
             const C* kr = kc + (rows[t] * kv_heads + g) * d;
             score_row<heads()>(&qf[h0 * d], d, kr, &scores[h0 * n + t], n);
@@ -320,7 +311,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
       const int64_t row_stride = kv_heads * d;
       const C* vg = vc + g * d;
       for (int64_t h0 = 0; h0 < group; h0 += 4) {
-        with_heads<4>(std::min<int64_t>(group - h0, 4), [&](auto heads) {
+        pagechat::with_count<4>(std::min<int64_t>(group - h0, 4), [&](auto heads) {
           constexpr int H = heads(), NV = H == 4 ? 3 : 4;
           const float* w = &scores[h0 * n];
           int64_t j0 = 0;

@@ -5,6 +5,9 @@
 #include <ATen/ATen.h>
 #include <immintrin.h>
 
+#include <cstdint>
+#include <type_traits>
+
 namespace pagechat {
 
 // The sum of 8 floats.
@@ -23,6 +26,16 @@ inline __m256 load8(const at::Half* p) {
 inline __m256 load8(const at::BFloat16* p) {  // bf16 is a float's high half: widen and shift
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// Calls f(std::integral_constant<int, n>()) for a count 1 <= n <= Max known only at run time, so
+// that f's loops over n have a compile-time bound (and their sums stay in registers).
+template <int Max, class F>
+inline void with_count(int64_t n, F&& f) {
+  if constexpr (Max > 0) {
+    if (n == Max) return f(std::integral_constant<int, Max>());
+    with_count<Max - 1>(n, f);
+  }
 }
 
 }  // namespace pagechat

@@ -35,6 +35,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -459,6 +460,14 @@ at::Tensor run(const Wt& wt, const at::Tensor& x, int64_t n) {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi")
 
+// vpmultishiftqb's picks for int4 panels: the low byte of 16-bit lane w of part c takes bits
+// 16 (w % 4) + 4c of its qword (nibble c of word w), the high byte anything (masked off)
+constexpr std::array<uint8_t, 64> kPicks = [] {
+  std::array<uint8_t, 64> pick{};
+  for (int j = 0; j < 64; j += 2) pick[j] = 16 * (j / 2 % 4) + 4 * (j / 16);
+  return pick;
+}();
+
 template <int Bits>
 struct Panels {
   static constexpr int64_t kRows = 16, kBlockBytes = kRows * kBlock * Bits / 8;
@@ -507,9 +516,7 @@ struct Panels {
   // the 16 outputs of each of the W panels p0, p0 + step, ... for R activation rows from m0
   template <int R, int W>
   void tile(int64_t m0, int64_t p0, int64_t step, const Out& out) const {
-    alignas(64) uint8_t pick[64];  // the low byte of 16-bit lane w of part c: bits 16 (w % 4) + 4c
-    for (int j = 0; j < 64; ++j) pick[j] = j % 2 ? 0 : 16 * (j / 2 % 4) + 4 * (j / 16);
-    const __m512i picks = _mm512_load_si512(pick);
+    const __m512i picks = _mm512_loadu_si512(kPicks.data());
     const __m512i low4 = _mm512_set1_epi16(0x0F);
     const int64_t k = x.k;
     const uint8_t* wp[W];
@@ -586,15 +593,6 @@ void panels_times_rows(const Wt& wt, int64_t m0, int64_t p, int64_t step, const 
   for (int c = 0; c < kStreams; c += W) wt.template tile<R, W>(m0, p + c * step, step, out);
 }
 
-// panels_times_rows<rows> for 0 < rows <= R
-template <int R, class Wt>
-void panels_times(int64_t rows, const Wt& wt, int64_t m0, int64_t p, int64_t step, const Out& out) {
-  if constexpr (R > 0) {
-    if (rows == R) return panels_times_rows<R>(wt, m0, p, step, out);
-    panels_times<R - 1>(rows, wt, m0, p, step, out);
-  }
-}
-
 // out [M, 16 * panels]: every activation row times every panel, split over threads by panels and
 // read as kStreams streams per thread, as run() reads rows.
 template <class Wt>
@@ -607,7 +605,9 @@ at::Tensor run_panels(const Wt& wt, const at::Tensor& x, int64_t panels) {
     const int64_t step = (p1 - p0) / kStreams;
     for (int64_t p = p0; p < p0 + step; ++p) {
       for (int64_t m0 = 0; m0 < m; m0 += kPass) {
-        panels_times<kPass>(std::min(m - m0, kPass), wt, m0, p, step, o);
+        pagechat::with_count<kPass>(std::min(m - m0, kPass), [&](auto rows) {
+          panels_times_rows<rows()>(wt, m0, p, step, o);
+        });
       }
     }
     for (int64_t p = p0 + kStreams * step; p < p1; ++p) {
@@ -615,6 +615,21 @@ at::Tensor run_panels(const Wt& wt, const at::Tensor& x, int64_t panels) {
     }
   });
   return out;
+}
+
+// 16 floats to dst as T: float32 as they are, bf16 rounded to nearest even as torch rounds (the
+// values are finite).
+template <class T>
+inline void store16(T* dst, __m512 v) {
+  if constexpr (std::is_same_v<T, float>) {
+    _mm512_storeu_ps(dst, v);
+  } else {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i up = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
+                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(up, 16)));
+  }
 }
 
 // int8 panels back to rows [16 * panels, K] of T (float32 or bf16; int8 values are exact in both),
@@ -637,34 +652,13 @@ void unpanel_rows(const int8_t* w, int64_t panels, int64_t k, T* out) {
         if (r % 2) pairs = _mm512_srli_epi32(pairs, 16);
         const __m256i q = _mm512_cvtepi32_epi16(pairs);  // the row's 32 int8 values, in order
         for (int h = 0; h < 2; ++h) {
-          const __m512 f = _mm512_cvtepi32_ps(
-              _mm512_cvtepi8_epi32(h ? _mm256_extracti128_si256(q, 1) : _mm256_castsi256_si128(q)));
-          if constexpr (std::is_same_v<T, float>) {
-            _mm512_storeu_ps(dst + b * kBlock + 16 * h, f);
-          } else {  // exact in bf16: a float's high half
-            _mm256_storeu_si256(
-                reinterpret_cast<__m256i*>(dst + b * kBlock + 16 * h),
-                _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(f), 16)));
-          }
+          store16(dst + b * kBlock + 16 * h,
+                  _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(h ? _mm256_extracti128_si256(q, 1)
+                                                            : _mm256_castsi256_si128(q))));
         }
       }
     }
   });
-}
-
-// 16 floats to dst as T: float32 as they are, bf16 rounded to nearest even as torch rounds (the
-// values are finite).
-template <class T>
-inline void store16(T* dst, __m512 v) {
-  if constexpr (std::is_same_v<T, float>) {
-    _mm512_storeu_ps(dst, v);
-  } else {
-    const __m512i bits = _mm512_castps_si512(v);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    const __m512i up = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
-                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(up, 16)));
-  }
 }
 
 // Block b of row 4c + m of an int4 panel (wb: the block's 256 bytes) as 32 values of T: each
