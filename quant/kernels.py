@@ -68,9 +68,15 @@ def int4_pack(
     )
 
 
+def stored_rows(n: int, panels: bool = PANELS) -> int:
+    """The rows int4_pack and int8_pack store for n: in panels, n padded to a multiple of PANEL."""
+    return n + (-n % PANEL if panels else 0)
+
+
 def _pad_rows(t: torch.Tensor) -> torch.Tensor:
-    """t [N, ...] with zero rows added up to a multiple of PANEL."""
-    return torch.cat([t, t.new_zeros(-t.shape[0] % PANEL, *t.shape[1:])])
+    """t [N, ...] with zero rows added up to stored_rows(N) in panels."""
+    n = t.shape[0]
+    return torch.cat([t, t.new_zeros(stored_rows(n, True) - n, *t.shape[1:])])
 
 
 def int8_pack(

@@ -26,12 +26,6 @@ from pagechat.quant.layers import (
 )
 
 
-def _kernel_rows(n: int) -> int:
-    """The rows pagechat's int kernels store for n: in panels (kernels.PANELS), padded to a
-    multiple of kernels.PANEL."""
-    return n + (-n % kernels.PANEL if kernels.PANELS else 0)
-
-
 def _linear_bytes(
     n: int, k: int, bias: bool, mode: str | None, elem: int, group: int | None, device_type: str
 ) -> tuple[str, str, int]:
@@ -43,14 +37,14 @@ def _linear_bytes(
         return "int8", "bnb-llm.int8", n * k + 4 * n + b  # int8 rows + fp32 row absmax (SCB)
     if mode == "int8-wo":
         if int8_kernel_runs(k, device_type):  # int8 + bf16 scales, in panels padded
-            rows = _kernel_rows(n)
+            rows = kernels.stored_rows(n)
             return "int8-wo", INT8_KERNEL_PATH, rows * k + 2 * rows + b
         return "int8-wo", f"int8pack-{device_type}", n * k + 2 * n + b
     if mode == "bf16-wo":
         return "bf16-wo", bf16_wo_path(k, device_type), 2 * n * k + b
     g = group or 128
     if int4_kernel_runs(k, g, device_type):  # int4 [n, k/2] + a scale and u8 zero per group
-        rows, scale = _kernel_rows(n), 2 if kernels.PANELS else 4  # panels: fp16 scales
+        rows, scale = kernels.stored_rows(n), 2 if kernels.PANELS else 4  # panels: fp16 scales
         return f"awq-int4 g{g}", INT4_KERNEL_PATH, rows * k // 2 + (scale + 1) * rows * (k // g) + b
     fast = g in INT4_GROUPS and (
         n % 16 == 0 if device_type == "cpu" else n % 8 == 0 and k % 32 == 0
