@@ -4,7 +4,7 @@ its rows from the quantised head's own table.
 In a small model the tied head is the largest weight a decode step reads (135M: 49152 x 576), so
 quantised models quantise it too, as llama.cpp keeps a tied token_embd quantised and dequantises
 only the rows it looks up (get_rows). The heads are the decoder's own layer classes (Int8WOLinear,
-AWQLinear), so a head runs whatever kernel those layers get; each adds `embedding()`, the module
+Int4Linear), so a head runs whatever kernel those layers get; each adds `embedding()`, the module
 DecoderModel ties in: it holds the head's tensors (one table, not two) and dequantises the rows it
 looks up.
 """
@@ -20,13 +20,13 @@ from pagechat.core.model import linear
 from pagechat.quant import kernels
 from pagechat.quant.layers import (
     INT4_KERNEL_PATH,
-    AWQLinear,
     Bf16WOLinear,
+    Int4Linear,
     Int8WOLinear,
     bf16_head,
     on_kernel,
 )
-from pagechat.quant.pack import quantize_groups
+from pagechat.quant.pack import AWQ_REVERSE, dequantize, quantize_groups
 from torch import nn
 
 LM_HEADS = ("auto", "int8", "int4", "float")
@@ -57,7 +57,7 @@ def check_lm_head(lm_head: str, spec: ModelSpec, where: str) -> None:
     """PagechatError (one line) unless --lm-head is a known format that fits this model's head."""
     if lm_head not in LM_HEADS:
         raise PagechatError(f"--lm-head must be auto, int8, int4 or float, got {lm_head!r}")
-    # AWQLinear packs 8 outputs per int32 (pack_awq) and quantises groups of inputs
+    # Int4Linear packs 8 outputs per int32 (pack_awq) and quantises groups of inputs
     if lm_head == "int4" and (spec.hidden_size % INT4_GROUP or spec.vocab_size % 8):
         raise PagechatError(
             f"--lm-head int4 needs hidden_size a multiple of {INT4_GROUP} and vocab_size of 8, but "
@@ -67,10 +67,10 @@ def check_lm_head(lm_head: str, spec: ModelSpec, where: str) -> None:
 
 def check_int4_tie(path: str) -> None:
     """PagechatError unless a tied int4 head's rows can be read from its kernel's layout."""
-    if path not in (INT4_KERNEL_PATH, "int4pack-cpu"):
+    if path not in (INT4_KERNEL_PATH, "int4pack-cpu", "dequant"):
         raise PagechatError(
             f"--lm-head int4 cannot share a tied embedding's table on the {path} kernel (pagechat "
-            "reads rows from its own and torch's CPU int4 layouts only); use --lm-head int8"
+            "reads rows from its own, torch's CPU int4 and AWQ's layouts only); use --lm-head int8"
         )
 
 
@@ -101,8 +101,8 @@ class Int8Head(Int8WOLinear):
         return Int8Rows(self)
 
 
-class Int4Head(AWQLinear):
-    """A 4-bit head: groups of INT4_GROUP inputs, round-to-nearest, through AWQLinear's kernels."""
+class Int4Head(Int4Linear):
+    """A 4-bit head: groups of INT4_GROUP inputs, round-to-nearest, through Int4Linear's kernels."""
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, device: torch.device) -> Int4Head:
@@ -113,6 +113,8 @@ class Int4Head(AWQLinear):
 
     def embedding(self) -> nn.Module:
         check_int4_tie(self.path)
+        if self.path == "dequant":
+            return Int4AWQRows(self)
         return Int4Rows(self) if self.path == INT4_KERNEL_PATH else Int4PackRows(self)
 
 
@@ -135,22 +137,22 @@ class Int8Rows(_TiedRows):
         self.register_buffer("scales", head.scales)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return kernels.int8_rows(self.weight, ids).float() * self.scales[ids].float().unsqueeze(1)
+        return kernels.int8_dequantize(self.weight, self.scales, ids)
 
 
 class Int4Rows(_TiedRows):
     """A tied embedding over a 4-bit head on pagechat's int4 kernel: the looked-up rows of its
     table, dequantised by the kernel's own op (float32 [T, hidden]) from either of its layouts."""
 
-    def __init__(self, head: AWQLinear) -> None:
+    def __init__(self, head: Int4Linear) -> None:
         super().__init__(head)
         self.group = head.group
-        for name in ("weight_packed", "scales", "zeros"):
+        for name in ("weight_packed", "scales", "offsets"):
             self.register_buffer(name, getattr(head, name))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.ops.pagechat.int4_dequantize(
-            self.weight_packed, self.scales, self.zeros, self.group, ids
+            self.weight_packed, self.scales, self.offsets, self.group, ids
         )
 
 
@@ -159,7 +161,7 @@ class Int4PackRows(_TiedRows):
     not build): rows [T, hidden] in float32 for ids [T], w = (q - 8) * scale + zero as that kernel
     computes them."""
 
-    def __init__(self, head: AWQLinear) -> None:
+    def __init__(self, head: Int4Linear) -> None:
         super().__init__(head)
         self.group = head.group
         start, stride = int4pack_cpu_rows(head.out_features, head.in_features)
@@ -177,6 +179,27 @@ class Int4PackRows(_TiedRows):
         sz = self.scales_zeros[:, ids].float().transpose(0, 1)  # [T, groups, 2]
         w = (q.float().view(-1, k // self.group, self.group) - 8) * sz[..., :1] + sz[..., 1:]
         return w.flatten(1)
+
+
+class Int4AWQRows(_TiedRows):
+    """A tied embedding over a 4-bit head that keeps AWQ's packing and dequantises per call (where
+    no int4 kernel runs): the looked-up rows' nibbles picked from their packed columns."""
+
+    def __init__(self, head: Int4Linear) -> None:
+        super().__init__(head)
+        self.group, self.mins = head.group, head.mins
+        for name in ("qweight", "offsets", "scales"):
+            self.register_buffer(name, getattr(head, name))
+        self.register_buffer("shift", 4 * torch.tensor(AWQ_REVERSE, dtype=torch.int32))
+
+    def _column(self, packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The values of output rows ids [T] of AWQ-packed [R, N/8]: [R, T]."""
+        return (packed[:, ids // 8] >> self.shift[ids % 8]) & 0xF
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        q = self._column(self.qweight, ids)
+        offsets = self.offsets[:, ids] if self.mins else self._column(self.offsets, ids)
+        return dequantize(q, offsets, self.scales[:, ids], self.group).t()
 
 
 def _packed_nibbles(values: torch.Tensor) -> torch.Tensor:

@@ -13,12 +13,17 @@
 // are: the same tiling, so the same bandwidth.
 //
 // Weight formats:
-//   int8:  int8 [N, K], one float scale per output row (w = q * scale).
-//   int4:  AWQ's asymmetric groups (w = (q - zero) * scale, per group of g inputs), repacked
-//          at load: uint8 [N, K/2] where byte j of a block of 32 holds q[j] (low nibble) and
-//          q[j + 16] (high), float32 scales [N, K/g] (AWQ's fp16 ones, exact) and uint8 zeros
-//          [N, K/g]; 21 bytes per 32 weights at g = 32 (ggml's Q4_0: 18, Q4_1: 20), 16.6 at
-//          AWQ's usual 128.
+//   int8:  int8 [N, K], float32 scales [N, G]: one per output row (G = 1, w = q * scale), or one
+//          per group of K/G inputs (GGUF's Q8_0: groups of 32).
+//   int4:  asymmetric groups of g inputs, repacked at load: uint8 [N, K/2] where byte j of a block
+//          of 32 holds q[j] (low nibble) and q[j + 16] (high), as in ggml's Q4_0 and Q4_1;
+//          float32 scales [N, K/g] and "offsets" [N, K/g] of one of two kinds:
+//            uint8 zeros:   w = (q - zero) * scale   (AWQ; GGUF's Q4_0, zero 8), or
+//            float32 mins:  w = q * scale + min      (GGUF's Q4_1 and Q4_K).
+//          Both are the formats' own numbers, exactly (AWQ's and ggml's fp16 scales; Q4_K's
+//          6-bit scale times its fp16 super-block scale is exact in float32): the weights
+//          dequantise to what the checkpoint or the GGUF file says, bit for bit.
+//          AWQ at g = 32: 21 bytes per 32 weights (ggml's Q4_0: 18, Q4_1: 20), 16.6 at g = 128.
 //   float: fp32 or bf16 [N, K].
 // On a CPU with AVX512-VNNI and VBMI, int4 and int8 weights go in panels of 16 rows instead
 // (Panels). Activations are float32, bf16 or fp16 [M, K], and the output [M, N] comes in the same
@@ -151,24 +156,39 @@ struct QuantRows {
   std::vector<float> scales;
 };
 
-// int8 rows with one scale each.
+// int8 rows with one scale each (Grouped false: the scale is applied once, to the row's sum), or
+// a scale per group of inputs (Grouped: applied to each group's sum, as int4's are).
+template <bool Grouped>
 struct Int8Weights {
-  static constexpr bool kGroupScales = false;
+  static constexpr bool kGroupScales = Grouped;
   static constexpr int64_t kBlockBytes = kBlock;
   const QuantRows& x;
   const int8_t* w;
-  const float* row_scales;
-  int64_t k;
+  const float* scales;  // [N, groups]
+  int64_t k, blocks_per_group, groups;
   const char* row(int64_t j) const { return reinterpret_cast<const char*>(w + j * k); }
   void unpack(int64_t j, int64_t b, __m256i& lo, __m256i& hi) const {
     const int8_t* p = w + j * k + b * kBlock;
     lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
   }
-  float finish(int64_t, int64_t j, float sum) const { return sum * row_scales[j]; }
+  const float* group_scale(int64_t j, int64_t g) const { return scales + j * groups + g; }
+  float finish(int64_t, int64_t j, float sum) const { return Grouped ? sum : sum * scales[j]; }
   template <int R, int W>
   void tile(int64_t m0, int64_t j0, int64_t step, const Out& out) const;
 };
+
+// The dot product of n floats.
+inline float dot(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  }
+  float t = sum8(acc);
+  for (; i < n; ++i) t += a[i] * b[i];
+  return t;
+}
 
 // Each activation row's groups of `group` inputs summed as quantised (sum over its blocks of
 // scale * the block's int16 values summed): [M, K/group], what a group's zero is multiplied by.
@@ -185,19 +205,22 @@ std::vector<float> group_sums(const QuantRows& xq, int64_t group) {
   return sums;
 }
 
-// int4 rows in groups (w = (q - zero) * scale): the products are summed with q as it is, and
-// the zero's share, zero * scale * (the group's activations summed), is taken off once per output.
-// Unpacking then needs one lane-crossing widen per block (port 5 on Intel, the limit at one row)
-// and no broadcast of a zero; the scales are float32 so that their broadcast is a plain load.
+// int4 rows in groups (w = (q - zero) * scale, or q * scale + min): the products are summed with
+// q as it is, and the offset's share, zero * scale (or -min) times the group's activations summed,
+// is taken off once per output. Unpacking then needs one lane-crossing widen per block (port 5 on
+// Intel, the limit at one row) and no broadcast of an offset; the scales are float32 so that their
+// broadcast is a plain load.
 struct Int4Weights {
   static constexpr bool kGroupScales = true;
   static constexpr int64_t kBlockBytes = kBlock / 2;
+  // one of zeros and mins is given, the other null
   Int4Weights(const QuantRows& xq, const uint8_t* w, const float* scales, const uint8_t* zeros,
-              int64_t group)
+              const float* mins, int64_t group)
       : x(xq),
         w(w),
         scales(scales),
         zeros(zeros),
+        mins(mins),
         k(xq.k),
         blocks_per_group(group / kBlock),
         groups(k / group),
@@ -206,6 +229,7 @@ struct Int4Weights {
   const uint8_t* w;
   const float* scales;   // [N, K/g]
   const uint8_t* zeros;  // [N, K/g]
+  const float* mins;     // [N, K/g]
   const int64_t k, blocks_per_group, groups;
   std::vector<float> xsums;  // [M, K/g]: each group's quantised activations summed
   const char* row(int64_t j) const { return reinterpret_cast<const char*>(w + j * (k / 2)); }
@@ -218,9 +242,10 @@ struct Int4Weights {
   }
   const float* group_scale(int64_t j, int64_t g) const { return scales + j * groups + g; }
   float finish(int64_t r, int64_t j, float sum) const {
+    const float* xs = &xsums[r * groups];
+    if (mins) return sum + dot(mins + j * groups, xs, groups);
     const float* s = scales + j * groups;
     const uint8_t* z = zeros + j * groups;
-    const float* xs = &xsums[r * groups];
     __m256 acc = _mm256_setzero_ps();
     int64_t g = 0;
     for (; g + 8 <= groups; g += 8) {
@@ -288,8 +313,9 @@ inline void int_tile(const Wt& wt, int64_t m0, int64_t j0, int64_t step, const O
       out.set(m0 + r, j0 + c * step, wt.finish(m0 + r, j0 + c * step, sum8(acc[r][c])));
 }
 
+template <bool Grouped>
 template <int R, int W>
-void Int8Weights::tile(int64_t m0, int64_t j0, int64_t step, const Out& out) const {
+void Int8Weights<Grouped>::tile(int64_t m0, int64_t j0, int64_t step, const Out& out) const {
   int_tile<Int8Weights, R, W>(*this, m0, j0, step, out);
 }
 
@@ -453,10 +479,12 @@ at::Tensor run(const Wt& wt, const at::Tensor& x, int64_t n) {
 //         parts of a register, vpmultishiftqb moves nibble c of each word to the low byte of the
 //         word's lane in part c (a shift per part, on the shuffle port, so that the products have
 //         the other port to themselves); masked to 4 bits, row 4c + m's pair is in lane 4c + m.
-//         Scales fp16 and zeros uint8 [N/16, K/g, 16]: a group's 16 values are one load each.
 //   int8: 512 bytes; per pair, 32 bytes, byte 2r + e = q[row 16p + r][input 2i + e], widened to
-//         int16 in one instruction. Scales float32 [N].
-// int8's bytes per weight are those of rows; int4's are 19 per 32 at g = 32, not 21 (fp16 scales).
+//         int16 in one instruction.
+// Scales [N/16, K/g, 16] (a group's 16 values are one load), fp16 or float32: fp16 where the format's
+// own are (AWQ, Q4_0, Q4_1, Q8_0), so int4 at g = 32 is 19 bytes per 32 weights (rows: 21), Q8_0 34
+// as in the file; float32 for Q4_K (a 6-bit scale times an fp16 one) and int8's row scales (G = 1,
+// so [N]). int4's offsets in the same layout: uint8 zeros, or mins in the scales' dtype.
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi")
 
@@ -468,39 +496,43 @@ constexpr std::array<uint8_t, 64> kPicks = [] {
   return pick;
 }();
 
+// 16 floats from fp16 (half) or float32 memory, from element `at`.
+inline __m512 load16(const void* p, bool half, int64_t at) {
+  if (half) {
+    return _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const at::Half*>(p) + at)));
+  }
+  return _mm512_loadu_ps(static_cast<const float*>(p) + at);
+}
+
 template <int Bits>
 struct Panels {
   static constexpr int64_t kRows = 16, kBlockBytes = kRows * kBlock * Bits / 8;
   // activation rows that share one unpacking of the weights: the more, the fewer operations per
   // product (3 registers per row of 32)
   static constexpr int64_t kRowsPerPass = 8;
-  // zeros: int4's, or none (int8); then group = K and scales are the rows'
-  Panels(const QuantRows& xq, const uint8_t* w, const void* scales, const uint8_t* zeros,
-         int64_t group)
+  // int4 has zeros or mins (in the scales' dtype), int8 neither; int8's row scales are one group
+  // of K
+  Panels(const QuantRows& xq, const uint8_t* w, const void* scales, bool half,
+         const uint8_t* zeros, const void* mins, int64_t group)
       : x(xq),
         w(w),
         scales(scales),
+        half(half),
         zeros(zeros),
+        mins(mins),
         blocks(xq.k / kBlock),
         blocks_per_group(group / kBlock),
         groups(xq.k / group),
-        xsums(zeros ? group_sums(xq, group) : std::vector<float>()) {}
+        xsums(zeros || mins ? group_sums(xq, group) : std::vector<float>()) {}
   const QuantRows& x;
   const uint8_t* w;
-  const void* scales;  // int4: fp16, AWQ's own precision (2 bytes a group less); int8: float32
+  const void* scales;
+  const bool half;  // scales and mins in fp16, else float32
   const uint8_t* zeros;
+  const void* mins;
   const int64_t blocks, blocks_per_group, groups;
   std::vector<float> xsums;
-
-  // the 16 scales of a group from scales[at]
-  __m512 group_scales(int64_t at) const {
-    if constexpr (Bits == 4) {
-      return _mm512_cvtph_ps(_mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(static_cast<const at::Half*>(scales) + at)));
-    } else {
-      return _mm512_loadu_ps(static_cast<const float*>(scales) + at);
-    }
-  }
 
   // pair i of a block's 16 rows as 32 int16 lanes, row r's pair in 32-bit lane r
   static __m512i unpack(const uint8_t* wb, int i, __m512i picks, __m512i low4) {
@@ -554,10 +586,10 @@ struct Panels {
           grp[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r][c]), d, grp[r][c]);
         }
       }
-      if (--left == 0) {  // the group's scales and its zeros' share, once per 16 rows
+      if (--left == 0) {  // the group's scales and its offsets' share, once per 16 rows
         for (int c = 0; c < W; ++c) {
           const int64_t at = ((p0 + c * step) * groups + g) * kRows;
-          const __m512 ws = group_scales(at);
+          const __m512 ws = load16(scales, half, at);
           if (zeros) {
             const __m512 zf = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
                 _mm_loadu_si128(reinterpret_cast<const __m128i*>(zeros + at))));
@@ -569,6 +601,13 @@ struct Panels {
           for (int r = 0; r < R; ++r) {
             acc[r][c] = _mm512_fmadd_ps(grp[r][c], ws, acc[r][c]);
             grp[r][c] = _mm512_setzero_ps();
+          }
+          if (mins) {
+            const __m512 mf = load16(mins, half, at);
+            for (int r = 0; r < R; ++r) {
+              acc[r][c] = _mm512_fmadd_ps(mf, _mm512_set1_ps(xsums[(m0 + r) * groups + g]),
+                                          acc[r][c]);
+            }
           }
         }
         ++g;
@@ -632,13 +671,15 @@ inline void store16(T* dst, __m512 v) {
   }
 }
 
-// int8 panels back to rows [16 * panels, K] of T (float32 or bf16; int8 values are exact in both),
-// for prefill's GEMM: per row and block, its 16 pairs gathered from the block's 512 bytes (the
-// dwords at 4-byte boundaries, so that no read passes the block's end; an odd row's pair is the
-// high half), narrowed to 32 bytes and widened to T.
+// int8 panels back to rows [16 * panels, K] of T (float32 or bf16), for prefill's GEMM: per row
+// and block, its 16 pairs gathered from the block's 512 bytes (the dwords at 4-byte boundaries, so
+// that no read passes the block's end; an odd row's pair is the high half), narrowed to 32 bytes and
+// widened to T; times the group's scale where scales are given (exact in float32: an int8 times an
+// fp16), else the values as they are (exact in both).
 template <class T>
-void unpanel_rows(const int8_t* w, int64_t panels, int64_t k, T* out) {
-  const int64_t blocks = k / kBlock;
+void unpanel_rows(const int8_t* w, int64_t panels, int64_t k, const void* scales, bool half,
+                  int64_t groups, T* out) {
+  const int64_t blocks = k / kBlock, blocks_per_group = blocks / groups;
   at::parallel_for(0, panels * Panels<8>::kRows, 16, [&](int64_t j0, int64_t j1) {
     for (int64_t j = j0; j < j1; ++j) {
       const int64_t p = j / Panels<8>::kRows, r = j % Panels<8>::kRows;
@@ -651,10 +692,16 @@ void unpanel_rows(const int8_t* w, int64_t panels, int64_t k, T* out) {
         __m512i pairs = _mm512_i32gather_epi32(offsets, wb, 1);
         if (r % 2) pairs = _mm512_srli_epi32(pairs, 16);
         const __m256i q = _mm512_cvtepi32_epi16(pairs);  // the row's 32 int8 values, in order
+        const int64_t g = b / blocks_per_group, at_g = (p * groups + g) * Panels<8>::kRows + r;
+        const __m512 scale = _mm512_set1_ps(
+            !scales ? 1.0f
+            : half  ? static_cast<float>(static_cast<const at::Half*>(scales)[at_g])
+                    : static_cast<const float*>(scales)[at_g]);
         for (int h = 0; h < 2; ++h) {
-          store16(dst + b * kBlock + 16 * h,
-                  _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(h ? _mm256_extracti128_si256(q, 1)
-                                                            : _mm256_castsi256_si128(q))));
+          __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+              h ? _mm256_extracti128_si256(q, 1) : _mm256_castsi256_si128(q)));
+          if (scales) v = _mm512_mul_ps(v, scale);
+          store16(dst + b * kBlock + 16 * h, v);
         }
       }
     }
@@ -663,9 +710,11 @@ void unpanel_rows(const int8_t* w, int64_t panels, int64_t k, T* out) {
 
 // Block b of row 4c + m of an int4 panel (wb: the block's 256 bytes) as 32 values of T: each
 // pair's dword gathered (words 2m and 2m + 1), nibble c of both words moved down and masked, so
-// that the 32 int16 lanes hold the inputs in order.
+// that the 32 int16 lanes hold the inputs in order; then (q - zero) * scale, or q * scale + min
+// (mins: q * scale is exact, so these are the formats' own float32 results, fused or not).
 template <class T>
-inline void unpanel_int4_block(const uint8_t* wb, int c, int m, float zero, float scale, T* dst) {
+inline void unpanel_int4_block(const uint8_t* wb, int c, int m, float scale, float zero, float min,
+                               bool mins, T* dst) {
   alignas(64) int32_t at[16];
   for (int i = 0; i < 16; ++i) at[i] = 16 * i + 4 * m;
   const __m512i q = _mm512_and_si512(
@@ -675,7 +724,8 @@ inline void unpanel_int4_block(const uint8_t* wb, int c, int m, float zero, floa
     const __m256i half = h ? _mm512_extracti64x4_epi64(q, 1) : _mm512_castsi512_si256(q);
     const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(half));
     store16(dst + 16 * h,
-            _mm512_mul_ps(_mm512_sub_ps(v, _mm512_set1_ps(zero)), _mm512_set1_ps(scale)));
+            mins ? _mm512_add_ps(_mm512_mul_ps(v, _mm512_set1_ps(scale)), _mm512_set1_ps(min))
+                 : _mm512_mul_ps(_mm512_sub_ps(v, _mm512_set1_ps(zero)), _mm512_set1_ps(scale)));
   }
 }
 
@@ -695,89 +745,129 @@ void check_rows(const at::Tensor& x, const at::Tensor& weight, const char* op,
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), op, ": CPU tensors only");
 }
 
-// y [M, N] = x [M, K] @ (weight int8 [N, K] * scales [N])^T.
+// The number of scale groups of a weight with n rows and k inputs whose scales are `scales`
+// (numel n * G, k / G a multiple of 32: G = 1 is a scale per row).
+int64_t scale_groups(const at::Tensor& scales, int64_t n, int64_t k, const char* op) {
+  const int64_t g = n > 0 ? scales.numel() / n : 1;
+  TORCH_CHECK(g >= 1 && scales.numel() == n * g && k % g == 0 && (k / g) % kBlock == 0, op,
+              ": scales, one per row or per group of a multiple of 32 inputs");
+  return g;
+}
+
+// y [M, N] = x [M, K] @ (weight int8 [N, K] * scales)^T, scales [N] or [N, G] (groups of K/G).
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
   check_rows(x, weight, "int8_linear", true);
   const bool panels = weight.dim() == 3;
   const int64_t k = x.size(1), n = weight.size(0) * (panels ? Panels<8>::kRows : 1);
   TORCH_CHECK(weight.scalar_type() == at::kChar, "int8_linear: an int8 weight [N, K]");
-  TORCH_CHECK(k % kBlock == 0 && scales.numel() == n &&
+  TORCH_CHECK(k % kBlock == 0 &&
                   (panels ? weight.size(1) * kBlock == k && weight.size(2) == Panels<8>::kBlockBytes
                           : weight.size(1) == k),
-              "int8_linear: weight [N, K] (in panels [N/16, K/32, 512]) with K a multiple of 32, ",
-              "scales [N]");
+              "int8_linear: weight [N, K] (in panels [N/16, K/32, 512]) with K a multiple of 32");
+  const int64_t groups = scale_groups(scales, n, k, "int8_linear");
   TORCH_CHECK(!panels || panels_here(), "int8_linear: panels need a CPU with AVX512-VNNI and VBMI");
   const at::Tensor xc = x.contiguous();
   const at::Tensor wc = weight.contiguous();
-  const at::Tensor sf = scales.to(at::kFloat).contiguous();
+  // panels read fp16 scales as they are (Q8_0's), every other dtype as float32
+  const bool half = panels && scales.scalar_type() == at::kHalf;
+  const at::Tensor sc = half ? scales.contiguous() : scales.to(at::kFloat).contiguous();
   const QuantRows xq(xc);
   if (panels) {
     const auto* w = reinterpret_cast<const uint8_t*>(wc.data_ptr<int8_t>());
-    return run_panels(Panels<8>(xq, w, sf.data_ptr<float>(), nullptr, k), xc, weight.size(0));
+    return run_panels(Panels<8>(xq, w, sc.data_ptr(), half, nullptr, nullptr, k / groups), xc,
+                      weight.size(0));
   }
-  return run(Int8Weights{xq, wc.data_ptr<int8_t>(), sf.data_ptr<float>(), k}, xc, n);
+  const float* sp = sc.data_ptr<float>();
+  if (groups == 1) return run(Int8Weights<false>{xq, wc.data_ptr<int8_t>(), sp, k, 1, 1}, xc, n);
+  return run(Int8Weights<true>{xq, wc.data_ptr<int8_t>(), sp, k, k / groups / kBlock, groups},
+             xc, n);
 }
 
-// int8_linear's weight in panels as rows [N, K] of dtype (float32 or bf16), for prefill's GEMM.
-at::Tensor int8_unpanel(const at::Tensor& weight, at::ScalarType dtype) {
+// int8_linear's weight in panels as rows [N, K] of dtype (float32 or bf16), for prefill's GEMM:
+// the values times their scales where scales are given ([N] or [N, G] in the panels' layout),
+// else the values as they are.
+at::Tensor int8_unpanel(const at::Tensor& weight, at::ScalarType dtype,
+                        const std::optional<at::Tensor>& scales) {
   TORCH_CHECK(weight.dim() == 3 && weight.scalar_type() == at::kChar &&
                   weight.size(2) == Panels<8>::kBlockBytes && weight.device().is_cpu(),
               "int8_unpanel: an int8 weight in panels [N/16, K/32, 512]");
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "int8_unpanel: float32 or bf16 rows");
   TORCH_CHECK(panels_here(), "int8_unpanel: panels need a CPU with AVX512-VNNI and VBMI");
   const at::Tensor wc = weight.contiguous();
-  const int64_t panels = wc.size(0), k = wc.size(1) * kBlock;
-  at::Tensor out = at::empty({panels * Panels<8>::kRows, k}, wc.options().dtype(dtype));
+  const int64_t panels = wc.size(0), k = wc.size(1) * kBlock, n = panels * Panels<8>::kRows;
+  const int64_t groups = scales ? scale_groups(*scales, n, k, "int8_unpanel") : 1;
+  const bool half = scales && scales->scalar_type() == at::kHalf;
+  const at::Tensor sc = !scales ? at::Tensor()
+                        : half  ? scales->contiguous()
+                                : scales->to(at::kFloat).contiguous();
+  const void* sp = scales ? sc.data_ptr() : nullptr;
+  at::Tensor out = at::empty({n, k}, wc.options().dtype(dtype));
   if (dtype == at::kFloat) {
-    unpanel_rows(wc.data_ptr<int8_t>(), panels, k, out.data_ptr<float>());
+    unpanel_rows(wc.data_ptr<int8_t>(), panels, k, sp, half, groups, out.data_ptr<float>());
   } else {
-    unpanel_rows(wc.data_ptr<int8_t>(), panels, k, out.data_ptr<at::BFloat16>());
+    unpanel_rows(wc.data_ptr<int8_t>(), panels, k, sp, half, groups, out.data_ptr<at::BFloat16>());
   }
   return out;
 }
 
 // int4 weights as int4_linear and int4_dequantize take them: in rows (packed uint8 [N, K/2], see
-// the top of this file; scales float32 and zeros uint8 [N, K/g]) or in panels of 16 rows (packed
-// [N/16, K/32, 256], scales fp16 and zeros uint8 [N/16, K/g, 16]; see Panels), told apart by
-// packed's dimensions. n counts the rows (in panels, 16 per panel).
+// the top of this file; scales float32 [N, K/g]) or in panels of 16 rows (packed [N/16, K/32, 256],
+// scales fp16 or float32 [N/16, K/g, 16]; see Panels), told apart by packed's dimensions; offsets
+// in the scales' layout, uint8 zeros or mins in the scales' dtype, told apart by their dtype. n
+// counts the rows (in panels, 16 per panel).
 struct Int4Args {
-  Int4Args(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& zeros,
+  Int4Args(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& offsets,
            int64_t group, const char* op)
       : panels(packed.dim() == 3),
+        half(scales.scalar_type() == at::kHalf),
+        mins(offsets.scalar_type() != at::kByte),
         n(panels ? packed.size(0) * Panels<4>::kRows : packed.size(0)),
         k(panels ? packed.size(1) * kBlock : packed.size(1) * 2),
         group(group),
         pc(packed.contiguous()),
         sc(scales.contiguous()),
-        zc(zeros.contiguous()) {
+        oc(offsets.contiguous()) {
     TORCH_CHECK(packed.scalar_type() == at::kByte &&
                     (panels ? packed.size(2) == Panels<4>::kBlockBytes : packed.dim() == 2),
                 op, ": packed uint8 [N, K/2] (rows) or [N/16, K/32, 256] (panels)");
     TORCH_CHECK(group > 0 && group % kBlock == 0 && k % group == 0, op,
                 ": a group size that is a multiple of 32 and divides K");
-    TORCH_CHECK(scales.scalar_type() == (panels ? at::kHalf : at::kFloat) &&
-                    zeros.scalar_type() == at::kByte && scales.numel() == n * (k / group) &&
-                    zeros.numel() == n * (k / group),
-                op, ": float32 scales (fp16 in panels) and uint8 zeros, a value per row and group");
+    TORCH_CHECK((scales.scalar_type() == at::kFloat || (panels && half)) &&
+                    (!mins || offsets.scalar_type() == scales.scalar_type()) &&
+                    scales.numel() == n * (k / group) && offsets.numel() == n * (k / group),
+                op,
+                ": float32 scales (fp16 too in panels) and uint8 zeros or mins in the scales' "
+                "dtype, a value per row and group");
     TORCH_CHECK(!panels || panels_here(), op, ": panels need a CPU with AVX512-VNNI and VBMI");
   }
-  const bool panels;
+  const bool panels, half, mins;
   const int64_t n, k, group;
-  const at::Tensor pc, sc, zc;
+  const at::Tensor pc, sc, oc;
+  const uint8_t* zeros() const { return mins ? nullptr : oc.data_ptr<uint8_t>(); }
+  const void* min_values() const { return mins ? oc.data_ptr() : nullptr; }
+  // the float value i of scales or mins
+  float value(const at::Tensor& t, int64_t i) const {
+    return half ? static_cast<float>(t.const_data_ptr<at::Half>()[i]) : t.const_data_ptr<float>()[i];
+  }
 };
 
-// y [M, N] = x [M, K] @ W^T, W[j, i] = (q[j, i] - zeros[j, i / g]) * scales[j, i / g].
+// y [M, N] = x [M, K] @ W^T, W[j, i] = (q[j, i] - zeros[j, i / g]) * scales[j, i / g], or
+// q[j, i] * scales[j, i / g] + mins[j, i / g].
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                       const at::Tensor& zeros, int64_t group) {
+                       const at::Tensor& offsets, int64_t group) {
   check_rows(x, packed, "int4_linear", true);
-  const Int4Args a(packed, scales, zeros, group, "int4_linear");
+  const Int4Args a(packed, scales, offsets, group, "int4_linear");
   TORCH_CHECK(a.k == x.size(1), "int4_linear: x [M, K] and weights of K inputs");
   const at::Tensor xc = x.contiguous();
   const QuantRows xq(xc);
   const uint8_t* w = a.pc.data_ptr<uint8_t>();
-  const uint8_t* zp = a.zc.data_ptr<uint8_t>();
-  if (a.panels) return run_panels(Panels<4>(xq, w, a.sc.data_ptr(), zp, group), xc, a.pc.size(0));
-  return run(Int4Weights(xq, w, a.sc.data_ptr<float>(), zp, group), xc, a.n);
+  if (a.panels) {
+    return run_panels(
+        Panels<4>(xq, w, a.sc.data_ptr(), a.half, a.zeros(), a.min_values(), group), xc,
+        a.pc.size(0));
+  }
+  const auto* mins = static_cast<const float*>(a.min_values());
+  return run(Int4Weights(xq, w, a.sc.data_ptr<float>(), a.zeros(), mins, group), xc, a.n);
 }
 
 // int4_dequantize's rows ids [T] into out [T, K].
@@ -785,7 +875,7 @@ template <class T>
 void dequantize_rows(const Int4Args& a, const int64_t* id, int64_t count, T* out) {
   const int64_t k = a.k, groups = k / a.group, blocks = k / kBlock;
   const uint8_t* w = a.pc.data_ptr<uint8_t>();
-  const uint8_t* zp = a.zc.data_ptr<uint8_t>();
+  const uint8_t* zp = a.zeros();
   at::parallel_for(0, count, 16, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t j = id[t];
@@ -795,18 +885,25 @@ void dequantize_rows(const Int4Args& a, const int64_t* id, int64_t count, T* out
       for (int64_t b = 0; b < blocks; ++b) {
         const int64_t g = b * kBlock / a.group;
         const int64_t at_g = a.panels ? (p * groups + g) * Panels<4>::kRows + lane : j * groups + g;
-        const float scale = a.panels ? static_cast<float>(a.sc.const_data_ptr<at::Half>()[at_g])
-                                     : a.sc.const_data_ptr<float>()[at_g];
-        const float zero = zp[at_g];
+        const float scale = a.value(a.sc, at_g);
+        const float zero = a.mins ? 0.0f : zp[at_g], min = a.mins ? a.value(a.oc, at_g) : 0.0f;
         T* dst = out + t * k + b * kBlock;
         if (a.panels) {
-          unpanel_int4_block(w + (p * blocks + b) * Panels<4>::kBlockBytes, c, m, zero, scale, dst);
-        } else {
-          const uint8_t* q = w + j * (k / 2) + b * (kBlock / 2);
+          unpanel_int4_block(w + (p * blocks + b) * Panels<4>::kBlockBytes, c, m, scale, zero, min,
+                             a.mins, dst);
+          continue;
+        }
+        const uint8_t* q = w + j * (k / 2) + b * (kBlock / 2);
+        if (a.mins) {
           for (int i = 0; i < 16; ++i) {
-            dst[i] = static_cast<T>(((q[i] & 0x0F) - zero) * scale);
-            dst[i + 16] = static_cast<T>(((q[i] >> 4) - zero) * scale);
+            dst[i] = static_cast<T>((q[i] & 0x0F) * scale + min);
+            dst[i + 16] = static_cast<T>((q[i] >> 4) * scale + min);
           }
+          continue;
+        }
+        for (int i = 0; i < 16; ++i) {
+          dst[i] = static_cast<T>(((q[i] & 0x0F) - zero) * scale);
+          dst[i + 16] = static_cast<T>(((q[i] >> 4) - zero) * scale);
         }
       }
     }
@@ -818,10 +915,10 @@ void dequantize_rows(const Int4Args& a, const int64_t* id, int64_t count, T* out
 // once: a fresh tensor's first touch costs more than the arithmetic) and a tied embedding's
 // lookups.
 at::Tensor int4_dequantize(const at::Tensor& packed, const at::Tensor& scales,
-                           const at::Tensor& zeros, int64_t group,
+                           const at::Tensor& offsets, int64_t group,
                            const std::optional<at::Tensor>& rows,
                            std::optional<at::ScalarType> dtype) {
-  const Int4Args a(packed, scales, zeros, group, "int4_dequantize");
+  const Int4Args a(packed, scales, offsets, group, "int4_dequantize");
   const at::ScalarType type = dtype.value_or(at::kFloat);
   TORCH_CHECK(type == at::kFloat || type == at::kBFloat16, "int4_dequantize: float32 or bf16");
   at::Tensor ids = rows ? rows->to(at::kLong).contiguous() : at::arange(a.n, at::kLong);
@@ -894,10 +991,10 @@ int64_t stream_read(const at::Tensor& t) {
 
 TORCH_LIBRARY_FRAGMENT(pagechat, m) {
   m.def("int8_linear(Tensor x, Tensor weight, Tensor scales) -> Tensor");
-  m.def("int8_unpanel(Tensor weight, ScalarType dtype) -> Tensor");
-  m.def("int4_linear(Tensor x, Tensor packed, Tensor scales, Tensor zeros, int group) -> Tensor");
+  m.def("int8_unpanel(Tensor weight, ScalarType dtype, Tensor? scales=None) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor packed, Tensor scales, Tensor offsets, int group) -> Tensor");
   m.def(
-      "int4_dequantize(Tensor packed, Tensor scales, Tensor zeros, int group, Tensor? rows=None, "
+      "int4_dequantize(Tensor packed, Tensor scales, Tensor offsets, int group, Tensor? rows=None, "
       "ScalarType? dtype=None) -> Tensor");
   m.def("float_linear(Tensor x, Tensor weight) -> Tensor");
   m.def("stream_read(Tensor t) -> int");

@@ -33,39 +33,52 @@ def loaded() -> bool:
 
 def op(name: str):
     """torch.ops.pagechat.<name>, or None where pagechat's kernels cannot run:
-      int8_linear(x [M, K], weight int8 [N, K] (or int8_pack's panels), scales [N])
-      int4_linear(x [M, K], packed, scales, zeros, g) (int4_pack's, either layout)
+      int8_linear(x [M, K], weight int8 [N, K] (or int8_pack's panels), scales [N] or [N, G])
+      int4_linear(x [M, K], packed, scales, offsets, g) (int4_pack's, either layout)
       float_linear(x [M, K], weight float32 or bf16 [N, K])
     x float32, bf16 or fp16, each -> [M, N] in x's dtype;
-    int4_dequantize(packed, scales, zeros, g, rows=None, dtype=None) -> [N or T, K] float32/bf16;
-    int8_unpanel(weight in panels, dtype) -> [N, K] float32 or bf16;
+    int4_dequantize(packed, scales, offsets, g, rows=None, dtype=None) -> [N or T, K] float32/bf16;
+    int8_unpanel(weight in panels, dtype, scales=None) -> [N, K] float32 or bf16;
     stream_read(t) -> int (reads every byte of t once)."""
     return getattr(torch.ops.pagechat, name) if loaded() else None
 
 
 def int4_pack(
-    q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, panels: bool = PANELS
+    q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, panels: bool = PANELS
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q uint8 [N, K] (values 0..15), scales [N, K/g], zeros uint8 [N, K/g] -> int4_linear's
-    (packed, scales, zeros), laid out as kernels.cpp describes: in rows (float32 scales), or in
-    panels of PANEL rows (fp16 scales, AWQ's own; N padded with zero rows to a multiple of PANEL,
-    whose outputs are 0)."""
+    """q uint8 [N, K] (values 0..15), scales [N, K/g] and offsets [N, K/g] (uint8 zeros: w = (q -
+    zero) * scale; float mins: w = q * scale + min) -> int4_linear's (packed, scales, offsets),
+    laid out as kernels.cpp describes: in rows (float32 scales and mins), or in panels of PANEL
+    rows (fp16 scales kept in fp16, others float32, mins in the scales' dtype; N padded with zero
+    rows to a multiple of PANEL, whose outputs are 0)."""
     n, k = q.shape
+    mins = offsets.is_floating_point()
     if not panels:
         halves = q.reshape(n, k // BLOCK, 2, BLOCK // 2)
         packed = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2)
-        return packed.contiguous(), scales.float().contiguous(), zeros.contiguous()
-    q, scales, zeros = _pad_rows(q), _pad_rows(scales), _pad_rows(zeros)
-    p, groups = q.shape[0] // PANEL, scales.shape[1]
+        return packed.contiguous(), scales.float().contiguous(), _offsets(offsets, torch.float32)
+    dtype = torch.float16 if scales.dtype == torch.float16 else torch.float32
+    q, scales, offsets = _pad_rows(q), _pad_rows(scales.to(dtype)), _pad_rows(offsets)
+    p = q.shape[0] // PANEL
     # row 4c + m of a panel, inputs 2i + e of a block -> nibble c of word 2m + e of pair i
     v = q.to(torch.int32).reshape(p, 4, 4, k // BLOCK, BLOCK // 2, 2)
     words = sum(v[:, c] << (4 * c) for c in range(4)).permute(0, 2, 3, 1, 4)
     packed = torch.stack((words & 0xFF, words >> 8), -1).to(torch.uint8)
     return (
         packed.reshape(p, k // BLOCK, PANEL * BLOCK // 2),
-        scales.half().reshape(p, PANEL, groups).transpose(1, 2).contiguous(),
-        zeros.reshape(p, PANEL, groups).transpose(1, 2).contiguous(),
+        _panel_groups(scales),
+        _panel_groups(_offsets(offsets, dtype) if mins else offsets),
     )
+
+
+def _offsets(offsets: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Zeros as they are (uint8), mins in dtype."""
+    return (offsets.to(dtype) if offsets.is_floating_point() else offsets).contiguous()
+
+
+def _panel_groups(t: torch.Tensor) -> torch.Tensor:
+    """Per-row, per-group values [N, G] (N a multiple of PANEL) -> the panels' [N/16, G, 16]."""
+    return t.reshape(-1, PANEL, t.shape[1]).transpose(1, 2).contiguous()
 
 
 def stored_rows(n: int, panels: bool = PANELS) -> int:
@@ -82,16 +95,22 @@ def _pad_rows(t: torch.Tensor) -> torch.Tensor:
 def int8_pack(
     q: torch.Tensor, scales: torch.Tensor, panels: bool = PANELS
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q int8 [N, K], scales [N] -> int8_linear's (weight, scales): as they are, or in panels of
-    PANEL rows, [N/16, K/32, 512] and scales [N] (both padded with zero rows to a multiple of
-    PANEL; the outputs past N are 0)."""
+    """q int8 [N, K], scales [N] (a row's) or [N, G] (a group of K/G inputs') -> int8_linear's
+    (weight, scales): as they are (group scales float32), or in panels of PANEL rows, [N/16, K/32,
+    512] and scales [N] or [N/16, G, 16] (fp16 group scales kept in fp16, others float32; both
+    padded with zero rows to a multiple of PANEL; the outputs past N are 0)."""
+    grouped = scales.dim() == 2
+    if grouped:
+        half = panels and scales.dtype == torch.float16
+        scales = scales.to(torch.float16 if half else torch.float32)
     if not panels:
-        return q.contiguous(), scales
+        return q.contiguous(), scales.contiguous()
     q, scales = _pad_rows(q), _pad_rows(scales)
     n, k = q.shape
     # row r of a panel, inputs 2i + e of a block -> byte 2r + e of pair i
     v = q.reshape(n // PANEL, PANEL, k // BLOCK, BLOCK // 2, 2).permute(0, 2, 3, 1, 4)
-    return v.reshape(n // PANEL, k // BLOCK, PANEL * BLOCK).contiguous(), scales
+    weight = v.reshape(n // PANEL, k // BLOCK, PANEL * BLOCK).contiguous()
+    return weight, _panel_groups(scales) if grouped else scales
 
 
 def int8_rows(
@@ -109,3 +128,24 @@ def int8_rows(
     if ids is None:
         return v.permute(0, 3, 1, 2, 4).reshape(p * PANEL, blocks * BLOCK).to(dtype)
     return v[ids // PANEL, :, :, ids % PANEL].reshape(ids.shape[0], blocks * BLOCK).to(dtype)
+
+
+def int8_dequantize(
+    weight: torch.Tensor,
+    scales: torch.Tensor,
+    ids: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """int8_pack's (weight, scales) as dequantised rows [N, K] (in panels, N padded) or the rows
+    `ids` [T], in float32 or bf16: each value times its row's or group's scale (exact in float32:
+    an int8 times an fp16 or float32 scale of a GGUF or an int8 layer)."""
+    if weight.dim() == 3 and ids is None:
+        return op("int8_unpanel")(weight, dtype, scales)
+    rows = int8_rows(weight, ids, torch.float32)
+    if scales.dim() == 1:  # a scale per row
+        s = scales if ids is None else scales[ids]
+        return (rows * s.float().unsqueeze(1)).to(dtype)
+    if scales.dim() == 3:  # panels' [N/16, G, 16] back to [N, G]
+        scales = scales.transpose(1, 2).reshape(-1, scales.shape[1])
+    s = (scales if ids is None else scales[ids]).float()
+    return (rows.view(rows.shape[0], s.shape[1], -1) * s.unsqueeze(-1)).view(rows.shape).to(dtype)

@@ -149,11 +149,12 @@ def bf16_head(mode: str | None, dtype: torch.dtype) -> bool:
     return mode in WEIGHT_ONLY and dtype == torch.float32
 
 
-def _scales_and_zeros(zeros: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    # torch's int4 kernels compute w = (q - 8) * scale + zero; AWQ's w = (q - z) * scale,
-    # so zero = (8 - z) * scale
+def _scales_and_zeros(offsets: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    # torch's int4 kernels compute w = (q - 8) * scale + zero; AWQ's w = (q - z) * scale, so
+    # zero = (8 - z) * scale; GGUF's w = q * scale + min, so zero = min + 8 * scale
     s = scales.float()
-    return torch.stack([s, (8 - zeros.float()) * s], dim=-1).to(_BF16).contiguous()
+    zero = offsets.float() + 8 * s if offsets.is_floating_point() else (8 - offsets.float()) * s
+    return torch.stack([s, zero], dim=-1).to(_BF16).contiguous()
 
 
 class _WeightOnlyLinear(nn.Module):
@@ -168,15 +169,17 @@ class _WeightOnlyLinear(nn.Module):
         return y if flat else y.reshape(*x.shape[:-1], self.out_features)
 
 
-class AWQLinear(_WeightOnlyLinear):
-    """4-bit AWQ linear (asymmetric, group-wise) over one or more stacked checkpoint linears."""
+class Int4Linear(_WeightOnlyLinear):
+    """4-bit group-wise linear over one or more stacked checkpoint linears: an AWQ checkpoint's
+    (w = (q - zero) * scale), a 4-bit LM head's, or a GGUF file's Q4_0 (zero 8), Q4_1 and Q4_K
+    (w = q * scale + min)."""
 
-    quant_format = "awq-int4"
+    quant_format = "awq-int4"  # GGUF's layers say their type instead (quant/ggml.py)
 
     def __init__(
         self,
         q: torch.Tensor,
-        zeros: torch.Tensor,
+        offsets: torch.Tensor,
         scales: torch.Tensor,
         bias: torch.Tensor | None,
         group: int,
@@ -184,17 +187,18 @@ class AWQLinear(_WeightOnlyLinear):
         path: str | None = None,
         panels: bool = kernels.PANELS,
     ) -> None:
-        """q [K, N] values 0..15, zeros [K/g, N], scales [K/g, N] (AWQ layout, unpacked); on
-        pagechat's kernel, `panels` picks its layout (kernels.int4_pack)."""
+        """q [K, N] values 0..15, offsets and scales [K/g, N] (AWQ's layout, unpacked): offsets
+        uint8 zeros, or float mins; on pagechat's kernel, `panels` picks its layout
+        (kernels.int4_pack)."""
         super().__init__()
         k, n = q.shape
         self.in_features, self.out_features, self.group = k, n, group
+        self.mins = offsets.is_floating_point()
         self.path = path or awq_path(n, k, group, device)
         if self.path == INT4_KERNEL_PATH:
-            tensors = kernels.int4_pack(
-                q.t().to(torch.uint8), scales.t(), zeros.t().to(torch.uint8), panels
-            )
-            for name, t in zip(("weight_packed", "scales", "zeros"), tensors, strict=True):
+            offsets = offsets.t() if self.mins else offsets.t().to(torch.uint8)
+            tensors = kernels.int4_pack(q.t().to(torch.uint8), scales.t(), offsets, panels)
+            for name, t in zip(("weight_packed", "scales", "offsets"), tensors, strict=True):
                 self.register_buffer(name, t.to(device))
             # in panels, the rows past n are padding: their outputs are cut off
             self.padded = self.weight_packed.dim() == 3 and n % kernels.PANEL != 0
@@ -203,7 +207,7 @@ class AWQLinear(_WeightOnlyLinear):
                 q.t().contiguous().to(torch.int32), 2
             )
             self.register_buffer("weight_packed", packed.to(device))
-            self.register_buffer("scales_zeros", _scales_and_zeros(zeros, scales).to(device))
+            self.register_buffer("scales_zeros", _scales_and_zeros(offsets, scales).to(device))
         elif self.path == "int4pack-cuda":
             qt = q.t().contiguous().to(device=device, dtype=torch.uint8)
             inner = 8 if k % 128 == 0 else 4 if k % 64 == 0 else 2
@@ -211,16 +215,18 @@ class AWQLinear(_WeightOnlyLinear):
                 "weight_packed",
                 torch.ops.aten._convert_weight_to_int4pack((qt[:, 0::2] << 4) | qt[:, 1::2], inner),
             )  # byte i = q[2i] high nibble, q[2i+1] low
-            self.register_buffer("scales_zeros", _scales_and_zeros(zeros, scales).to(device))
-        else:  # keep the checkpoint's packed tensors; dequantise per call
+            self.register_buffer("scales_zeros", _scales_and_zeros(offsets, scales).to(device))
+        else:  # keep the values packed 8 to an int32 as AWQ does; dequantise per call
             self.register_buffer("qweight", pack_awq(q).to(device))
-            self.register_buffer("qzeros", pack_awq(zeros).to(device))
+            self.register_buffer(
+                "offsets", (offsets if self.mins else pack_awq(offsets)).to(device)
+            )
             self.register_buffer("scales", scales.to(device))
         self.register_buffer("bias", None if bias is None else bias.to(device))
 
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
         if self.path == INT4_KERNEL_PATH:
-            args = (self.weight_packed, self.scales, self.zeros, self.group)
+            args = (self.weight_packed, self.scales, self.offsets, self.group)
             if x2.shape[0] <= kernels.MAX_ROWS:
                 y = torch.ops.pagechat.int4_linear(x2, *args)
                 # the fused ops after a layer take dense rows
@@ -230,9 +236,9 @@ class AWQLinear(_WeightOnlyLinear):
             w = torch.ops.pagechat.int4_dequantize(*args, dtype=dtype)
             return F.linear(x2.to(dtype), w[: self.out_features]).to(x2.dtype)
         if self.path == "dequant":
-            return x2 @ dequantize(
-                unpack_awq(self.qweight), unpack_awq(self.qzeros), self.scales, self.group, x2.dtype
-            )
+            offsets = self.offsets if self.mins else unpack_awq(self.offsets)
+            w = dequantize(unpack_awq(self.qweight), offsets, self.scales, self.group)
+            return x2 @ w.to(x2.dtype)
         if self.path == "int4pack-cpu":
             return torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x2.to(_BF16).contiguous(), self.weight_packed, self.group, self.scales_zeros
@@ -248,9 +254,10 @@ class AWQLinear(_WeightOnlyLinear):
 
 
 class Int8WOLinear(_WeightOnlyLinear):
-    """int8 weight-only linear: per-output-channel symmetric int8 weights, floating activations."""
+    """int8 weight-only linear: symmetric int8 weights with a scale per output row (int8-wo), or
+    per group of inputs (a GGUF's Q8_0, 32), floating activations."""
 
-    quant_format = "int8-wo"
+    quant_format = "int8-wo"  # GGUF's layers say their type instead (quant/ggml.py)
 
     def __init__(
         self,
@@ -261,18 +268,22 @@ class Int8WOLinear(_WeightOnlyLinear):
         path: str | None = None,
         panels: bool = kernels.PANELS,
     ) -> None:
-        """q int8 [N, K], scales [N] (w = q * scale). `path` forces torch's kernel (int8pack-*,
-        dequant); by default pagechat's kernel runs up to kernels.MAX_ROWS rows where it can,
-        its weights laid out as `panels` picks (kernels.int8_pack)."""
+        """q int8 [N, K], scales [N] (w = q * scale) or [N, G] (groups of K/G inputs). `path`
+        forces torch's kernel (int8pack-*, dequant); by default pagechat's kernel runs up to
+        kernels.MAX_ROWS rows where it can, its weights laid out as `panels` picks
+        (kernels.int8_pack)."""
         super().__init__()
         self.out_features, self.in_features = q.shape
+        self.grouped = scales.dim() == 2
         self.kernel = None if path else int8_wo_kernel(self.in_features, device)
-        self.torch_path = path or int8_wo_path(device)  # every call, where the kernel cannot run
+        # every call, where the kernel cannot run (torch's int8pack takes a scale per row only)
+        self.torch_path = path or ("dequant" if self.grouped else int8_wo_path(device))
         self.path = self.torch_path
         # the int8pack kernels take scales in the activations' dtype (bf16), and pagechat's kernel
-        # reads the same bf16 scales, so both compute with the same weights; dequant keeps fp32
+        # reads the same bf16 scales, so both compute with the same weights; dequant keeps fp32;
+        # group scales stay as given (Q8_0's fp16)
         dtype = torch.float32 if self.torch_path == "dequant" else _BF16
-        q, scales = q.to(torch.int8), scales.to(dtype)
+        q, scales = q.to(torch.int8), scales if self.grouped else scales.to(dtype)
         if self.kernel is not None:
             self.path = INT8_KERNEL_PATH
             q, scales = kernels.int8_pack(q, scales, panels)
@@ -295,11 +306,17 @@ class Int8WOLinear(_WeightOnlyLinear):
         if self.kernel is not None:
             if x2.shape[0] <= kernels.MAX_ROWS:
                 y = self.kernel(x2, self.weight, self.scales)
+            elif self.grouped:  # a GEMM on the weights dequantised for this call
+                dtype = gemm_dtype(x2)
+                w = kernels.int8_dequantize(self.weight, self.scales, dtype=dtype)
+                y = F.linear(x2.to(dtype), w).to(x2.dtype)
             else:  # a GEMM (faster than int8pack's) on the int8 values, exact in bf16 too
                 dtype = gemm_dtype(x2)
                 w = kernels.int8_rows(self.weight, dtype=dtype)
                 y = (F.linear(x2.to(dtype), w) * self.scales.to(dtype)).to(x2.dtype)
             return y[:, : self.out_features].contiguous() if self.padded else y
+        if self.grouped:
+            return F.linear(x2, kernels.int8_dequantize(self.weight, self.scales, dtype=x2.dtype))
         if (
             self.torch_path == "dequant"
         ):  # x @ (q * s)^T == (x @ q^T) * s: scale the output, not the weight

@@ -87,14 +87,16 @@ def _requantize(
 
 def dequantize(
     q: torch.Tensor,
-    zeros: torch.Tensor,
+    offsets: torch.Tensor,
     scales: torch.Tensor,
     group: int,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """AWQ-layout q [K, N], zeros [K/g, N], scales [K/g, N] -> W^T [K, N] in dtype."""
+    """AWQ-layout q [K, N], offsets and scales [K/g, N] -> W^T [K, N] in dtype: offsets are
+    integer zeros, w = (q - zero) * scale, or float mins (GGUF's Q4_1, Q4_K), w = q * scale +
+    min."""
     k, n = q.shape
-    deq = (q.to(dtype).view(k // group, group, n) - zeros.to(dtype).unsqueeze(1)) * scales.to(
-        dtype
-    ).unsqueeze(1)
+    g = q.to(dtype).view(k // group, group, n)
+    s, o = scales.to(dtype).unsqueeze(1), offsets.to(dtype).unsqueeze(1)
+    deq = g * s + o if offsets.is_floating_point() else (g - o) * s
     return deq.view(k, n)

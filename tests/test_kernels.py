@@ -27,7 +27,7 @@ from pagechat.core.params import SamplingParams
 from pagechat.quant import kernels
 from pagechat.quant.checkpoint import quantize_checkpoint
 from pagechat.quant.evaluate import window_logits
-from pagechat.quant.layers import INT4_KERNEL_PATH, AWQLinear, Int8WOLinear
+from pagechat.quant.layers import INT4_KERNEL_PATH, Int4Linear, Int8WOLinear
 from pagechat.quant.pack import quantize_groups
 
 CPU = torch.device("cpu")
@@ -252,7 +252,7 @@ def test_float_kernel_matches_matmul_at_every_batch_size(kernel, dtype, n, k):
 def test_awq_layer_runs_the_int4_kernel_for_up_to_16_rows_and_float32_beyond(kernel, panels, n):
     *_, deq = int4_weight(n, 256, 64, seed=4)
     q, zt, st = quantize_groups(deq.float(), 64)  # already on the grid: the same groups again
-    layer = AWQLinear(q.t(), zt.t(), st.t(), None, 64, CPU, panels=panels)
+    layer = Int4Linear(q.t(), zt.t(), st.t(), None, 64, CPU, panels=panels)
     assert layer.path == INT4_KERNEL_PATH and (layer.weight_packed.dim() == 3) == panels
     x = torch.randn(17, 256)
     ref = x.double() @ deq.t()
@@ -272,7 +272,7 @@ def test_prefill_rows_of_bf16_activations_run_a_bf16_gemm_only_where_the_cpu_has
     int8 = Int8WOLinear.from_float(torch.randn(96, 256), None, CPU)
     packed, s, z, deq = int4_weight(96, 256, 64, seed=5)
     q, zt, st = quantize_groups(deq.float(), 64)
-    awq = AWQLinear(q.t(), zt.t(), st.t(), None, 64, CPU)
+    awq = Int4Linear(q.t(), zt.t(), st.t(), None, 64, CPU)
     x = torch.randn(17, 256).bfloat16()  # more rows than the kernels take: a GEMM
     w8, s8, w4 = kernels.int8_rows(int8.weight).float(), int8.scales.float(), deq.float()
     if native_bf16:  # AMX's bf16 GEMM on the dequantised weights (int8 values exact in bf16)
@@ -294,12 +294,12 @@ def test_engine_with_the_int4_kernel_decodes_as_the_exact_dequantised_model(
     slightly different inputs (seen: 1.7e-3 with a bf16 head)."""
     awq = quantize_checkpoint(tiny_llama, tmp_path / "awq", "rtn", 32).out_dir
     e = Engine(awq, EngineConfig(kv_blocks=64, dtype="float32"))
-    assert {m.path for m in e.model.modules() if isinstance(m, AWQLinear)} == {INT4_KERNEL_PATH}
+    assert {m.path for m in e.model.modules() if isinstance(m, Int4Linear)} == {INT4_KERNEL_PATH}
     ref = Engine(awq, EngineConfig(kv_blocks=64, dtype="float32", graphs=False))
     for name, m in list(ref.model.named_modules()):
-        if isinstance(m, AWQLinear):
+        if isinstance(m, Int4Linear):
             parent, _, attr = name.rpartition(".")
-            deq = kernels.op("int4_dequantize")(m.weight_packed, m.scales, m.zeros, m.group)
+            deq = kernels.op("int4_dequantize")(m.weight_packed, m.scales, m.offsets, m.group)
             deq = deq[: m.out_features]  # in panels, padded to a multiple of 16 rows
             layer = torch.nn.Linear(m.in_features, m.out_features, bias=m.bias is not None)
             layer.weight.data, layer.bias = deq, m.bias

@@ -160,7 +160,7 @@ def test_plan_command(tiny_llama, capsys):
 @pytest.mark.parametrize("mode", ["int8-wo", "awq"])
 def test_estimate_counts_the_rows_the_kernels_pad(mode):
     """37 rows: in the int kernels' panels (a CPU with AVX512-VNNI), 48 are stored."""
-    from pagechat.quant.layers import AWQLinear, Int8WOLinear
+    from pagechat.quant.layers import Int4Linear, Int8WOLinear
     from pagechat.quant.pack import quantize_groups
     from pagechat.tools.planner import _linear_bytes
 
@@ -170,7 +170,7 @@ def test_estimate_counts_the_rows_the_kernels_pad(mode):
         layer = Int8WOLinear.from_float(w, None, cpu)
     else:
         q, z, s = (t.t() for t in quantize_groups(w, 32))
-        layer = AWQLinear(q, z, s.half(), None, 32, cpu)
+        layer = Int4Linear(q, z, s.half(), None, 32, cpu)
     stored = sum(t.nbytes for t in layer.buffers())
     assert _linear_bytes(n, k, False, mode, 4, 32, "cpu")[2] == stored
     rows = 48 if kernels.PANELS and kernels.loaded() else n
