@@ -21,9 +21,9 @@ from pagechat.core.kv import allocate_pool, block_bytes, copy_blocks, pool_block
 from pagechat.core.loader import (
     DTYPES,
     ModelSpec,
-    WeightReader,
     dtype_name,
     load_tokenizer,
+    open_weights,
     read_spec,
 )
 from pagechat.core.model import DecoderModel
@@ -115,16 +115,20 @@ def load_checkpoint(model_dir: Path, cfg: EngineConfig, device: torch.device) ->
     dtype = resolve_dtype(cfg.dtype, device, spec.torch_dtype)
     tokenizer = load_tokenizer(model_dir)
     max_len = min(cfg.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
-    weights = WeightReader(model_dir)
+    weights = open_weights(model_dir, spec)
     weights.check_layers(spec.num_layers)
-    model = DecoderModel(
-        spec,
-        weights,
-        dtype,
-        max_len,
-        load=quant.loader(device),
-        head=quant.head(device, dtype),
-    )
+    try:
+        model = DecoderModel(
+            spec,
+            weights,
+            dtype,
+            max_len,
+            load=quant.loader(device),
+            head=quant.head(device, dtype),
+            embed=quant.embedding(device, dtype),
+        )
+    finally:
+        weights.close()  # the model holds its own tensors: the file's pages are let go
     return LoadedModel(spec, quant, tokenizer, model.to(device).eval(), dtype, max_len)
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 from pagechat.core.errors import PagechatError
+from pagechat.core.gguf import SPLIT, is_gguf
 from safetensors import safe_open
 
 SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -50,15 +51,50 @@ class ModelSpec:
     quantization: dict | None
 
 
+def resolve_model(path: Path) -> Path:
+    """What a model argument names on disk: `ollama:NAME[:TAG]` -> its GGUF blob in Ollama's
+    store; a directory without config.json that holds one GGUF model (or one split of one) ->
+    that file; anything else as it is."""
+    text = str(path)
+    if text.startswith("ollama:"):
+        from pagechat.core.ollama import find_model
+
+        return find_model(text.removeprefix("ollama:")).model
+    if path.is_dir() and not (path / "config.json").is_file():
+        found = sorted(p for p in path.glob("*.gguf") if first_part(p))
+        if len(found) > 1:
+            names = ", ".join(p.name for p in found[:3])
+            raise PagechatError(f"{path} holds {len(found)} GGUF models ({names}...); name one")
+        if found:
+            return found[0]
+    return path
+
+
+def first_part(path: Path) -> bool:
+    """Whether a .gguf file is a whole model or the first part of a split one."""
+    m = SPLIT.match(path.name)
+    return m is None or int(m["no"]) == 1
+
+
+def gguf_file(path: Path) -> Path | None:
+    """The GGUF file a model argument names, or None for a Hugging Face directory."""
+    found = resolve_model(path)
+    return found if found.is_file() and is_gguf(found) else None
+
+
 def check_model_dir(path: Path) -> Path:
-    """The directory must exist and be a directory."""
+    """The model must exist: a directory, a GGUF file, or an Ollama model."""
+    if str(path).startswith("ollama:"):
+        resolve_model(path)  # says what is missing from the store
+        return path
     if not path.exists():
         raise PagechatError(
             f"model directory {path} does not exist; make one with `pagechat make-model {path}`"
         )
-    if not path.is_dir():
+    if path.is_file() and not is_gguf(path):
         raise PagechatError(
-            f"{path} is a file, not a model directory (give the folder holding config.json)"
+            f"{path} is a file but not a GGUF model (give a GGUF file or the folder holding "
+            "config.json)"
         )
     return path
 
@@ -192,7 +228,13 @@ def _spec_from(model_dir: Path, cfg: dict, arch: str) -> ModelSpec:
 
 
 def read_spec(model_dir: Path) -> ModelSpec:
-    """Parse config.json into a ModelSpec; refuse architectures and settings it does not run."""
+    """Parse config.json (or a GGUF's metadata) into a ModelSpec; refuse architectures and
+    settings it does not run."""
+    gguf = gguf_file(check_model_dir(model_dir))
+    if gguf is not None:
+        from pagechat.core.gguf_model import read_gguf_spec
+
+        return read_gguf_spec(gguf)
     path, cfg = _read_config(model_dir)
     arch = _check_arch(path, cfg)
     try:
@@ -280,6 +322,10 @@ class WeightReader:
             )
         return t.to(dtype)
 
+    def close(self) -> None:
+        """Let go of the files (the loaded model holds its own tensors)."""
+        self._handles.clear()
+
     def check_layers(self, num_layers: int) -> None:
         """Refuse a checkpoint with decoder layers its config.json does not declare."""
         for name, f in self.where.items():
@@ -291,8 +337,25 @@ class WeightReader:
                 )
 
 
+def open_weights(model_dir: Path, spec: ModelSpec):
+    """The reader of a checkpoint's tensors: WeightReader, or GGUFWeights for a GGUF model."""
+    gguf = gguf_file(model_dir)
+    if gguf is None:
+        return WeightReader(model_dir)
+    from pagechat.core.gguf import GGUFFile
+    from pagechat.core.gguf_model import GGUFWeights
+
+    return GGUFWeights(GGUFFile(gguf), spec)
+
+
 def load_tokenizer(model_dir: Path):
-    """The checkpoint's own tokenizer, from local files only, never remote code."""
+    """The checkpoint's own tokenizer, from local files only, never remote code (a GGUF's from
+    the file itself)."""
+    gguf = gguf_file(model_dir)
+    if gguf is not None:
+        from pagechat.core.gguf_model import gguf_tokenizer
+
+        return gguf_tokenizer(gguf)
     from transformers import AutoTokenizer  # slow import: only when a model is loaded
 
     if not any(

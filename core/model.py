@@ -5,6 +5,7 @@ q/k/v and gate/up are fused into one matmul each at load time; weights come from
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 
@@ -97,6 +98,8 @@ def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
         return inv
     if s["rope_type"] == "linear":
         return inv / s["factor"]
+    if s["rope_type"] == "factors":  # a GGUF's rope_freqs: llama3 scaling as llama.cpp stores it
+        return inv / torch.tensor(s["factors"], dtype=torch.float32)
     # llama3: keep high frequencies, divide low ones by factor, interpolate smoothly between them
     factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
     old = s["original_max_position_embeddings"]
@@ -246,6 +249,39 @@ class DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+# How the LM head and the embedding are built from the checkpoint: from the reader and the
+# tensor's name, so that a quantised file's table can be read in its own format (quant/).
+TableLoader = Callable[[WeightReader, str, tuple[int, int]], nn.Module]
+EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
+def dense_embedding(dtype: torch.dtype) -> TableLoader:
+    """An nn.Embedding of the table as floats in dtype."""
+
+    def load(w: WeightReader, name: str, shape: tuple[int, int]) -> nn.Embedding:
+        emb = nn.Embedding(*shape, device="meta")
+        table = w.floats(name, shape, dtype)
+        emb.weight = nn.Parameter(table, requires_grad=False)
+        return emb
+
+    return load
+
+
+def dense_head(dtype: torch.dtype) -> TableLoader:
+    """An nn.Linear of the table as floats in dtype."""
+    return lambda w, name, shape: linear(w.floats(name, shape, dtype))
+
+
+def tied_embedding(head: nn.Module) -> nn.Module:
+    """The embedding that reads a tied head's table: the head's own `embedding()` where it keeps
+    the table in a format of its own (quant/head.py), else an nn.Embedding over its weight."""
+    if hasattr(head, "embedding"):
+        return head.embedding()
+    emb = nn.Embedding(head.out_features, head.in_features, device="meta")
+    emb.weight = head.weight
+    return emb
+
+
 class DecoderModel(nn.Module):
     """Embeddings, decoder layers, final norm and LM head; forward takes one flat ragged batch."""
 
@@ -256,32 +292,35 @@ class DecoderModel(nn.Module):
         dtype: torch.dtype,
         max_len: int,
         load: LinearLoader = dense_linear,
-        head: Callable[[torch.Tensor], nn.Module] = linear,
+        head: TableLoader | None = None,
+        embed: TableLoader | None = None,
     ) -> None:
-        """`head` builds lm_head from its weight (quant/ gives quantised and weight-only modes
-        their own heads). A tied head that keeps the table in its own format offers `embedding()`:
-        the embedding then looks its rows up in that same table, one table, not two."""
+        """`head` and `embed` build lm_head and the embedding from their tables (quant/ gives
+        quantised and weight-only modes, and GGUF files, their own). A tied model builds the head
+        from the embedding's table, and the embedding reads the head's: one table, not two."""
         super().__init__()
         self.dtype = dtype
         self.spec = spec
+        head, embed = head or dense_head(dtype), embed or dense_embedding(dtype)
         vh = (spec.vocab_size, spec.hidden_size)
-        self.embed_tokens = nn.Embedding(*vh, device="meta")
-        self.embed_tokens.weight = nn.Parameter(
-            w.floats("model.embed_tokens.weight", vh, dtype), requires_grad=False
-        )
-        fused = ops.fused(self.embed_tokens.weight.device, dtype)
+        if spec.tie_word_embeddings or not w.has(HEAD):
+            lm_head = head(w, EMBED, vh)
+            # registered first, so that the memory report counts the shared table as embedding
+            self.embed_tokens = tied_embedding(lm_head)
+        else:
+            self.embed_tokens = embed(w, EMBED, vh)
+            lm_head = head(w, HEAD, vh)
+        self.lm_head = lm_head
+        # where the table was loaded: the CPU for a dense one (moved with the model later), the
+        # target device for a quantised one
+        table = next(itertools.chain(self.embed_tokens.parameters(), self.embed_tokens.buffers()))
+        fused = ops.fused(table.device, dtype)
         self.layers = nn.ModuleList(
             DecoderLayer(spec, w, i, dtype, load, fused) for i in range(spec.num_layers)
         )
         self.norm = RMSNorm(
             w.floats("model.norm.weight", (spec.hidden_size,), dtype), spec.rms_norm_eps, fused
         )
-        if spec.tie_word_embeddings or not w.has("lm_head.weight"):
-            self.lm_head = head(self.embed_tokens.weight)
-            if hasattr(self.lm_head, "embedding"):
-                self.embed_tokens = self.lm_head.embedding()
-        else:
-            self.lm_head = head(w.floats("lm_head.weight", vh, dtype))
         cos, sin = rope_tables(spec, max_len)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)

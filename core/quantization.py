@@ -10,7 +10,6 @@ quantised ones.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from importlib.metadata import entry_points
@@ -20,7 +19,13 @@ from typing import Protocol
 import torch
 from pagechat.core.errors import PagechatError
 from pagechat.core.loader import ModelSpec
-from pagechat.core.model import LinearLoader, dense_linear, linear
+from pagechat.core.model import (
+    LinearLoader,
+    TableLoader,
+    dense_embedding,
+    dense_head,
+    dense_linear,
+)
 from torch import nn
 
 ENTRY_POINT_GROUP = "pagechat.quant"
@@ -43,9 +48,9 @@ class QuantPlan(Protocol):
 
     def loader(self, device: torch.device) -> LinearLoader: ...
 
-    def head(
-        self, device: torch.device, dtype: torch.dtype
-    ) -> Callable[[torch.Tensor], nn.Module]: ...
+    def head(self, device: torch.device, dtype: torch.dtype) -> TableLoader: ...
+
+    def embedding(self, device: torch.device, dtype: torch.dtype) -> TableLoader: ...
 
 
 class QuantBackend(Protocol):
@@ -77,8 +82,11 @@ class DensePlan:
     def loader(self, device: torch.device) -> LinearLoader:
         return dense_linear
 
-    def head(self, device: torch.device, dtype: torch.dtype) -> Callable[[torch.Tensor], nn.Module]:
-        return linear
+    def head(self, device: torch.device, dtype: torch.dtype) -> TableLoader:
+        return dense_head(dtype)
+
+    def embedding(self, device: torch.device, dtype: torch.dtype) -> TableLoader:
+        return dense_embedding(dtype)
 
 
 @cache

@@ -8,25 +8,24 @@ LinearLoader the engine's DecoderModel builds each (possibly fused) decoder line
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 from pagechat.core.errors import PagechatError
 from pagechat.core.loader import ModelSpec, WeightReader
-from pagechat.core.model import LinearLoader, dense_linear
+from pagechat.core.model import LinearLoader, TableLoader, dense_embedding, dense_linear
+from pagechat.quant.ggml import gguf_embedding, gguf_head, gguf_loader
 from pagechat.quant.head import LM_HEADS, check_lm_head, head_builder, head_format
 from pagechat.quant.layers import (
-    AWQLinear,
     Bf16WOLinear,
+    Int4Linear,
     Int8WOLinear,
     bnb_int8_linear,
     on_kernel,
     quant_tensors,
 )
 from pagechat.quant.pack import unpack_awq
-from torch import nn
 
 QUANT_MODES = ("int8", "int8-wo", "bf16-wo", "awq")
 MODE_LABELS = {
@@ -37,6 +36,8 @@ MODE_LABELS = {
     "bf16-wo": "bf16 weight-only (decode rows on pagechat's kernel where it builds, else a "
     "bf16 matmul; prefill a GEMM in the activations' dtype)",
     "awq": "AWQ 4-bit (pagechat's int4 kernel where it builds, else torch's int4 matmul)",
+    "gguf": "the GGUF's own (Q4_0/Q4_1/Q4_K on pagechat's int4 kernel, Q8_0 on its int8 kernel "
+    "where it builds; other types requantised to Q8_0 at load)",
 }
 
 
@@ -45,8 +46,8 @@ class QuantPlan:
     """How the decoder linears and lm_head load: the mode, what the checkpoint holds, the AWQ
     group size and the --lm-head request."""
 
-    mode: str | None  # None | "int8" | "int8-wo" | "bf16-wo" | "awq"
-    checkpoint: str  # "float" | "bnb-int8" | "awq"
+    mode: str | None  # None | "int8" | "int8-wo" | "bf16-wo" | "awq" | "gguf"
+    checkpoint: str  # "float" | "bnb-int8" | "awq" | "gguf"
     group_size: int | None = None
     lm_head: str = "auto"  # one of quant/head.py's LM_HEADS
 
@@ -60,7 +61,7 @@ class QuantPlan:
         columns in Python on every call, which a trace would freeze."""
         return self.mode != "int8"
 
-    def head(self, device: torch.device, dtype: torch.dtype) -> Callable[[torch.Tensor], nn.Module]:
+    def head(self, device: torch.device, dtype: torch.dtype) -> TableLoader:
         """How lm_head is built from its weight: int8 or 4-bit for quantised models, bf16 in a
         float32 weight-only mode (quant/head.py).
 
@@ -68,7 +69,14 @@ class QuantPlan:
         outweigh all the quantised decoder linears together); quantised, it reads a quarter or less
         of the bytes, and decoding, bound by the bytes it reads, gets faster.
         """
-        return head_builder(head_format(self.lm_head, self.mode, dtype), device)
+        if self.mode == "gguf" and self.lm_head == "auto":  # the file's own format
+            return gguf_head(device, dtype)
+        build = head_builder(head_format(self.lm_head, self.mode, dtype), device)
+        return lambda w, name, shape: build(w.floats(name, shape, dtype))
+
+    def embedding(self, device: torch.device, dtype: torch.dtype) -> TableLoader:
+        """An untied embedding: its table in the model's dtype, a GGUF's in its own format."""
+        return gguf_embedding(device, dtype) if self.mode == "gguf" else dense_embedding(dtype)
 
     def loader(self, device: torch.device) -> LinearLoader:
         """The LinearLoader building each decoder linear on device, quantised as planned."""
@@ -78,6 +86,8 @@ class QuantPlan:
             return _awq_loader(self.group_size, device)
         if self.mode == "bf16-wo":
             return _bf16_loader(device)
+        if self.mode == "gguf":
+            return gguf_loader(device)
         return _int8_loader(self.mode, self.checkpoint == "bnb-int8", device)
 
 
@@ -108,6 +118,14 @@ def _decoder_plan(spec: ModelSpec, requested: str | None, model_dir: Path) -> Qu
             f"{where}: quantization_config must be an object, got {type(qc).__name__}"
         )
     method = str(qc.get("quant_method", "?")).lower()
+    if method == "gguf":
+        if requested is not None:
+            types = ", ".join(qc["types"])
+            raise PagechatError(
+                f"--quant {requested} cannot apply to {model_dir}: its tensors are quantised as "
+                f"the file stores them ({types}); run it without --quant"
+            )
+        return QuantPlan("gguf", "gguf")
     if method == "awq":
         group = _check_awq(qc, spec, where)
         if requested in ("int8", "int8-wo", "bf16-wo"):
@@ -231,7 +249,7 @@ def _awq_loader(group: int, device: torch.device) -> LinearLoader:
                 f"{names[0]}.qweight / .qzeros must be int32, got {qw.dtype} / {qz.dtype}"
             )
         # fused qkv / gate-up: the checkpoint linears stack along the output dim, as in dense_linear
-        return AWQLinear(
+        return Int4Linear(
             unpack_awq(qw),
             unpack_awq(qz),
             sc,

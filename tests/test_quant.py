@@ -17,13 +17,13 @@ from conftest import cli
 from pagechat.core.config import EngineConfig
 from pagechat.core.engine import Engine
 from pagechat.core.memory import weight_report
-from pagechat.core.model import linear
+from pagechat.core.model import dense_head
 from pagechat.core.params import SamplingParams
 from pagechat.quant import layers as qlayers
 from pagechat.quant.awq import BlockRunner, fold_scales, load_block, search_scales
 from pagechat.quant.checkpoint import quantize_checkpoint
 from pagechat.quant.evaluate import greedy_agreement, perplexity, window_logits
-from pagechat.quant.layers import AWQLinear, Bf16WOLinear, Int8WOLinear, bnb_int8_linear
+from pagechat.quant.layers import Bf16WOLinear, Int4Linear, Int8WOLinear, bnb_int8_linear
 from pagechat.quant.loaders import QuantPlan
 from pagechat.quant.pack import AWQ_ORDER, dequantize, fake_quantize, pack_awq, to_awq, unpack_awq
 from pagechat.tools.demo.corpus import calibration_texts
@@ -124,13 +124,13 @@ def test_awq_layer_matches_matmul_with_dequantised_weights():
     bias = torch.randn(96)
     x = torch.randn(2, 5, 256)
     ref = x @ dequantize(q, z, s, 128) + bias
-    fast = AWQLinear(q, z, s, bias, 128, CPU)
+    fast = Int4Linear(q, z, s, bias, 128, CPU)
     # pagechat's kernel where it builds (tests/test_kernels.py), else torch's int4pack
     assert fast.path in (qlayers.INT4_KERNEL_PATH, "int4pack-cpu")
     assert rel(fast(x), ref) <= (1e-4 if fast.path == qlayers.INT4_KERNEL_PATH else 5e-3)
-    torch_int4 = AWQLinear(q, z, s, bias, 128, CPU, path="int4pack-cpu")
+    torch_int4 = Int4Linear(q, z, s, bias, 128, CPU, path="int4pack-cpu")
     assert rel(torch_int4(x), ref) <= 5e-3  # bf16 activations around torch's int4 kernel
-    slow = AWQLinear(q, z, s, bias, 128, CPU, path="dequant")
+    slow = Int4Linear(q, z, s, bias, 128, CPU, path="dequant")
     assert rel(slow(x), ref) <= 1e-5  # the fp32 fallback
     assert fast(x).dtype == x.dtype and fast(x).shape == (2, 5, 96)
 
@@ -141,11 +141,11 @@ def test_awq_path_falls_back_where_the_kernel_does_not_fit(monkeypatch):
     assert qlayers.awq_path(40, 256, 128, CPU) == "dequant"  # N % 16 != 0
     assert qlayers.awq_path(96, 192, 96, CPU) == "dequant"  # group size the kernel lacks
     q, z, s = awq_layer_inputs(k=192, n=40, group=64)
-    layer = AWQLinear(q, z, s, None, 64, CPU)
+    layer = Int4Linear(q, z, s, None, 64, CPU)
     assert layer.path == "int4pack-cpu" or layer.path == "dequant"
     x = torch.randn(3, 192)
     assert (
-        rel(AWQLinear(q, z, s, None, 64, CPU, path="dequant")(x), x @ dequantize(q, z, s, 64))
+        rel(Int4Linear(q, z, s, None, 64, CPU, path="dequant")(x), x @ dequantize(q, z, s, 64))
         <= 1e-5
     )
 
@@ -288,11 +288,11 @@ def test_rtn_checkpoint_is_autoawq_format_and_loads_fused(rtn, llama):
     assert e.quant.mode == "awq"
     qkv = e.model.layers[0].self_attn.qkv_proj
     assert (
-        isinstance(qkv, AWQLinear)
+        isinstance(qkv, Int4Linear)
         and qkv.out_features == 128 + 64 + 64
         and qkv.path in (qlayers.INT4_KERNEL_PATH, "int4pack-cpu")
     )
-    assert isinstance(e.model.layers[1].mlp.gate_up_proj, AWQLinear)
+    assert isinstance(e.model.layers[1].mlp.gate_up_proj, Int4Linear)
     assert (
         weight_report(e.model).total == estimate_weights(e.spec, "awq", e.dtype, 128, "cpu").total
     )
@@ -301,9 +301,8 @@ def test_rtn_checkpoint_is_autoawq_format_and_loads_fused(rtn, llama):
 def test_awq_engine_equals_a_dense_model_of_the_dequantised_weights(rtn, monkeypatch):
     """Oracle: transformers' Llama, dequantised weights; our fallback runs that math in fp32."""
     monkeypatch.setattr("pagechat.quant.layers.awq_path", lambda *a: "dequant")
-    monkeypatch.setattr(
-        QuantPlan, "head", lambda self, device, dtype: linear
-    )  # the float32 head, as transformers'
+    # the float32 head, as transformers'
+    monkeypatch.setattr(QuantPlan, "head", lambda self, device, dtype: dense_head(dtype))
     e = engine(rtn)
     t = load_file(rtn / "model.safetensors")
     dense = {}
