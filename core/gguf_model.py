@@ -12,7 +12,7 @@ as the checkpoint does).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +22,7 @@ from gguf.quants import dequantize
 from pagechat.core.errors import PagechatError
 from pagechat.core.gguf import GGUFFile, TensorInfo
 from pagechat.core.loader import MAX_POSITIONS, ModelSpec, dtype_name
+from pagechat.core.ollama import OllamaModel, jinja_template
 
 ARCHS = {  # GGUF general.architecture -> the decoder it runs as
     "llama": "LlamaForCausalLM",
@@ -157,10 +158,14 @@ def quant_types(f: GGUFFile) -> dict[str, int]:
     return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
-def read_gguf_spec(path: Path) -> ModelSpec:
-    """The ModelSpec of the GGUF model at path (its header only)."""
+def read_gguf_spec(path: Path, stops: tuple[str, ...] = ()) -> ModelSpec:
+    """The ModelSpec of the GGUF model at path (its header only); stop strings that are one token
+    of its vocabulary (an Ollama model's parameters) end a reply as its eos does."""
     with GGUFFile(path) as f:
-        return gguf_spec(f)
+        spec = gguf_spec(f)
+        tokens = f.fields.get("tokenizer.ggml.tokens") or []
+    ids = {t: i for i, t in enumerate(tokens) if t in stops}
+    return replace(spec, eos_token_ids=tuple(dict.fromkeys((*spec.eos_token_ids, *ids.values()))))
 
 
 def gguf_spec(f: GGUFFile) -> ModelSpec:
@@ -302,13 +307,20 @@ class GGUFWeights:
         self.file.close()
 
 
-def gguf_tokenizer(path: Path):
-    """The tokenizer and chat template the GGUF carries, built by transformers (its GGUF tokenizer
-    converters are the reference for what the file's vocabulary means)."""
-    from transformers import AutoTokenizer  # slow import: only when a model is loaded
+def gguf_tokenizer(path: Path, ollama: OllamaModel | None = None):
+    """The tokenizer and chat template the GGUF carries, built by transformers' GGUF tokenizer
+    converters (the reference for what the file's vocabulary and pre-tokenizer type mean); where
+    the file has no template, an Ollama model's own, translated (core/ollama.py). Built as a
+    PreTrainedTokenizerFast rather than through AutoTokenizer, which reads the whole header again
+    to pick a class (4 s more for SmolLM2) and may swap in a model class's own pre-tokenizer for
+    the one the file names."""
+    from transformers import PreTrainedTokenizerFast  # slow import: only when a model is loaded
 
     try:
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as e:
         why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise PagechatError(f"cannot build the tokenizer of {path}: {why}") from None
+    if not tokenizer.chat_template and ollama is not None and ollama.template:
+        tokenizer.chat_template = jinja_template(ollama.template)
+    return tokenizer

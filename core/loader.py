@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 from pagechat.core.errors import PagechatError
-from pagechat.core.gguf import SPLIT, is_gguf
+from pagechat.core.sources import check_model_dir, gguf_file, ollama_model
 from safetensors import safe_open
 
 SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -49,54 +49,6 @@ class ModelSpec:
     eos_token_ids: tuple[int, ...]
     torch_dtype: str | None
     quantization: dict | None
-
-
-def resolve_model(path: Path) -> Path:
-    """What a model argument names on disk: `ollama:NAME[:TAG]` -> its GGUF blob in Ollama's
-    store; a directory without config.json that holds one GGUF model (or one split of one) ->
-    that file; anything else as it is."""
-    text = str(path)
-    if text.startswith("ollama:"):
-        from pagechat.core.ollama import find_model
-
-        return find_model(text.removeprefix("ollama:")).model
-    if path.is_dir() and not (path / "config.json").is_file():
-        found = sorted(p for p in path.glob("*.gguf") if first_part(p))
-        if len(found) > 1:
-            names = ", ".join(p.name for p in found[:3])
-            raise PagechatError(f"{path} holds {len(found)} GGUF models ({names}...); name one")
-        if found:
-            return found[0]
-    return path
-
-
-def first_part(path: Path) -> bool:
-    """Whether a .gguf file is a whole model or the first part of a split one."""
-    m = SPLIT.match(path.name)
-    return m is None or int(m["no"]) == 1
-
-
-def gguf_file(path: Path) -> Path | None:
-    """The GGUF file a model argument names, or None for a Hugging Face directory."""
-    found = resolve_model(path)
-    return found if found.is_file() and is_gguf(found) else None
-
-
-def check_model_dir(path: Path) -> Path:
-    """The model must exist: a directory, a GGUF file, or an Ollama model."""
-    if str(path).startswith("ollama:"):
-        resolve_model(path)  # says what is missing from the store
-        return path
-    if not path.exists():
-        raise PagechatError(
-            f"model directory {path} does not exist; make one with `pagechat make-model {path}`"
-        )
-    if path.is_file() and not is_gguf(path):
-        raise PagechatError(
-            f"{path} is a file but not a GGUF model (give a GGUF file or the folder holding "
-            "config.json)"
-        )
-    return path
 
 
 def _read_json(path: Path) -> dict:
@@ -234,7 +186,8 @@ def read_spec(model_dir: Path) -> ModelSpec:
     if gguf is not None:
         from pagechat.core.gguf_model import read_gguf_spec
 
-        return read_gguf_spec(gguf)
+        ollama = ollama_model(model_dir)
+        return read_gguf_spec(gguf, ollama.stops if ollama else ())
     path, cfg = _read_config(model_dir)
     arch = _check_arch(path, cfg)
     try:
@@ -355,7 +308,7 @@ def load_tokenizer(model_dir: Path):
     if gguf is not None:
         from pagechat.core.gguf_model import gguf_tokenizer
 
-        return gguf_tokenizer(gguf)
+        return gguf_tokenizer(gguf, ollama_model(model_dir))
     from transformers import AutoTokenizer  # slow import: only when a model is loaded
 
     if not any(

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 from pagechat.core.errors import PagechatError
-from pagechat.core.loader import ModelSpec, WeightReader, check_model_dir, load_tokenizer, read_spec
+from pagechat.core.loader import ModelSpec, WeightReader, load_tokenizer, read_spec
+from pagechat.core.sources import check_model_dir, gguf_file
 from pagechat.quant.awq import LINEARS, BlockRunner, awq_block, load_block
 from pagechat.quant.pack import to_awq
 from safetensors.torch import save_file
@@ -104,7 +105,12 @@ def check_request(
     """Refuse a quantize request that cannot succeed, before heavy work; return the model spec."""
     if method not in METHODS:
         raise PagechatError(f"--method must be awq or rtn, got {method!r}")
-    spec = read_spec(check_model_dir(model_dir))
+    if gguf_file(check_model_dir(model_dir)) is not None:
+        raise PagechatError(
+            f"{model_dir} is a GGUF model: quantize writes an AWQ checkpoint from a Hugging Face "
+            "directory's float weights (a GGUF runs as it is quantised)"
+        )
+    spec = read_spec(model_dir)
     check_quantizable(spec, group, model_dir)
     if out_dir.resolve() == model_dir.resolve():
         raise PagechatError("OUT_DIR must differ from MODEL_DIR")

@@ -15,6 +15,7 @@ from pagechat.tui.options import (
     Draft,
     Dtype,
     Eager,
+    HFModelDir,
     KvBlocks,
     KvDtype,
     KvMemory,
@@ -204,7 +205,7 @@ def generate(
 
 @app.command()
 def quantize(
-    model_dir: ModelDir,
+    model_dir: HFModelDir,
     out_dir: Annotated[
         Path, typer.Argument(help="new directory for the 4-bit AutoAWQ GEMM checkpoint")
     ],
@@ -276,7 +277,7 @@ def plan(
 
 @app.command("bench-quant")
 def bench_quant(
-    model_dir: ModelDir,
+    model_dir: HFModelDir,
     awq_dir: Annotated[
         Path | None, typer.Option(help="its AWQ checkpoint (default: a temporary RTN one)")
     ] = None,
@@ -398,6 +399,19 @@ def history(
     from pagechat.tui.history import print_history
 
     raise typer.Exit(print_history(as_json=as_json))
+
+
+@app.command()
+def models(
+    as_json: Annotated[
+        bool, typer.Option("--json", help="print one JSON object instead of a table")
+    ] = False,
+) -> None:
+    """List the models pagechat can open: GGUF files and Hugging Face directories here, the
+    Hugging Face cache and Ollama's store; arch, size, precision and whether each fits."""
+    from pagechat.tui.models_cmd import print_models
+
+    raise typer.Exit(print_models(as_json=as_json))
 
 
 @app.command()

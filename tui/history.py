@@ -17,6 +17,7 @@ from pathlib import Path
 
 from pagechat.core.errors import PagechatError
 from pagechat.core.params import SamplingParams
+from pagechat.core.sources import resolve_model
 
 FORMAT_VERSION = 2  # 2: each reply records what produced it ("produced_by"); 1 is read as well
 PARAM_FIELDS = (
@@ -87,16 +88,20 @@ def params_from_dict(d: dict, base: SamplingParams | None = None) -> SamplingPar
 
 def model_fingerprint(model_dir: str | Path) -> str:
     """A content hash of a checkpoint that costs no weight reads: config.json, any weights index,
-    and each weights file's name and size ('' when the folder cannot be read)."""
-    root = Path(model_dir)
+    and each weights file's name and size; a GGUF file's (an Ollama model's: its blob, named by
+    its own sha256) name and size ('' when it cannot be read)."""
     h = hashlib.sha256()
     try:
+        root = resolve_model(Path(model_dir))
+        if root.is_file():
+            h.update(f"{root.name}\0{root.stat().st_size}\0".encode())
+            return "sha256:" + h.hexdigest()[:16]
         for path in sorted(root.iterdir()):
             if path.name == "config.json" or path.name.endswith(".index.json"):
                 h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
             elif path.suffix in WEIGHT_SUFFIXES and path.is_file():
                 h.update(f"{path.name}\0{path.stat().st_size}\0".encode())
-    except OSError:
+    except (OSError, PagechatError):
         return ""
     return "sha256:" + h.hexdigest()[:16]
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from pagechat.core.config import EngineConfig
 from pagechat.core.errors import PagechatError
 from pagechat.core.params import SamplingParams
+from pagechat.core.sources import check_model_dir, ollama_model
 from pagechat.tools.demo import model_or_demo
 from pagechat.tui.context import WHEN_FULL
 from pagechat.tui.history import (
@@ -69,7 +70,7 @@ def chat_model(
     if model_dir is None:
         if not own:
             return model_or_demo(None, quant), None
-        if not Path(own).is_dir():
+        if not model_exists(Path(own)):
             raise PagechatError(
                 f"chat {chat.id} ran on {own}, which is not there any more; name a MODEL_DIR "
                 "to continue it on another model"
@@ -85,6 +86,15 @@ def chat_model(
             "--strict to go on with this one"
         )
     return path, f"chat {chat.id} {why}; its earlier replies keep the record of their model"
+
+
+def model_exists(path: Path) -> bool:
+    """Whether a chat's model is still there (a directory, a GGUF file, an Ollama model)."""
+    try:
+        check_model_dir(path)
+    except PagechatError:
+        return False
+    return True
 
 
 def other_model(own: str, own_hash: str, path: Path) -> str | None:
@@ -138,6 +148,9 @@ def run_app(
         check_save_path(save)
     chat = resumed or ChatRecord()
     chat.model = str(path)  # the model it runs on now, which `--resume` alone opens next time
+    ollama = ollama_model(path)
+    if system is None and resumed is None and ollama is not None and ollama.system:
+        system = ollama.system.strip()  # an Ollama model's own system prompt, as `ollama run`
     if system is not None:
         chat.system = system
     given = {k: v for k, v in overrides.items() if v is not None}

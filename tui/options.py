@@ -33,13 +33,17 @@ Draft = Annotated[
         "`demo`: the shipped demo draft"
     ),
 ]
-ModelDir = Annotated[Path, typer.Argument(help="local Hugging Face model directory (safetensors)")]
+MODEL_HELP = (
+    "a Hugging Face model directory (safetensors), a GGUF file (or a folder holding one), or an "
+    "Ollama model as ollama:NAME[:TAG]"
+)
+ModelDir = Annotated[Path, typer.Argument(metavar="MODEL", help=MODEL_HELP)]
 OptionalModelDir = Annotated[
     Path | None,
-    typer.Argument(
-        help="local Hugging Face model directory (safetensors); "
-        "default: the shipped demo chat model"
-    ),
+    typer.Argument(metavar="MODEL", help=f"{MODEL_HELP}; default: the shipped demo chat model"),
+]
+HFModelDir = Annotated[
+    Path, typer.Argument(metavar="MODEL_DIR", help="a Hugging Face model directory (safetensors)")
 ]
 Eager = Annotated[
     bool,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pagechat.core.errors import PagechatError
-from pagechat.core.loader import check_model_dir
+from pagechat.core.sources import check_model_dir
 
 DEMO_DIR = Path(__file__).resolve().parent
 DEMO_DRAFT = "demo"  # `--draft demo`: the shipped draft model
