@@ -11,10 +11,14 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
+from gguf.constants import GGMLQuantizationType as T
+from pagechat.core.gguf import GGUFFile
+from pagechat.core.gguf_model import FLOATS, gguf_spec
 from pagechat.core.kv import CUDA_FREE_FRACTION
 from pagechat.core.loader import ModelSpec, dtype_name
 from pagechat.core.memory import KINDS, WeightReport, WeightRow, kv_bytes_per_token
 from pagechat.quant import kernels
+from pagechat.quant.ggml import GROUP, INT4, label
 from pagechat.quant.head import INT4_GROUP, check_int4_tie, head_format
 from pagechat.quant.layers import (
     INT4_GROUPS,
@@ -43,16 +47,25 @@ def _linear_bytes(
     if mode == "bf16-wo":
         return "bf16-wo", bf16_wo_path(k, device_type), 2 * n * k + b
     g = group or 128
-    if int4_kernel_runs(k, g, device_type):  # int4 [n, k/2] + a scale and u8 zero per group
+    path = _int4_path(n, k, g, device_type)
+    if path == INT4_KERNEL_PATH:  # int4 [n, k/2] + a scale and u8 zero per group
         rows, scale = kernels.stored_rows(n), 2 if kernels.PANELS else 4  # panels: fp16 scales
-        return f"awq-int4 g{g}", INT4_KERNEL_PATH, rows * k // 2 + (scale + 1) * rows * (k // g) + b
+        return f"awq-int4 g{g}", path, rows * k // 2 + (scale + 1) * rows * (k // g) + b
+    if path != "dequant":  # packed int4 [n, k/2] bytes + bf16 (scale, zero) per group and column
+        return f"awq-int4 g{g}", path, n * k // 2 + 4 * n * (k // g) + b
+    # the checkpoint's tensors as they are: qweight, qzeros, fp16 scales
+    return f"awq-int4 g{g}", path, n * k // 2 + n * (k // g) // 2 + 2 * n * (k // g) + b
+
+
+def _int4_path(n: int, k: int, g: int, device_type: str) -> str:
+    """The kernel an int4 layer out=n, in=k in groups of g runs on device_type (layers.awq_path,
+    taking a GPU to have torch's int4 kernel)."""
+    if int4_kernel_runs(k, g, device_type):
+        return INT4_KERNEL_PATH
     fast = g in INT4_GROUPS and (
         n % 16 == 0 if device_type == "cpu" else n % 8 == 0 and k % 32 == 0
     )
-    if fast:  # packed int4 [n, k/2] bytes + bf16 (scale, zero) per group and column
-        return f"awq-int4 g{g}", f"int4pack-{device_type}", n * k // 2 + 4 * n * (k // g) + b
-    # the checkpoint's tensors as they are: qweight, qzeros, fp16 scales
-    return f"awq-int4 g{g}", "dequant", n * k // 2 + n * (k // g) // 2 + 2 * n * (k // g) + b
+    return f"int4pack-{device_type}" if fast else "dequant"
 
 
 def _head_bytes(
@@ -121,6 +134,91 @@ def estimate_weights(
         acc[("embedding", name, "dense")] = [vocab, vocab * elem]
         acc[("lm_head", fmt, path)] = [vocab, head_bytes]
     rows = [WeightRow(k, f, p, v[0], v[1]) for (k, f, p), v in acc.items()]
+    return WeightReport(tuple(sorted(rows, key=lambda r: KINDS.index(r.kind))))
+
+
+def _gguf_linear_bytes(qtype: T, n: int, k: int, elem: int, device_type: str) -> tuple[str, int]:
+    """(path, bytes) of a GGUF linear of type qtype, out=n, in=k, as quant/ggml.py builds it."""
+    groups = k // GROUP
+    if qtype in FLOATS:
+        return "dense", n * k * elem
+    if qtype in INT4:
+        path = _int4_path(n, k, GROUP, device_type)
+        if path == INT4_KERNEL_PATH:  # a scale and an offset per group: fp16 where the file's
+            # are (in panels), else float32; Q4_0's offset a uint8 zero
+            scale = 2 if kernels.PANELS and qtype != T.Q4_K else 4
+            offset = 1 if qtype == T.Q4_0 else scale
+            rows = kernels.stored_rows(n)
+            return path, rows * k // 2 + (scale + offset) * rows * groups
+        if path.startswith("int4pack"):  # bf16 (scale, zero) per group and row
+            return path, n * k // 2 + 4 * n * groups
+        # AWQ's int32 packing of the values and zeros; the file's scales and mins as they are
+        scale = 4 if qtype == T.Q4_K else 2
+        offset = n * groups // 2 if qtype == T.Q4_0 else scale * n * groups
+        return path, n * k // 2 + scale * n * groups + offset
+    # Q8_0, and the types requantised to it: int8 and an fp16 scale per group (float32 in rows)
+    if int8_kernel_runs(k, device_type):
+        rows = kernels.stored_rows(n)
+        return INT8_KERNEL_PATH, rows * k + (2 if kernels.PANELS else 4) * rows * groups
+    return "dequant", n * k + 2 * n * groups
+
+
+def estimate_gguf_weights(
+    f: GGUFFile, dtype: torch.dtype, device_type: str = "cuda", lm_head: str = "auto"
+) -> WeightReport:
+    """What weight_report would say of a quantised GGUF loaded in dtype on device_type: each
+    tensor in its type's layout, the decoder's fused linears one layer where their parts share a
+    type and one per part where they do not (quant/ggml.py)."""
+    spec = gguf_spec(f)
+    elem = torch.empty((), dtype=dtype).element_size()
+    name = dtype_name(dtype)
+    acc: dict[tuple[str, str, str], list[int]] = defaultdict(lambda: [0, 0])
+
+    def add(kind: str, qtype: T, n: int, k: int, bias: bool) -> tuple[str, str, int]:
+        path, nbytes = _gguf_linear_bytes(qtype, n, k, elem, device_type)
+        fmt = name if qtype in FLOATS else label(qtype)
+        row = acc[(kind, fmt, path)]
+        row[0] += n * k + (n if bias else 0)
+        row[1] += nbytes + (n * elem if bias else 0)
+        return fmt, path, nbytes
+
+    for i in range(spec.num_layers):
+        for kind, parts in (
+            ("attention", ("attn_q", "attn_k", "attn_v")),
+            ("attention", ("attn_output",)),
+            ("mlp", ("ffn_gate", "ffn_up")),
+            ("mlp", ("ffn_down",)),
+        ):
+            infos = [f.tensors[f"blk.{i}.{p}.weight"] for p in parts]
+            bias = f"blk.{i}.{parts[0]}.bias" in f.tensors
+            groups = [infos] if len({t.type for t in infos}) == 1 else [[t] for t in infos]
+            for group in groups:
+                add(kind, group[0].type, sum(t.shape[0] for t in group), infos[0].shape[1], bias)
+    norms = sum(t.shape[0] for t in f.tensors.values() if len(t.shape) == 1 and "norm" in t.name)
+    acc[("norm", name, "dense")] = [norms, norms * elem]
+    vocab, hidden = spec.vocab_size, spec.hidden_size
+    table = f.tensors["token_embd.weight" if spec.tie_word_embeddings else "output.weight"]
+    if lm_head == "auto":
+        path, nbytes = _gguf_linear_bytes(table.type, vocab, hidden, elem, device_type)
+        fmt = name if table.type in FLOATS else label(table.type)
+        if spec.tie_word_embeddings and path == "int4pack-cpu":
+            nbytes += 10 * vocab  # Int4PackRows: each row's start (int64) and stride (int16)
+    else:
+        fmt, path, nbytes = _head_bytes(
+            spec, head_format(lm_head, "gguf", dtype), elem, name, device_type
+        )
+    if spec.tie_word_embeddings:
+        acc[("embedding", fmt, path)] = [vocab * hidden, nbytes]
+        acc[("lm_head", "tied to embedding", "-")] = [0, 0]
+    else:
+        acc[("lm_head", fmt, path)] = [vocab * hidden, nbytes]
+        embed = f.tensors["token_embd.weight"].type
+        path, nbytes = _gguf_linear_bytes(embed, vocab, hidden, elem, device_type)
+        acc[("embedding", name if embed in FLOATS else label(embed), path)] = [
+            vocab * hidden,
+            nbytes,
+        ]
+    rows = [WeightRow(k, fm, p, v[0], v[1]) for (k, fm, p), v in acc.items()]
     return WeightReport(tuple(sorted(rows, key=lambda r: KINDS.index(r.kind))))
 
 

@@ -146,11 +146,13 @@ def plan_command(
 ) -> None:
     """vLLM-style capacity lines for a budget, from config.json alone."""
     from pagechat.core.config import check_dtype, parse_bytes
+    from pagechat.core.gguf import GGUFFile
     from pagechat.core.loader import DTYPES, read_spec
     from pagechat.core.memory import fmt_bytes
+    from pagechat.core.sources import gguf_file
     from pagechat.quant.head import HEAD_LABELS, check_lm_head, head_format
     from pagechat.quant.loaders import MODE_LABELS, resolve_quant
-    from pagechat.tools.planner import estimate_weights, plan_capacity
+    from pagechat.tools.planner import estimate_gguf_weights, estimate_weights, plan_capacity
 
     check_dtype(dtype)
     spec = read_spec(model_dir)
@@ -182,7 +184,11 @@ def plan_command(
             f"--context {ctx} must be between 1 and the model's max_position_embeddings "
             f"({spec.max_position_embeddings})"
         )
-    weights = estimate_weights(spec, mode, DTYPES[dtype], group, "cuda", lm_head)
+    if mode == "gguf":
+        with GGUFFile(gguf_file(model_dir)) as f:
+            weights = estimate_gguf_weights(f, DTYPES[dtype], "cuda", lm_head)
+    else:
+        weights = estimate_weights(spec, mode, DTYPES[dtype], group, "cuda", lm_head)
     cap = plan_capacity(spec, weights, DTYPES[dtype], parse_bytes(gpu_memory), ctx, block_size)
     table = Table(
         title=f"{spec.arch}: {spec.num_layers} layers, hidden {spec.hidden_size}, "
