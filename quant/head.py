@@ -190,11 +190,11 @@ class Int4AWQRows(_TiedRows):
         self.group, self.mins = head.group, head.mins
         for name in ("qweight", "offsets", "scales"):
             self.register_buffer(name, getattr(head, name))
-        self.register_buffer("shift", 4 * torch.tensor(AWQ_REVERSE, dtype=torch.int32))
 
     def _column(self, packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The values of output rows ids [T] of AWQ-packed [R, N/8]: [R, T]."""
-        return (packed[:, ids // 8] >> self.shift[ids % 8]) & 0xF
+        shift = 4 * torch.tensor(AWQ_REVERSE, dtype=torch.int32, device=ids.device)
+        return (packed[:, ids // 8] >> shift[ids % 8]) & 0xF
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         q = self._column(self.qweight, ids)
