@@ -88,6 +88,13 @@ def chat_model(
     return path, f"chat {chat.id} {why}; its earlier replies keep the record of their model"
 
 
+def model_system(path: Path) -> str | None:
+    """A new chat's system prompt when --system gives none: an Ollama model's own, as `ollama
+    run` starts with it."""
+    ollama = ollama_model(path)
+    return ollama.system.strip() if ollama is not None and ollama.system else None
+
+
 def model_exists(path: Path) -> bool:
     """Whether a chat's model is still there (a directory, a GGUF file, an Ollama model)."""
     try:
@@ -148,9 +155,8 @@ def run_app(
         check_save_path(save)
     chat = resumed or ChatRecord()
     chat.model = str(path)  # the model it runs on now, which `--resume` alone opens next time
-    ollama = ollama_model(path)
-    if system is None and resumed is None and ollama is not None and ollama.system:
-        system = ollama.system.strip()  # an Ollama model's own system prompt, as `ollama run`
+    if resumed is None:
+        system = model_system(path) if system is None else system
     if system is not None:
         chat.system = system
     given = {k: v for k, v in overrides.items() if v is not None}

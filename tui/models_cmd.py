@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -37,7 +38,7 @@ def print_models(as_json: bool = False) -> int:
         rows = [dict(asdict(m), fits=None if free is None else m.need_bytes <= free) for m in found]
         print(json.dumps({"free_bytes": free, "models": rows}))
         return 0
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 200)  # a pipe: a line a model
     if not found:
         console.print("no models found here, in the Hugging Face cache or in Ollama's store")
         return 0
