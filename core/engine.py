@@ -367,9 +367,13 @@ class Engine:
     @property
     def precision(self) -> str:
         """The activation dtype, and the weights' quantisation mode if any: 'float32', 'float32 ·
-        bf16-wo'."""
+        bf16-wo'; a GGUF's its most common quantised type: 'bfloat16 · Q4_K'."""
         dtype = dtype_name(self.dtype)
-        return f"{dtype} · {self.quant.mode}" if self.quant.mode else dtype
+        mode = self.quant.mode
+        if mode == "gguf":
+            types = self.spec.quantization["types"]
+            mode = next((t for t in types if t not in ("F32", "F16", "BF16")), mode)
+        return f"{dtype} · {mode}" if mode else dtype
 
     @property
     def graphs(self) -> bool:

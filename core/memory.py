@@ -54,6 +54,18 @@ class WeightReport:
         head = self.head
         return head.fmt + (", tied to the embedding" if head.kind == "embedding" else "")
 
+    def formats(self) -> str:
+        """What each kind is held as, in bytes: 'emb Q8_0 28.7 MiB · attn Q4_K 12 MiB + Q6_K→int8
+        4 MiB · mlp Q4_K 47.5 MiB · norm bfloat16 68.6 KiB' (a tied head counted in emb)."""
+        names = {"embedding": "emb", "attention": "attn", "lm_head": "head"}
+        parts = []
+        for kind in KINDS:
+            rows = [r for r in self.rows if r.kind == kind and r.bytes]
+            if rows:
+                held = " + ".join(f"{r.fmt} {fmt_bytes(r.bytes)}" for r in rows)
+                parts.append(f"{names.get(kind, kind)} {held}")
+        return " · ".join(parts)
+
     def by_kind(self) -> dict[str, int]:
         """kind -> bytes, in KINDS order."""
         out = dict.fromkeys(KINDS, 0)

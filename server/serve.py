@@ -11,6 +11,7 @@ import uvicorn
 from pagechat.core.config import EngineConfig
 from pagechat.core.engine import Engine
 from pagechat.core.events import EngineInfo
+from pagechat.core.memory import weight_report
 from pagechat.server.app import ServerState, create_app
 from pagechat.server.engine_loop import EngineLoop
 from pagechat.server.metrics import ServerMetrics
@@ -54,7 +55,7 @@ def exposure_warning(host: str, api_key: str | None) -> str | None:
 
 def build_state(engine: Engine, settings: ServerSettings) -> ServerState:
     """The routes' shared state around a loaded engine."""
-    name = settings.model_name or engine.model_dir.resolve().name
+    name = settings.model_name or engine.model_dir.resolve().name.removesuffix(".gguf")
     blocks = engine.blocks
     limits = Limits(
         engine.max_model_len, blocks.num_blocks * blocks.block_size, engine.spec.vocab_size
@@ -79,7 +80,8 @@ def serve(model_dir: Path, config: EngineConfig, settings: ServerSettings) -> No
     print(
         f"pagechat serve: {model_dir} as {state.model_name!r} ({engine.precision}, "
         f"{engine.blocks.num_blocks} KV blocks of {engine.blocks.block_size} tokens) on "
-        f"http://{settings.host}:{settings.port}/v1",
+        f"http://{settings.host}:{settings.port}/v1; weights: "
+        f"{weight_report(engine.model).formats()}",
         file=sys.stderr,
     )
     warning = exposure_warning(settings.host, settings.api_key)

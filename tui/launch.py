@@ -25,19 +25,27 @@ from pagechat.tui.history import (
 DEFAULT_PARAMS = SamplingParams(temperature=0.7, top_p=0.95, max_tokens=512)
 
 
-def weights_bytes(model_dir: Path) -> int:
-    return sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
+def weights_label(model_dir: Path) -> str:
+    """What loading reads: '270 MiB of safetensors', '93.8 MiB of GGUF'."""
+    from pagechat.core.gguf import split_parts
+    from pagechat.core.memory import fmt_bytes
+    from pagechat.core.sources import gguf_file
+
+    gguf = gguf_file(model_dir)
+    files, kind = (
+        (split_parts(gguf), "GGUF") if gguf else (model_dir.glob("*.safetensors"), "safetensors")
+    )
+    return f"{fmt_bytes(sum(p.stat().st_size for p in files))} of {kind}"
 
 
 def start_engine(model_dir: Path, config: EngineConfig):
     """Start the engine's process; wait under a progress bar until it has loaded the model."""
-    from pagechat.core.memory import fmt_bytes
     from pagechat.tui.engine_process import EngineProcess
     from rich.console import Console
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     console = Console(stderr=True)
-    label = f"loading {model_dir.name} ({fmt_bytes(weights_bytes(model_dir))} of safetensors)"
+    label = f"loading {model_dir.name} ({weights_label(model_dir)})"
     with Progress(
         SpinnerColumn(),
         TextColumn("{task.description}"),
@@ -53,7 +61,7 @@ def start_engine(model_dir: Path, config: EngineConfig):
     console.print(
         f"loaded {model_dir.name}: {i.precision} on {i.device}{threads} in process {client.pid}, "
         f"{i.memory.num_blocks} KV blocks of {i.memory.block_size} tokens, "
-        f"{'decode graphs' if i.graphs else 'eager'}",
+        f"{'decode graphs' if i.graphs else 'eager'}; weights: {i.memory.weights.formats()}",
         style="dim",
     )
     return client

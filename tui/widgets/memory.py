@@ -58,23 +58,17 @@ class MemoryPanel(Panel):
         self.set_text("#memory-capacity", self.capacity_text())
 
     def weights_text(self) -> Text:
+        """The weights' total, what each kind is held as (a GGUF's types, what was requantised)
+        and the kernels the quantised ones run."""
         w = self.info.weights
         t = Text().append("weights ", "dim").append(fmt_bytes(w.total), "bold")
-        fmts: dict[str, int] = {}
-        for r in w.rows:
-            if r.bytes:
-                key = r.fmt if r.path in ("dense", "-") else f"{r.fmt} {r.path}"
-                fmts[key] = fmts.get(key, 0) + r.bytes
-        t.append(" · " + " · ".join(f"{k} {fmt_bytes(v)}" for k, v in fmts.items()), "dim")
-        names = {"embedding": "emb", "attention": "attn", "lm_head": "head"}
-        kinds = []
-        for k, v in w.by_kind().items():
-            if k == "lm_head" and w.head.path != "dense":  # a quantised head: its format, and
-                where = fmt_bytes(v) if v else "in emb"  # where a tied one's bytes are counted
-                kinds.append(f"head {where} ({w.head.fmt})")
-            elif v:
-                kinds.append(f"{names.get(k, k)} {fmt_bytes(v)}")
-        return t.append("\n" + " · ".join(kinds), "dim")
+        if w.head.kind == "embedding":
+            t.append(f" · head tied to emb ({w.head.fmt})", "dim")
+        t.append("\n" + w.formats(), "dim")
+        paths = sorted({r.path for r in w.rows if r.bytes and r.path not in ("dense", "-")})
+        if paths:
+            t.append("\nkernels " + " · ".join(paths), "dim")
+        return t
 
     def capacity_text(self) -> Text:
         i = self.info
