@@ -182,7 +182,7 @@ def _read_part(path: Path, part: int) -> _Part:
         fields[key] = c.value(c.scalar("<I", f"the type of {key!r}"), f"metadata {key!r}")
     infos = [_tensor_info(c, i) for i in range(n_tensors)]
     alignment = fields.get("general.alignment", GGUF_DEFAULT_ALIGNMENT)
-    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+    if type(alignment) is not int or alignment <= 0 or alignment & (alignment - 1):
         raise PagechatError(f"{where}: general.alignment must be a power of two, got {alignment!r}")
     start = c.pos + (-c.pos % alignment)
     tensors = [_place(c, info, start, alignment, part) for info in infos]
@@ -190,14 +190,21 @@ def _read_part(path: Path, part: int) -> _Part:
     return _Part(fields, tensors)
 
 
+def _shown(name: str) -> str:
+    """A tensor's name as a message shows it: quoted where it is empty or holds a line break, an
+    escape sequence or another unprintable character (it is the file's; the message is one line)."""
+    return name if name.isprintable() and name else repr(name)
+
+
 def _tensor_info(c: _Cursor, i: int) -> tuple[str, tuple[int, ...], int, int]:
     name = c.string(f"the name of tensor {i}")
-    n_dims = c.scalar("<I", f"the dimension count of {name}")
+    shown = _shown(name)
+    n_dims = c.scalar("<I", f"the dimension count of {shown}")
     if not 1 <= n_dims <= MAX_DIMS:
-        raise c.fail(f"tensor {name} has {n_dims} dimensions (1 to {MAX_DIMS} are allowed)")
-    dims = tuple(c.scalar("<Q", f"a dimension of {name}") for _ in range(n_dims))
-    type_id = c.scalar("<I", f"the type of {name}")
-    offset = c.scalar("<Q", f"the offset of {name}")
+        raise c.fail(f"tensor {shown} has {n_dims} dimensions (1 to {MAX_DIMS} are allowed)")
+    dims = tuple(c.scalar("<Q", f"a dimension of {shown}") for _ in range(n_dims))
+    type_id = c.scalar("<I", f"the type of {shown}")
+    offset = c.scalar("<Q", f"the offset of {shown}")
     return name, dims, type_id, offset
 
 
@@ -205,7 +212,7 @@ def _place(c: _Cursor, info: tuple, start: int, alignment: int, part: int) -> Te
     """A tensor's info checked against the file: a type GGUF defines, whole blocks per row, bytes
     that lie within the file at an aligned offset."""
     name, dims, type_id, offset = info
-    where = f"{c.where}: tensor {name}"
+    where = f"{c.where}: tensor {_shown(name)}"
     try:
         qtype = GGMLQuantizationType(type_id)
         block, size = GGML_QUANT_SIZES[qtype]
@@ -235,7 +242,7 @@ def _check_overlaps(tensors: list[TensorInfo], where: str) -> None:
     ordered = sorted(tensors, key=lambda t: t.offset)
     for a, b in zip(ordered, ordered[1:]):
         if b.offset < a.offset + a.nbytes:
-            raise PagechatError(f"{where}: tensors {a.name} and {b.name} overlap")
+            raise PagechatError(f"{where}: tensors {_shown(a.name)} and {_shown(b.name)} overlap")
 
 
 def split_parts(path: Path) -> list[Path]:
@@ -244,7 +251,9 @@ def split_parts(path: Path) -> list[Path]:
     m = SPLIT.match(path.name)
     if m is None:
         return [path]
-    count = int(m["count"])
+    no, count = int(m["no"]), int(m["count"])
+    if not 1 <= no <= count:
+        raise PagechatError(f"{path} is named as part {no} of {count}, which no split has")
     parts = [
         path.with_name(f"{m['prefix']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)
     ]
@@ -266,7 +275,9 @@ class GGUFFile:
         for part in parts:
             for t in part.tensors:
                 if t.name in self.tensors:
-                    raise PagechatError(f"{self.paths[t.part]}: tensor {t.name} appears twice")
+                    raise PagechatError(
+                        f"{self.paths[t.part]}: tensor {_shown(t.name)} appears twice"
+                    )
                 self.tensors[t.name] = t
         self._maps: dict[int, np.memmap] = {}
 

@@ -222,6 +222,7 @@ class GGMLTensor:
     type: GGMLQuantizationType
     shape: tuple[int, int]
     blocks: torch.Tensor
+    file: str = ""  # where it was read, for messages
 
 
 class GGUFWeights:
@@ -269,7 +270,7 @@ class GGUFWeights:
         raw = torch.from_numpy(np.array(self.file.bytes_of(info.name)))  # copied out of the map
         order = self._rows(name, shape[0])
         blocks = raw if order is None else raw[order]
-        return GGMLTensor(info.name, info.type, (shape[0], shape[-1]), blocks)
+        return GGMLTensor(info.name, info.type, (shape[0], shape[-1]), blocks, str(self.file.path))
 
     def get(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
         """Tensor `name` as floats: F32, F16 and BF16 as stored, any other type dequantised to

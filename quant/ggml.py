@@ -83,7 +83,7 @@ def requantize(t: GGMLTensor) -> tuple[torch.Tensor, torch.Tensor]:
     n, k = t.shape
     if k % GROUP:
         raise PagechatError(
-            f"tensor {t.name} ({t.type.name}) has rows of {k}, not whole Q8_0 blocks"
+            f"{t.file}: tensor {t.name} ({t.type.name}) has rows of {k}, not whole Q8_0 blocks"
         )
     step = max(1, REQUANT_ROWS // k)
     parts = []
@@ -93,7 +93,7 @@ def requantize(t: GGMLTensor) -> tuple[torch.Tensor, torch.Tensor]:
             values = dequantize(raw, t.type)
         except NotImplementedError:
             raise PagechatError(
-                f"tensor {t.name} has type {t.type.name}, which pagechat cannot read"
+                f"{t.file}: tensor {t.name} has type {t.type.name}, which pagechat cannot read"
             ) from None
         parts.append(torch.from_numpy(np.ascontiguousarray(quantize(values, T.Q8_0))))
     return unpack_q8_0(torch.cat(parts), n, k)
@@ -146,9 +146,8 @@ def _joined(parts: list[GGMLTensor]) -> GGMLTensor:
     """Tensors of one type stacked on their rows (a fused layer's parts)."""
     rows = sum(p.shape[0] for p in parts)
     blocks = torch.cat([p.blocks for p in parts])
-    return GGMLTensor(
-        "+".join(p.name for p in parts), parts[0].type, (rows, parts[0].shape[1]), blocks
-    )
+    name, first = "+".join(p.name for p in parts), parts[0]
+    return GGMLTensor(name, first.type, (rows, first.shape[1]), blocks, first.file)
 
 
 def gguf_loader(device: torch.device) -> LinearLoader:

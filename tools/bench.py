@@ -20,6 +20,7 @@ from pagechat.core.errors import PagechatError
 from pagechat.core.loader import dtype_name
 from pagechat.core.memory import kv_bytes_per_token, weight_report
 from pagechat.core.params import SamplingParams
+from pagechat.core.sources import gguf_file
 from pagechat.quant import kernels
 from pagechat.tools.step_profile import profile_decode
 
@@ -307,12 +308,15 @@ def _load_hf(engine: Engine, log) -> dict:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    gguf = gguf_file(engine.model_dir)  # transformers dequantises a GGUF's weights as it loads
+    where = {"gguf_file": gguf.name} if gguf else {}
+    folder = gguf.parent if gguf else engine.model_dir
     out = {}
     for dtype in (torch.float32, torch.bfloat16):
         log(f"loading transformers at {dtype_name(dtype)}")
         out[dtype_name(dtype)] = (
             AutoModelForCausalLM.from_pretrained(
-                str(engine.model_dir), local_files_only=True, dtype=dtype
+                str(folder), local_files_only=True, dtype=dtype, **where
             )
             .to(engine.device)
             .eval()
