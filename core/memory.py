@@ -177,11 +177,12 @@ class Readings:
     device_total: int | None = None
 
 
-def _meminfo_total() -> int | None:
+def meminfo(field: str) -> int | None:
+    """A /proc/meminfo figure in bytes (MemTotal, MemAvailable), or None where there is none."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemTotal:"):
+                if line.startswith(f"{field}:"):
                     return int(line.split()[1]) * 1024
     except OSError:
         return None
@@ -206,4 +207,4 @@ def read_memory(device: torch.device) -> Readings:
         import resource
 
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return Readings(rss=rss, mem_total=_meminfo_total())
+    return Readings(rss=rss, mem_total=meminfo("MemTotal"))

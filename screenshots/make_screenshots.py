@@ -3,7 +3,8 @@
 Drives the real app headless (Textual Pilot) on the demo chat model (speculating with the demo
 draft), or on --model DIR (speculating by n-gram lookup), and writes SVGs here; PNGs too when
 `rsvg-convert` is installed (Debian: librsvg2-bin). The console on a vLLM server is drawn only with
-`--vllm URL` (a running vLLM server, which the script loads with requests while it watches).
+`--vllm URL` (a running vLLM server, which the script loads with requests while it watches), the
+real model's samples only with `--gguf FILE` (SmolLM2-135M-Instruct's Q4_1 GGUF).
 """
 
 from __future__ import annotations
@@ -128,6 +129,21 @@ async def samples_screen(model: Path, store: Path) -> None:
         save(app, "samples")
 
 
+async def real_samples_screen(gguf: Path, store: Path) -> None:
+    """8 answers of a real model (SmolLM2-135M-Instruct's Q4_1 GGUF) to one question, sampled
+    together from the prompt's blocks; the Memory panel names the file's formats."""
+    params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=48, seed=4)
+    app = make_app(gguf, store, params, "grid")
+    async with app.run_test(size=(180, 50)) as pilot:
+        await quiet(pilot)
+        await pilot.press("f9", "f9", "f9")  # 1 -> 2 -> 4 -> 8 samples
+        await type_prompt(pilot, "What is the capital of France?")
+        await wait_reply_done(pilot, 120)
+        pilot.app.set_focus(None)
+        await pilot.pause(0.6)
+        save(app, "real-samples")
+
+
 async def beams_screen(model: Path, store: Path) -> None:
     """A finished beam search of 4 beams: its hypotheses with their scores."""
     params = SamplingParams(temperature=0.0, max_tokens=40, seed=5)
@@ -248,9 +264,13 @@ async def vllm_screen(url: str) -> None:
         others.set()
 
 
-async def run(model: Path, store: Path, speculation: dict, vllm: str | None) -> None:
+async def run(
+    model: Path, store: Path, speculation: dict, vllm: str | None, gguf: Path | None
+) -> None:
     if vllm:
         await vllm_screen(vllm)
+    if gguf:
+        await real_samples_screen(gguf, store)
     await watch_screen(model, store)
     await main_screen(model, store)
     await samples_screen(model, store)
@@ -265,9 +285,13 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, help="model directory (default: the demo chat model)")
     parser.add_argument("--vllm", help="a running vLLM server's URL: its console's screenshot too")
+    parser.add_argument(
+        "--gguf", type=Path, help="SmolLM2-135M-Instruct's GGUF: the real model's samples too"
+    )
     args = parser.parse_args()
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
         speculation = {"ngram": True} if args.model else {"draft": str(draft_model_dir())}
-        asyncio.run(run(args.model or chat_model_dir(), Path(tmp), speculation, args.vllm))
+        model = args.model or chat_model_dir()
+        asyncio.run(run(model, Path(tmp), speculation, args.vllm, args.gguf))

@@ -21,7 +21,7 @@ from pagechat.core.errors import PagechatError
 from pagechat.core.gguf import GGUFFile, is_gguf
 from pagechat.core.gguf_model import gguf_spec, quant_types
 from pagechat.core.loader import ModelSpec, read_spec
-from pagechat.core.memory import kv_bytes_per_token
+from pagechat.core.memory import kv_bytes_per_token, meminfo
 from pagechat.core.ollama import list_models
 from pagechat.core.sources import first_part
 
@@ -167,11 +167,4 @@ def free_memory() -> int | None:
     """The memory a model could take now: the GPU's free memory, else the machine's available."""
     if torch.cuda.is_available():
         return torch.cuda.mem_get_info()[0]
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
+    return meminfo("MemAvailable")
