@@ -35,6 +35,7 @@ SHAPE_FIELDS = (
     "o_bias", "mlp_bias", "qk_norm",
 )  # fmt: skip
 IDS = [[5, 17, 42, 7, 99, 3, 64, 12], [8, 21, 33, 2, 150, 71]]
+HELLO = [{"role": "user", "content": "Hello, who are you?"}]
 
 
 @pytest.fixture(scope="session")
@@ -238,3 +239,24 @@ def test_smollm2_answers_through_the_cli(smollm2, capsys):
     assert code in (None, 0), err
     [result] = json.loads(out)["results"]
     assert re.search(r"\bParis\b", result["text"])
+
+
+def test_serve_answers_from_a_gguf_as_from_its_checkpoint(tiny_models, tiny_ggufs):
+    """The server names a GGUF model by its file (without .gguf) and answers with the tokenizer and
+    chat template the file carries: the checkpoint's greedy text, through the openai client."""
+    import openai
+    from drive import listening
+    from pagechat.server.app import create_app
+    from pagechat.server.serve import ServerSettings, build_state
+
+    engine = Engine(tiny_ggufs["qwen2"], F32)
+    [want] = Engine(tiny_models["qwen2"], F32).generate(
+        [engine.encode_chat(HELLO)], SamplingParams(temperature=0.0, max_tokens=12)
+    )
+    with listening(create_app(build_state(engine, ServerSettings()))) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["qwen2"]
+        got = client.chat.completions.create(
+            model="qwen2", messages=HELLO, temperature=0, max_tokens=12
+        )
+    assert got.choices[0].message.content == want.text
