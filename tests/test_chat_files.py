@@ -251,7 +251,7 @@ def test_resume_on_another_model_says_so_or_refuses_with_strict(models, chats, c
     assert_error(
         code,
         err,
-        f"{said}; run it without MODEL_DIR to use its own model, or without --strict to go on "
+        f"{said}; run it without MODEL to use its own model, or without --strict to go on "
         "with this one",
     )
     assert len(opened) == 1
@@ -282,7 +282,7 @@ def test_resume_of_a_chat_whose_model_is_gone(chats, capsys, opened):
     assert_error(
         code,
         err,
-        f"chat {CHAT_ID} ran on /gone/model, which is not there any more; name a MODEL_DIR to "
+        f"chat {CHAT_ID} ran on /gone/model, which is not there any more; name a MODEL to "
         "continue it on another model",
     )
 

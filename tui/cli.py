@@ -101,7 +101,7 @@ def generate(
         bool | None,
         typer.Option(
             help="wrap each prompt in the model's chat template "
-            "(default: on for the demo model, off for a MODEL_DIR)"
+            "(default: on for the demo model, off for a MODEL)"
         ),
     ] = None,
     system: Annotated[str | None, typer.Option(help="system message (with --chat)")] = None,
@@ -306,12 +306,12 @@ def run(
         str | None,
         typer.Option(
             help="continue a saved chat (id from `pagechat history`), on its own model unless "
-            "MODEL_DIR names another"
+            "MODEL names another"
         ),
     ] = None,
     strict: Annotated[
         bool,
-        typer.Option(help="with --resume: refuse a MODEL_DIR other than the chat's own model"),
+        typer.Option(help="with --resume: refuse a MODEL other than the chat's own model"),
     ] = False,
     save: Annotated[
         Path | None,
@@ -395,7 +395,7 @@ def history(
         bool, typer.Option("--json", help="print one JSON array instead of a table")
     ] = False,
 ) -> None:
-    """List saved chats (newest first); resume one with `pagechat run MODEL_DIR --resume ID`."""
+    """List saved chats (newest first); resume one with `pagechat run MODEL --resume ID`."""
     from pagechat.tui.history import print_history
 
     raise typer.Exit(print_history(as_json=as_json))

@@ -111,7 +111,7 @@ class ChatRecord:
     """One saved conversation: messages, system prompt and the sampling settings it ran with."""
 
     id: str = field(default_factory=new_chat_id)
-    model: str = ""  # the model it ran on last (what `--resume` without MODEL_DIR opens)
+    model: str = ""  # the model it ran on last (what `--resume` without MODEL opens)
     system: str = ""
     params: dict = field(default_factory=dict)
     # {"role", "content"[, "finish_reason", "stats", "error", "produced_by"]}
@@ -448,7 +448,7 @@ def print_history(store: ChatStore | None = None, as_json: bool = False) -> int:
     console.print(table)
     console.print(
         "resume one with: pagechat run --resume ID (on its own model) or "
-        "pagechat run MODEL_DIR --resume ID",
+        "pagechat run MODEL --resume ID",
         style="dim",
     )
     return 0

@@ -71,7 +71,7 @@ def chat_model(
     chat: ChatRecord | None, model_dir: Path | None, quant: str | None, strict: bool
 ) -> tuple[Path, str | None]:
     """(the model to run, a warning to show): the chat's own model when resuming without a
-    MODEL_DIR; another model than the chat's is said (or refused with `strict`)."""
+    MODEL; another model than the chat's is said (or refused with `strict`)."""
     if chat is None:
         return model_or_demo(model_dir, quant), None
     own, own_hash = chat.last_model()
@@ -80,7 +80,7 @@ def chat_model(
             return model_or_demo(None, quant), None
         if not model_exists(Path(own)):
             raise PagechatError(
-                f"chat {chat.id} ran on {own}, which is not there any more; name a MODEL_DIR "
+                f"chat {chat.id} ran on {own}, which is not there any more; name a MODEL "
                 "to continue it on another model"
             )
         return Path(own), None
@@ -90,7 +90,7 @@ def chat_model(
         return path, None
     if strict:
         raise PagechatError(
-            f"chat {chat.id} {why}; run it without MODEL_DIR to use its own model, or without "
+            f"chat {chat.id} {why}; run it without MODEL to use its own model, or without "
             "--strict to go on with this one"
         )
     return path, f"chat {chat.id} {why}; its earlier replies keep the record of their model"
