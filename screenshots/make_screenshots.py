@@ -269,8 +269,6 @@ async def run(
 ) -> None:
     if vllm:
         await vllm_screen(vllm)
-    if gguf:
-        await real_samples_screen(gguf, store)
     await watch_screen(model, store)
     await main_screen(model, store)
     await samples_screen(model, store)
@@ -279,6 +277,8 @@ async def run(
     await load_screen(model, store)
     await sampling_screen(model, store)
     await speculation_screen(model, store, speculation)
+    if gguf:  # last: its weights would count in the other pictures' RSS
+        await real_samples_screen(gguf, store)
 
 
 if __name__ == "__main__":
