@@ -8,7 +8,9 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+import weakref
+from collections import ChainMap
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -40,9 +42,30 @@ def tabs_app(model_dir: Path, tmp_path: Path, params, **config) -> PagechatApp:
     from pagechat.tui.history import ChatStore
 
     engine = Engine(model_dir, EngineConfig(device="cpu", dtype="float32", **config))
+    sequences(engine)  # from the start: the loop releases each request once it has ended
     return PagechatApp(
         ThreadedEngine(engine), params=params, store=ChatStore(tmp_path / "chats"), layout="tabs"
     )
+
+
+_RELEASED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def sequences(engine) -> Mapping:
+    """Every sequence the engine has run, by id: its live requests, then those it has released.
+    The app's loop releases a request once it has ended and the app has been told; the tests
+    compare what the app shows with the engine's own record, so they keep what it lets go."""
+    if engine not in _RELEASED:
+        kept = _RELEASED[engine] = {}
+        release = engine.release
+
+        def keeping(request_id: int):
+            kept.update((c, engine.requests[c]) for c in engine.requests[request_id].children)
+            kept[request_id] = release(request_id)
+            return kept[request_id]
+
+        engine.release = keeping
+    return ChainMap(engine.requests, _RELEASED[engine])
 
 
 async def wait_until(

@@ -9,6 +9,7 @@ import pytest
 from drive import (
     advance,
     send_and_advance,
+    sequences,
     tabs_app,
     type_prompt,
     wait_reply_done,
@@ -78,7 +79,7 @@ async def test_prompt_streams_a_reply(model_dir, tmp_path, monkeypatch):
         app.loop.resume()
         await wait_reply_done(pilot)
         reply = app.session.messages[-1]
-        seq = app.loop.engine.requests[reply.request_id]
+        seq = sequences(app.loop.engine)[reply.request_id]
         partial = [(n, body) for streaming, n, body in shown if streaming and 0 < n < 60]
         assert len({n for n, _ in partial}) >= 3, "the reply was not painted as it grew"
         texts = [
@@ -204,7 +205,7 @@ async def test_temperature_change_mid_reply_applies_from_the_next_token(model_di
             reply.error,
             [note.message for note in app._notifications],  # the engine's refusals, if any
         )
-        assert app.loop.engine.requests[reply.request_id].sampling.params.temperature == 0.3
+        assert sequences(app.loop.engine)[reply.request_id].sampling.params.temperature == 0.3
         app.action_stop()
         await wait_reply_done(pilot)
 
@@ -242,7 +243,7 @@ async def test_escape_stops_the_reply_and_keeps_its_text(model_dir, tmp_path):
         await pilot.press("escape")
         await wait_reply_done(pilot)
         reply = app.session.messages[-1]
-        seq = app.loop.engine.requests[reply.request_id]
+        seq = sequences(app.loop.engine)[reply.request_id]
         assert reply.finish_reason == "abort" == seq.finish_reason
         assert reply.content == seq.text and 4 <= len(reply.tokens) < 400
         assert app.loop.engine.block_map.snapshot().num_used == 0
@@ -422,6 +423,7 @@ async def test_keys_nudge_params_help_and_resize(model_dir, tmp_path):
 async def test_speculation_panel_shows_the_engines_draft_records(model_dir, tmp_path):
     engine = Engine(model_dir, EngineConfig(device="cpu", dtype="float32", ngram=True, num_draft=3))
     reports = spy_reports(engine)
+    sequences(engine)  # before the loop releases the reply's request
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     app = PagechatApp(
         ThreadedEngine(engine), params=params, store=ChatStore(tmp_path / "chats"), layout="tabs"
@@ -433,7 +435,7 @@ async def test_speculation_panel_shows_the_engines_draft_records(model_dir, tmp_
         await pilot.pause()
         seen_drafts = [d for r in reports for d in r.drafts]
         assert list(app.session.drafts) == seen_drafts and seen_drafts
-        seq = engine.requests[app.session.messages[-1].request_id]
+        seq = sequences(engine)[app.session.messages[-1].request_id]
         text = str(app.query_one("#spec-summary").render())
         if seq.spec.drafted:
             assert f"acceptance {100 * seq.spec.acceptance_rate:.0f}%" in text

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from drive import advance, tabs_app, type_prompt, wait_reply_done, wait_until
+from drive import advance, sequences, tabs_app, type_prompt, wait_reply_done, wait_until
 from pagechat.core.params import SamplingParams
 from pagechat.tui.app import PagechatApp
 from pagechat.tui.widgets.chat import AnswersView, AnswerView, ChatLog
@@ -37,8 +37,8 @@ async def test_n_samples_decode_together_and_the_kept_one_goes_on(model_dir, tmp
         await wait_reply_done(pilot)
         engine = app.loop.engine
         reply = app.session.messages[-1]
-        seqs = [engine.requests[reply.request_id]]
-        seqs += [engine.requests[c] for c in seqs[0].children]
+        seqs = [sequences(engine)[reply.request_id]]
+        seqs += [sequences(engine)[c] for c in seqs[0].children]
         assert len(reply.samples) == 4 and len(seqs) == 4
         assert [a.content for a in reply.samples] == [s.text for s in seqs]
         assert [[t.token_id for t in a.tokens] for a in reply.samples] == [
@@ -78,14 +78,14 @@ async def test_keeping_a_sample_mid_reply_frees_the_others_at_once(model_dir, tm
         assert None not in ids and all(a.streaming and a.tokens for a in reply.samples)
         await pilot.press("alt+left", "ctrl+t")  # the last answer
         app.loop.sync()
-        assert [engine.requests[i].finished for i in ids] == [True, True, True, False]
+        assert [sequences(engine)[i].finished for i in ids] == [True, True, True, False]
         assert [engine.block_map.held(i)[0] > 0 for i in ids] == [False, False, False, True]
         await wait_until(pilot, lambda: not app.render_pending, 10, "the aborts to be drawn")
         assert [a.finish_reason for a in reply.samples[:3]] == ["abort"] * 3
         assert reply.streaming  # the kept answer goes on
         app.loop.resume()
         await wait_reply_done(pilot)
-        kept = engine.requests[ids[3]]
+        kept = sequences(engine)[ids[3]]
         assert reply.content == kept.text and kept.num_output_tokens == 60
         assert reply.finish_reason == "length"
 
@@ -157,25 +157,25 @@ async def test_background_load_batches_hits_the_prefix_cache_and_preempts(model_
         await pilot.press("ctrl+l")
         assert app.query_one(ControlsPanel).load_on
         engine = app.loop.engine
-        await wait_until(pilot, lambda: len(engine.requests) >= 14, 10, "the load to start")
+        await wait_until(pilot, lambda: len(sequences(engine)) >= 14, 10, "the load to start")
         await type_prompt(pilot, "hello under load")  # the chat is answered among them
-        await wait_until(pilot, lambda: len(engine.requests) >= 15, 10, "the chat to start")
+        await wait_until(pilot, lambda: len(sequences(engine)) >= 15, 10, "the chat to start")
         app.loop.resume()
         await wait_reply_done(pilot)
         reply = app.session.messages[-1]
         assert reply.finish_reason == "length"
-        assert engine.requests[reply.request_id].num_preemptions == 0  # the chat goes first
+        assert sequences(engine)[reply.request_id].num_preemptions == 0  # the chat goes first
         load = [r for r, what in app.sched.labels.items() if what.startswith("load")]
         assert sorted(app.sched.labels[r] for r in load) == sorted(
             f"load {k}" for k in range(1, 15)
         )
         await wait_until(
-            pilot, lambda: all(engine.requests[r].finished for r in load), 120, "the load to end"
+            pilot, lambda: all(sequences(engine)[r].finished for r in load), 120, "the load to end"
         )
         await wait_until(pilot, lambda: not app.render_pending, 10, "the last frame")
         assert app.sched.preemptions > 0  # the pool could not hold them all
         assert app.session.blocks.prefix_hit_tokens > 0  # repeated prompts share blocks
-        assert {engine.requests[r].finish_reason for r in load} <= {"stop", "length"}
+        assert {sequences(engine)[r].finish_reason for r in load} <= {"stop", "length"}
         assert not app.query_one(ControlsPanel).load_on  # it ran out by itself
         assert "load" not in str(app.query_one("#status").render())
 
@@ -188,12 +188,12 @@ async def test_ctrl_l_stops_the_load_and_frees_its_blocks(model_dir, tmp_path):
         await pilot.press("ctrl+l")
         await advance(pilot, 5)
         engine = app.loop.engine
-        assert len(engine.requests) == 6 and engine.block_map.snapshot().num_used > 0
+        assert len(sequences(engine)) == 6 and engine.block_map.snapshot().num_used > 0
         status = str(app.query_one("#status").render())
         assert "load 6 running" in status
         await pilot.press("ctrl+l")
         app.loop.sync()
-        assert all(s.finish_reason == "abort" for s in engine.requests.values())
+        assert all(s.finish_reason == "abort" for s in sequences(engine).values())
         assert engine.block_map.snapshot().num_used == 0
         await wait_until(pilot, lambda: not app.render_pending, 10, "the stop to be drawn")
         await pilot.pause(0.1)
@@ -273,7 +273,7 @@ async def test_beams_are_shown_like_samples_and_one_is_kept(model_dir, tmp_path)
         assert reply.picked is None
         app.loop.resume()
         await wait_reply_done(pilot)
-        root = engine.requests[reply.request_id]
+        root = sequences(engine)[reply.request_id]
         assert [a.content for a in reply.samples] == [b.text for b in root.beams]
         assert [a.finish_reason for a in reply.samples] == [
             f"score {b.score:.3f}" for b in root.beams
@@ -290,7 +290,7 @@ async def test_branching_the_last_reply_at_a_token(model_dir, tmp_path):
         await type_prompt(pilot, "branch me")
         await wait_reply_done(pilot)
         reply, engine = app.session.messages[-1], app.loop.engine
-        first = engine.requests[reply.request_id]
+        first = sequences(engine)[reply.request_id]
         await pilot.press("ctrl+r", "left", "left", "left", "left", "left")  # token 15 of 20
         await pilot.press("b")
         await wait_until(pilot, lambda: len(reply.samples) == 2, 5, "the branch")
@@ -300,7 +300,7 @@ async def test_branching_the_last_reply_at_a_token(model_dir, tmp_path):
         assert original.content == first.text and not reply.streaming
         picked = original.tokens[14]
         alt = next(c for c in picked.record.candidates if not c.chosen)
-        seq = engine.requests[branch.request_id]
+        seq = sequences(engine)[branch.request_id]
         given = first.output_ids[:14] + [alt.token_id]
         assert seq.token_ids[: seq.num_prompt_tokens][-15:] == given  # the branch's own start
         assert seq.token_ids[: len(first.token_ids) - 20] == first.token_ids[:-20]  # the history
@@ -388,7 +388,7 @@ async def test_branches_run_together_each_with_its_settings_and_are_kept(model_d
         await wait_reply_done(pilot)
         alone = Engine(model_dir, EngineConfig(device="cpu", dtype="float32"))
         for b in reply.samples[1:]:
-            seq = engine.requests[b.request_id]
+            seq = sequences(engine)[b.request_id]
             p = seq.sampling.params
             ref = alone.generate([seq.token_ids[: seq.num_prompt_tokens]], p)[0]
             assert seq.output_ids == ref.output_ids and not b.streaming

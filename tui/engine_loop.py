@@ -65,6 +65,7 @@ class EngineLoop:
         self.beside: list[int] = []  # the reply's other requests still running (its branches)
         self._paused = False
         self._first_seen: set[int] = set()
+        self._ended: set[int] = set()  # requests with a sequence that ended, not yet released
         self._snapshot = engine.block_map.snapshot()  # the last block snapshot the app was sent
         self._read_at = 0.0
         self.load: LoadPlan | None = None  # background requests still to start
@@ -192,7 +193,7 @@ class EngineLoop:
         due = plan.due(time.perf_counter())
         if not due:
             return
-        self.load_ids = [i for i in self.load_ids if not self.engine.requests[i].finished]
+        self.load_ids = [i for i in self.load_ids if not self._done(i)]
         for k in due:
             ids = self.engine.encode_chat(load_prompt(k))
             # behind the chat: admitted after it and preempted before it
@@ -232,22 +233,37 @@ class EngineLoop:
             self._abort((rid, *self.engine.requests[rid].children))
 
     def _abort(self, request_ids) -> None:
-        """Abort these requests (samples included), keeping what they generated."""
+        """Abort these requests (samples included), keeping what they generated; one already
+        finished (and released) is left as it is."""
         for rid in request_ids:
-            if not self.engine.requests[rid].finished:
+            seq = self.engine.requests.get(rid)
+            if seq is not None and not seq.finished:
                 self.engine.abort(rid)
                 self._finish(rid)
+        self._release_ended()
 
     def _done(self, rid: int) -> bool:
-        """A request and every sample forked from it have finished."""
-        seq = self.engine.requests[rid]
-        return seq.finished and all(self.engine.requests[c].finished for c in seq.children)
+        """A request and every sample forked from it have finished (a released one had)."""
+        seq = self.engine.requests.get(rid)
+        return seq is None or (
+            seq.finished and all(self.engine.requests[c].finished for c in seq.children)
+        )
 
     def _finish(self, rid: int) -> None:
-        self.port.emit(Finished.of(self.engine.requests[rid]))
+        seq = self.engine.requests[rid]
+        self.port.emit(Finished.of(seq))
         self.beside = [r for r in self.beside if not self._done(r)]
         if self.active is not None and self._done(self.active):
             self.active = self.beside.pop() if self.beside else None
+        self._ended.add(rid if seq.parent is None else seq.parent)
+
+    def _release_ended(self) -> None:
+        """Forget every request whose sequences have all ended and been told to the app (it holds
+        the records it was sent), so a long sitting keeps nothing in the engine per reply."""
+        for root in [r for r in self._ended if self._done(r)]:
+            released = self.engine.release(root)
+            self._first_seen.difference_update((root, *released.children))
+            self._ended.discard(root)
 
     def _step(self) -> None:
         # A failure inside a step's work fails the requests it ran (Engine.step); one outside it
@@ -262,3 +278,4 @@ class EngineLoop:
                 self.port.emit(FirstToken.of(self.engine.requests[rid]))
             if out.finished:
                 self._finish(rid)
+        self._release_ended()
