@@ -51,7 +51,7 @@ def tiny_llama(tiny_models):
 
 def cli(argv: list[str], capsys) -> tuple[int | None, str, str]:
     """Run the pagechat CLI in-process (no torch import per call); (exit code, stdout, stderr)."""
-    from pagechat.tui.cli import main
+    from pagechat.cli.main import main
 
     old = sys.argv
     sys.argv = ["pagechat", *argv]

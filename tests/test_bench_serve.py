@@ -14,7 +14,7 @@ from conftest import cli
 from drive import free_port
 from pagechat.tools.bench_serve import RequestResult, percentiles, summarise
 
-MAIN = "from pagechat.tui.cli import main; main()"
+MAIN = "from pagechat.cli.main import main; main()"
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +98,7 @@ def test_a_missing_server_is_one_line(capsys):
     url = f"http://127.0.0.1:{free_port()}"
     code, _, err = cli(["bench-serve", url, "--requests", "1"], capsys)
     assert code == 2 and err.count("\n") == 1
-    assert err.startswith(f"error: cannot list the models of {url} (GET /v1/models)")
+    assert err.startswith(f"error: cannot reach {url}: ")  # tools/http_client.model_card
 
 
 def test_percentiles_are_nearest_rank():

@@ -15,7 +15,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-import pagechat.tui.launch as launch
+import pagechat.cli.launch as launch
 import pytest
 from conftest import cli
 from drive import advance, tiny_model_dir, type_prompt, wait_reply_done, wait_until
@@ -478,7 +478,7 @@ class Terminal:
 
         self.pid, self.fd = pty.fork()
         if self.pid == 0:  # the child: the app, the leader of its own session and process group
-            code = "from pagechat.tui.cli import main; main()"
+            code = "from pagechat.cli.main import main; main()"
             os.execvpe(sys.executable, [sys.executable, "-c", code, *args], env)
         fcntl.ioctl(self.fd, termios.TIOCSWINSZ, struct.pack("HHHH", 36, 120, 0, 0))
         self.output = bytearray()

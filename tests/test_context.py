@@ -108,7 +108,7 @@ async def test_a_full_chat_set_to_refuse_says_start_a_new_one(tmp_path):
 
 
 def test_run_takes_what_a_full_chat_does(tmp_path, capsys, monkeypatch):
-    import pagechat.tui.launch as launch
+    import pagechat.cli.launch as launch
     from conftest import cli
     from test_cli_errors import assert_one_line_error
 

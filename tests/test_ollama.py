@@ -13,10 +13,10 @@ import jinja2
 import pytest
 from conftest import cli
 from gguf_files import write_gguf
+from pagechat.cli.launch import model_system
 from pagechat.core.errors import PagechatError
 from pagechat.core.loader import load_tokenizer, read_spec
 from pagechat.core.ollama import find_model, jinja_template, parse_name
-from pagechat.tui.launch import model_system
 
 LLAMA3 = """{{ if .System }}<|start_header_id|>system<|end_header_id|>
 

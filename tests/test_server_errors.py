@@ -228,7 +228,7 @@ def test_pagechat_serve_runs(tiny_llama):
     """The command as a user runs it: it loads the model, answers, and stops on Ctrl-C; bound to
     every interface without a key it warns."""
     port = _free_port()
-    cmd = [sys.executable, "-c", "from pagechat.tui.cli import main; main()", "serve"]
+    cmd = [sys.executable, "-c", "from pagechat.cli.main import main; main()", "serve"]
     cmd += [str(tiny_llama), "--port", str(port), "--host", "0.0.0.0"]
     cmd += ["--served-model-name", "mine", "--device", "cpu", "--eager"]
     env = {k: v for k, v in os.environ.items() if k != "PAGECHAT_API_KEY"}

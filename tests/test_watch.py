@@ -446,8 +446,8 @@ async def test_the_peer_console_on_recorded_servers(
 ):
     """`pagechat watch` on a server that answers as vLLM or llama-server did: it is detected, and
     after two polls its panels show the recorded figures and say what the server cannot show."""
+    from pagechat.cli.watch import detect
     from pagechat.tui import peer_app
-    from pagechat.tui.watch import detect
 
     monkeypatch.setattr(peer_app, "POLL_S", 0.2)
     with listening(replay(folder, metrics, slots)) as url:

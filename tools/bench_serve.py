@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 
 import httpx
+from pagechat.tools.http_client import bearer
 
 WORDS = (
     "the block pool holds keys and values for every sequence while the scheduler picks which "
@@ -95,11 +96,6 @@ def prompts(spec: LoadSpec) -> list[str]:
         f"{i}: " + " ".join(rng.choice(WORDS) for _ in range(spec.prompt_words))
         for i in range(spec.requests)
     ]
-
-
-def bearer(api_key: str | None) -> dict[str, str]:
-    """The headers that carry a server's key, as OpenAI clients send it."""
-    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
 async def _stream(client: httpx.AsyncClient, spec: LoadSpec, prompt: str) -> RequestResult:
@@ -214,13 +210,6 @@ def events_status(url: str, api_key: str | None) -> int:
     """The status a server answers GET /pagechat/events with (200: a pagechat server to watch)."""
     with httpx.stream("GET", f"{url}/pagechat/events", headers=bearer(api_key), timeout=10.0) as r:
         return r.status_code
-
-
-def served_model(url: str, api_key: str | None) -> str:
-    """The first model a server lists at /v1/models."""
-    r = httpx.get(f"{url}/v1/models", headers=bearer(api_key), timeout=10.0)
-    r.raise_for_status()
-    return r.json()["data"][0]["id"]
 
 
 def as_json(reports: list[LevelReport], spec: LoadSpec) -> str:

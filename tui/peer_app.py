@@ -7,10 +7,9 @@ from collections import deque
 
 import httpx
 from pagechat.core.errors import one_line
-from pagechat.tools.bench_serve import bearer
+from pagechat.tools.http_client import client, server_url
 from pagechat.tui.app import PALETTE, THEME
-from pagechat.tui.peers import NOT_EXPOSED, Figures, Scrape, figures, scrape
-from pagechat.tui.watch import KINDS
+from pagechat.tui.peers import KINDS, NOT_EXPOSED, Figures, Scrape, figures, scrape
 from pagechat.tui.widgets.timing import sparkline
 from rich.text import Text
 from textual.app import App, ComposeResult
@@ -49,8 +48,8 @@ class PeerApp(App):
         super().__init__()
         self.register_theme(THEME)
         self.theme = THEME.name
-        self.url, self.kind, self.model = url.rstrip("/"), kind, model
-        self.http = httpx.Client(base_url=self.url, headers=bearer(api_key), timeout=5.0)
+        self.url, self.kind, self.model = server_url(url), kind, model
+        self.http = client(self.url, api_key, timeout=5.0)
         self.last: Scrape | None = None
         self.history: deque[Figures] = deque(maxlen=HISTORY)
         self.error: str | None = None  # why the last poll failed

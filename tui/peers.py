@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+# the servers pagechat watches, as their /v1/models says who owns a model -> their names
+KINDS = {"pagechat": "pagechat", "vllm": "vLLM", "llamacpp": "llama.cpp"}
 PREFIX = {"vllm": "vllm:", "llamacpp": "llamacpp:"}
 
 # Figures a server cannot give, and why (shown in the panel in their place)

@@ -12,7 +12,6 @@ message), pausing or stepping the engine, speculation settings (the server's own
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 import uuid
@@ -23,7 +22,7 @@ from pagechat.core.errors import PagechatError, one_line
 from pagechat.core.events import EngineInfo, Started
 from pagechat.core.params import SamplingParams
 from pagechat.core.wire import SILENT_S, loads, unpack
-from pagechat.tools.bench_serve import bearer
+from pagechat.tools.http_client import client, error_message, server_url
 from pagechat.tui.client import EngineClient
 from pagechat.tui.load import LoadPlan, load_params, load_prompt
 from pagechat.tui.protocol import (
@@ -65,21 +64,13 @@ def api_fields(params: SamplingParams, context: int) -> dict:
     }
 
 
-def error_message(response: httpx.Response) -> str:
-    """The one line an error response says (OpenAI's shape, else its status and text)."""
-    try:
-        return str(json.loads(response.read())["error"]["message"])
-    except (ValueError, KeyError, TypeError):
-        return f"HTTP {response.status_code}: {response.text[:200]}"
-
-
 class RemoteEngine(EngineClient):
     """A pagechat server's records, and chats through its API."""
 
     def __init__(self, url: str, api_key: str | None = None) -> None:
         """Connect to the server's event stream and read its EngineInfo; raises PagechatError
         when the server cannot be reached or is not a pagechat server."""
-        self.url, self.api_key = url.rstrip("/"), api_key
+        self.url, self.api_key = server_url(url), api_key
         self._http = self._client(READ_S)
         try:
             self.model = self._http.get("/v1/models").raise_for_status().json()["data"][0]["id"]
@@ -112,8 +103,7 @@ class RemoteEngine(EngineClient):
     def _client(self, read: float | None = None) -> httpx.Client:
         """A client of the server (one per thread that streams: each owns its connection); read:
         the longest silence it waits out (None: a reply, which may queue behind others)."""
-        timeout = httpx.Timeout(read, connect=CONNECT_S)
-        return httpx.Client(base_url=self.url, headers=bearer(self.api_key), timeout=timeout)
+        return client(self.url, self.api_key, httpx.Timeout(read, connect=CONNECT_S))
 
     def start(self) -> RemoteEngine:
         self._reader.start()

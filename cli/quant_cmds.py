@@ -119,8 +119,8 @@ def eval_command(model_dir: Path, text: Path, config: EngineConfig, seqlen: int 
 
 def _print_perplexity(engine, res):
     """Print one eval line (the perplexity and what produced it); return res."""
-    from pagechat.core.loader import dtype_name
     from pagechat.core.memory import fmt_bytes, weight_report
+    from pagechat.core.modelspec import dtype_name
 
     rep = weight_report(engine.model)
     kernels = ",".join(sorted({r.path for r in rep.rows if r.kind in ("attention", "mlp")}))
@@ -147,8 +147,9 @@ def plan_command(
     """vLLM-style capacity lines for a budget, from config.json alone."""
     from pagechat.core.config import check_dtype, parse_bytes
     from pagechat.core.gguf import GGUFFile
-    from pagechat.core.loader import DTYPES, read_spec
+    from pagechat.core.loader import read_spec
     from pagechat.core.memory import fmt_bytes
+    from pagechat.core.modelspec import DTYPES
     from pagechat.core.sources import gguf_file
     from pagechat.quant.head import HEAD_LABELS, check_lm_head, head_format
     from pagechat.quant.loaders import MODE_LABELS, resolve_quant

@@ -8,8 +8,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from pagechat.core.errors import PagechatError, check_text
-from pagechat.tui.options import (
+from pagechat.cli.options import (
     BlockSize,
     Device,
     Draft,
@@ -32,6 +31,7 @@ from pagechat.tui.options import (
     engine_config,
     positive_ints,
 )
+from pagechat.core.errors import PagechatError, check_text
 
 app = typer.Typer(
     add_completion=False,
@@ -164,9 +164,9 @@ def generate(
     ] = False,
 ) -> None:
     """Generate from one or more prompts; text streams to stdout, a stats line goes to stderr."""
+    from pagechat.cli.generate import run_generate
     from pagechat.core.params import SamplingParams
     from pagechat.tools.demo import model_or_demo
-    from pagechat.tui.generate import run_generate
 
     for i, p in enumerate(prompt, 1):
         check_text(p, f"prompt {i}")
@@ -222,7 +222,7 @@ def quantize(
 ) -> None:
     """Write a 4-bit AutoAWQ GEMM checkpoint (safetensors + config + tokenizer) that vLLM /
     transformers read."""
-    from pagechat.tui.quant_cmds import quantize_command
+    from pagechat.cli.quant_cmds import quantize_command
 
     quantize_command(model_dir, out_dir, method, group_size, calib, samples, seqlen, threads)
 
@@ -243,7 +243,7 @@ def eval_cmd(
 ) -> None:
     """Perplexity of a text through pagechat's engine; with a quantised LM head, also with a
     float one, and the difference."""
-    from pagechat.tui.quant_cmds import eval_command
+    from pagechat.cli.quant_cmds import eval_command
 
     eval_command(model_dir, text, engine_config(locals()), seqlen)
 
@@ -270,7 +270,7 @@ def plan(
 ) -> None:
     """Weights, KV bytes per token and block, and how many blocks and sequences fit a budget
     (config.json only)."""
-    from pagechat.tui.quant_cmds import plan_command
+    from pagechat.cli.quant_cmds import plan_command
 
     plan_command(model_dir, quant, lm_head, gpu_memory, context, dtype, block_size, group_size)
 
@@ -292,7 +292,7 @@ def bench_quant(
     threads: Threads = None,
 ) -> None:
     """Decode tok/s and weight memory of fp / int8 / AWQ side by side, on one model in one run."""
-    from pagechat.tui.quant_cmds import bench_quant_command
+    from pagechat.cli.quant_cmds import bench_quant_command
 
     bench_quant_command(
         model_dir, awq_dir, modes, tokens, prompt_tokens, batch, rounds, device, threads
@@ -362,7 +362,7 @@ def run(
 ) -> None:
     """Chat with a local model in the terminal app, with live KV-block, timing, sampling and
     memory panels."""
-    from pagechat.tui.launch import run_app
+    from pagechat.cli.launch import run_app
 
     config = engine_config(locals())
     overrides = dict(
@@ -409,7 +409,7 @@ def models(
 ) -> None:
     """List the models pagechat can open: GGUF files and Hugging Face directories here, the
     Hugging Face cache and Ollama's store; arch, size, precision and whether each fits."""
-    from pagechat.tui.models_cmd import print_models
+    from pagechat.cli.models_cmd import print_models
 
     raise typer.Exit(print_models(as_json=as_json))
 
@@ -444,8 +444,8 @@ def bench(
 ) -> None:
     """Measure TTFT, prefill, decode, 8 concurrent requests, multi-turn TTFT and MBU (optionally
     vs transformers)."""
+    from pagechat.cli.bench_cmd import bench_command
     from pagechat.tools.demo import model_or_demo
-    from pagechat.tui.bench_cmd import bench_command
 
     if rounds < 1:
         raise PagechatError(f"--rounds must be >= 1, got {rounds}")
@@ -485,8 +485,8 @@ def bench_kv(
 ) -> None:
     """What block sharing saves (n samples and beams vs separate requests, peak KV blocks) and
     what preemption costs (swap to host memory and back vs recompute, per context length)."""
+    from pagechat.cli.bench_kv_cmd import bench_kv_command
     from pagechat.tools.demo import model_or_demo
-    from pagechat.tui.bench_kv_cmd import bench_kv_command
 
     lengths = positive_ints(contexts, "--contexts")
     check_at_least_one(
@@ -546,8 +546,8 @@ def bench_serve(
     """Load any OpenAI-compatible server (pagechat serve, vLLM, llama-server) with streamed
     completions: TTFT, ITL, TPOT and end-to-end latency percentiles and throughput per
     concurrency level."""
+    from pagechat.cli.bench_serve_cmd import bench_serve_command
     from pagechat.tools.bench_serve import LoadSpec
-    from pagechat.tui.bench_serve_cmd import bench_serve_command
 
     check_at_least_one(requests=requests, prompt_words=prompt_words, output_tokens=output_tokens)
     if not rate > 0:
@@ -648,7 +648,7 @@ def serve(
         raise PagechatError(f"--port must be in 0..65535, got {port}")
     config = engine_config(locals())
     if watch:
-        from pagechat.tui.watch import serve_and_watch
+        from pagechat.cli.watch import serve_and_watch
 
         args = sys.argv[sys.argv.index("serve") + 1 :]
         raise typer.Exit(
@@ -671,7 +671,7 @@ def watch(
 ) -> None:
     """Watch a running server live: a pagechat server in the full app (every client's requests in
     the panels, a chat through its API); a vLLM or llama.cpp server as gauges of what it exposes."""
-    from pagechat.tui.watch import watch as watch_server
+    from pagechat.cli.watch import watch as watch_server
 
     raise typer.Exit(watch_server(url, api_key or None, layout))
 

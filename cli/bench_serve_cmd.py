@@ -6,7 +6,6 @@ import asyncio
 import math
 from functools import partial
 
-import httpx
 from pagechat.core.errors import PagechatError
 from pagechat.tools.bench_serve import (
     LevelReport,
@@ -14,8 +13,8 @@ from pagechat.tools.bench_serve import (
     as_json,
     events_status,
     run_level,
-    served_model,
 )
+from pagechat.tools.http_client import model_card, server_url
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 from rich.table import Table
@@ -33,11 +32,8 @@ def bench_serve_command(
 ) -> int:
     """Run every level against the server; returns the exit code (2 when requests failed).
     watched: each level twice, without and then with a watcher on /pagechat/events."""
-    url = spec.url.rstrip("/")
-    try:
-        model = spec.model or served_model(url, spec.api_key)
-    except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
-        raise PagechatError(f"cannot list the models of {url} (GET /v1/models): {e}") from None
+    url = server_url(spec.url)
+    model = spec.model or model_card(url, spec.api_key)["id"]
     spec = LoadSpec(**{**_fields(spec), "url": url, "model": model})
     if watched and (status := events_status(url, spec.api_key)) != 200:
         raise PagechatError(

@@ -12,27 +12,17 @@ import time
 from pathlib import Path
 
 import httpx
-from pagechat.core.errors import PagechatError, one_line
-from pagechat.tools.bench_serve import bearer
-from pagechat.tui.remote import error_message
+from pagechat.core.errors import PagechatError
+from pagechat.tools.http_client import model_card, server_url
+from pagechat.tui.peers import KINDS
 
-KINDS = {"pagechat": "pagechat", "vllm": "vLLM", "llamacpp": "llama.cpp"}
 READY_S = 600.0  # a served model this slow to load is given up on
 
 
 def detect(url: str, api_key: str | None = None) -> tuple[str, str]:
     """(kind, model) of the OpenAI-compatible server at url: its /v1/models says who owns the
     model (pagechat, vllm, llamacpp)."""
-    try:
-        r = httpx.get(f"{url.rstrip('/')}/v1/models", headers=bearer(api_key), timeout=10.0)
-    except httpx.HTTPError as e:
-        raise PagechatError(f"cannot reach {url}: {one_line(e)}") from None
-    if r.status_code != 200:
-        raise PagechatError(f"{url}/v1/models: {error_message(r)}")
-    try:
-        card = r.json()["data"][0]
-    except (ValueError, KeyError, IndexError, TypeError):
-        raise PagechatError(f"{url}/v1/models is not an OpenAI model list") from None
+    card = model_card(url, api_key)
     kind = card.get("owned_by", "")
     if kind not in KINDS:
         raise PagechatError(
@@ -46,16 +36,16 @@ def watch(url: str, api_key: str | None, layout: str = "auto") -> int:
     """Open the console on the server at url until it quits; returns the exit code."""
     if layout not in ("auto", "tabs", "grid"):
         raise PagechatError(f"--layout must be auto, tabs or grid, got {layout!r}")
-    url = url.rstrip("/").removesuffix("/v1")  # an OpenAI client's base_url names the server too
+    url = server_url(url)
     kind, model = detect(url, api_key)
     if kind != "pagechat":
         from pagechat.tui.peer_app import PeerApp
 
         PeerApp(url, kind, model, api_key).run()
         return 0
+    from pagechat.cli.launch import DEFAULT_PARAMS, say_where_it_went
     from pagechat.tui.app import PagechatApp
     from pagechat.tui.history import ChatRecord
-    from pagechat.tui.launch import DEFAULT_PARAMS, say_where_it_went
     from pagechat.tui.remote import RemoteEngine
 
     client = RemoteEngine(url, api_key)
@@ -85,7 +75,7 @@ def serve_and_watch(args: list[str], host: str, port: int, api_key: str | None) 
     fd, name = tempfile.mkstemp(prefix=f"pagechat-serve-{port}-", suffix=".log")
     log_path = Path(name)  # a new file of this user's: nothing else's is written over
     url = f"http://{_connectable(host)}:{port}"
-    code = "from pagechat.tui.cli import main; main()"
+    code = "from pagechat.cli.main import main; main()"
     with os.fdopen(fd, "w") as log:
         child = subprocess.Popen(
             [sys.executable, "-c", code, "serve", *args], stdout=log, stderr=log, env=os.environ

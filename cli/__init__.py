@@ -1,0 +1,1 @@
+"""pagechat.cli: the command line (typer), apart from the app it opens."""
