@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 
 from pagechat.core.errors import PagechatError
-from pagechat.core.loader import DTYPES
+from pagechat.core.modelspec import DTYPES
 from pagechat.core.quantization import backend, lm_heads, quant_modes
 from pagechat.core.threads import check_threads
 

@@ -18,15 +18,9 @@ from pagechat.core.detok import update_text
 from pagechat.core.errors import PagechatError, check_text, one_line
 from pagechat.core.graphs import TRACE_SUPPORTED
 from pagechat.core.kv import allocate_pool, block_bytes, copy_blocks, pool_blocks
-from pagechat.core.loader import (
-    DTYPES,
-    ModelSpec,
-    dtype_name,
-    load_tokenizer,
-    open_weights,
-    read_spec,
-)
+from pagechat.core.loader import load_tokenizer, open_weights, read_spec
 from pagechat.core.model import DecoderModel
+from pagechat.core.modelspec import DTYPES, ModelSpec, dtype_name
 from pagechat.core.native import cpu_has_native_bf16
 from pagechat.core.params import SamplingParams
 from pagechat.core.quantization import QuantPlan, resolve_quant

@@ -21,7 +21,7 @@ from gguf.constants import GGMLQuantizationType
 from gguf.quants import dequantize
 from pagechat.core.errors import PagechatError
 from pagechat.core.gguf import GGUFFile, TensorInfo
-from pagechat.core.loader import MAX_POSITIONS, ModelSpec, dtype_name
+from pagechat.core.modelspec import MAX_POSITIONS, ModelSpec, dtype_name
 from pagechat.core.ollama import OllamaModel, jinja_template
 
 ARCHS = {  # GGUF general.architecture -> the decoder it runs as

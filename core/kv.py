@@ -7,7 +7,7 @@ import os
 import torch
 from pagechat.core.config import EngineConfig
 from pagechat.core.errors import PagechatError
-from pagechat.core.loader import ModelSpec
+from pagechat.core.modelspec import ModelSpec
 
 CPU_DEFAULT_KV_BYTES = 1 << 30  # at most 1 GiB on CPU, where the pool lives in ordinary RAM
 CPU_DEFAULT_CONTEXTS = 8  # ...and no more than 8 full-context sequences need

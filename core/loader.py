@@ -6,49 +6,18 @@ Every way a directory can be wrong ends in a one-line PagechatError that names t
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from pagechat.core.errors import PagechatError
+from pagechat.core.gguf import GGUFFile
+from pagechat.core.gguf_model import GGUFWeights, gguf_tokenizer, read_gguf_spec
+from pagechat.core.modelspec import MAX_POSITIONS, ModelSpec, dtype_name
 from pagechat.core.sources import check_model_dir, gguf_file, ollama_model
 from safetensors import safe_open
 
 SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 ROPE_TYPES = ("default", "linear", "llama3")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """Name of a torch dtype as torch_dtype and --dtype spell it: torch.bfloat16 -> bfloat16."""
-    return str(dtype).removeprefix("torch.")
-
-
-@dataclass(frozen=True, slots=True)
-class ModelSpec:
-    """The architecture facts the engine's decoder needs, read from config.json."""
-
-    arch: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict | None  # {"rope_type": "linear"|"llama3", ...} or None
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    qkv_bias: bool
-    o_bias: bool
-    mlp_bias: bool
-    qk_norm: bool
-    sliding_windows: tuple[int | None, ...]  # per layer
-    eos_token_ids: tuple[int, ...]
-    torch_dtype: str | None
-    quantization: dict | None
 
 
 def _read_json(path: Path) -> dict:
@@ -70,9 +39,6 @@ def _rope(cfg: dict) -> tuple[float, dict | None]:
             f"(supported: {', '.join(ROPE_TYPES)})"
         )
     return theta, (None if rope_type == "default" else {**params, "rope_type": rope_type})
-
-
-MAX_POSITIONS = 2**24  # far beyond any released model; a larger value is a broken config
 
 
 def _int(cfg: dict, key: str, default: int | None = None, most: int | None = None) -> int:
@@ -184,8 +150,6 @@ def read_spec(model_dir: Path) -> ModelSpec:
     settings it does not run."""
     gguf = gguf_file(check_model_dir(model_dir))
     if gguf is not None:
-        from pagechat.core.gguf_model import read_gguf_spec
-
         ollama = ollama_model(model_dir)
         return read_gguf_spec(gguf, ollama.stops if ollama else ())
     path, cfg = _read_config(model_dir)
@@ -295,9 +259,6 @@ def open_weights(model_dir: Path, spec: ModelSpec):
     gguf = gguf_file(model_dir)
     if gguf is None:
         return WeightReader(model_dir)
-    from pagechat.core.gguf import GGUFFile
-    from pagechat.core.gguf_model import GGUFWeights
-
     return GGUFWeights(GGUFFile(gguf), spec)
 
 
@@ -306,8 +267,6 @@ def load_tokenizer(model_dir: Path):
     the file itself)."""
     gguf = gguf_file(model_dir)
     if gguf is not None:
-        from pagechat.core.gguf_model import gguf_tokenizer
-
         return gguf_tokenizer(gguf, ollama_model(model_dir))
     from transformers import AutoTokenizer  # slow import: only when a model is loaded
 

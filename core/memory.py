@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 from pagechat.core.kv import block_bytes
-from pagechat.core.loader import ModelSpec, dtype_name
+from pagechat.core.modelspec import ModelSpec, dtype_name
 from pagechat.core.quantization import weight_storage
 from torch import nn
 

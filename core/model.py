@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from pagechat.core import ops
 from pagechat.core.attention import AttentionMetadata, paged_attention
-from pagechat.core.loader import ModelSpec, WeightReader
+from pagechat.core.loader import WeightReader
+from pagechat.core.modelspec import ModelSpec
 from torch import nn
 
 

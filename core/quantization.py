@@ -18,7 +18,6 @@ from typing import Protocol
 
 import torch
 from pagechat.core.errors import PagechatError
-from pagechat.core.loader import ModelSpec
 from pagechat.core.model import (
     LinearLoader,
     TableLoader,
@@ -26,6 +25,7 @@ from pagechat.core.model import (
     dense_head,
     dense_linear,
 )
+from pagechat.core.modelspec import ModelSpec
 from torch import nn
 
 ENTRY_POINT_GROUP = "pagechat.quant"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from pagechat.core.loader import dtype_name
+from pagechat.core.modelspec import dtype_name
 from pagechat.core.report import SpecTotals, StepReport
 
 

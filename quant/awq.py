@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from pagechat.core.loader import ModelSpec, WeightReader
+from pagechat.core.loader import WeightReader
 from pagechat.core.model import rope_tables, rotate
+from pagechat.core.modelspec import ModelSpec
 from pagechat.quant.pack import fake_quantize
 
 LINEARS = {

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 from pagechat.core.errors import PagechatError
-from pagechat.core.loader import ModelSpec, WeightReader, load_tokenizer, read_spec
+from pagechat.core.loader import WeightReader, load_tokenizer, read_spec
+from pagechat.core.modelspec import ModelSpec
 from pagechat.core.sources import check_model_dir, gguf_file
 from pagechat.quant.awq import LINEARS, BlockRunner, awq_block, load_block
 from pagechat.quant.pack import to_awq

@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 import torch
 from pagechat.core.errors import PagechatError
-from pagechat.core.loader import ModelSpec
 from pagechat.core.model import linear
+from pagechat.core.modelspec import ModelSpec
 from pagechat.quant import kernels
 from pagechat.quant.layers import (
     INT4_KERNEL_PATH,

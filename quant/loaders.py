@@ -13,8 +13,9 @@ from pathlib import Path
 
 import torch
 from pagechat.core.errors import PagechatError
-from pagechat.core.loader import ModelSpec, WeightReader
+from pagechat.core.loader import WeightReader
 from pagechat.core.model import LinearLoader, TableLoader, dense_embedding, dense_linear
+from pagechat.core.modelspec import ModelSpec
 from pagechat.quant.ggml import gguf_embedding, gguf_head, gguf_loader
 from pagechat.quant.head import LM_HEADS, check_lm_head, head_builder, head_format
 from pagechat.quant.layers import (

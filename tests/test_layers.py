@@ -1,4 +1,6 @@
-"""The package's layers point one way: core <- quant <- tools <- tui; and core stays readable."""
+"""The package's layers point one way: core <- quant <- tools <- server, tui <- cli (the server and
+the app apart from each other, the command line on top); no module imports another that imports
+it back, however far round; and core stays readable."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-LAYERS = {"core": 0, "quant": 1, "tools": 2, "server": 3, "tui": 4}
+LAYERS = {"core": 0, "quant": 1, "tools": 2, "server": 3, "tui": 3, "cli": 4}
 MAX_CORE_FUNCTION_LINES = 40
 
 
@@ -28,14 +30,57 @@ def _imported(path: Path) -> set[str]:
 
 
 def _upward(folder: str) -> list[str]:
+    """Imports of a package above it, or beside it (the server and the app)."""
     level = LAYERS[folder]
     bad = []
     for path in _modules(folder):
         for name in sorted(_imported(path)):
             layer = name.split(".")[1]
-            if LAYERS.get(layer, len(LAYERS)) > level:
+            if layer != folder and LAYERS.get(layer, len(LAYERS)) >= level:
                 bad.append(f"{path.relative_to(ROOT)} imports {name}")
     return bad
+
+
+def _module(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(("pagechat", *parts[: -1 if parts[-1] == "__init__" else None]))
+
+
+def _graph() -> dict[str, set[str]]:
+    """module -> the pagechat modules it imports (`from pagechat.a import b`, where b is a module,
+    counts as importing pagechat.a.b)."""
+    paths = [p for folder in LAYERS for p in _modules(folder)]
+    known = {_module(p) for p in paths}
+    graph = {}
+    for path in paths:
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("pagechat."):
+                names = {f"{node.module}.{a.name}" for a in node.names}
+                edges |= (names & known) or {node.module}
+            elif isinstance(node, ast.Import):
+                edges |= {a.name for a in node.names if a.name.startswith("pagechat.")}
+        graph[_module(path)] = (edges & known) - {_module(path)}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every module that can reach itself, with the way round (depth-first, each reported once)."""
+    found, done = [], set()
+
+    def visit(node: str, path: list[str]) -> None:
+        if node in path:
+            found.append(path[path.index(node) :] + [node])
+            return
+        if node in done:
+            return
+        for nxt in sorted(graph.get(node, ())):
+            visit(nxt, path + [node])
+        done.add(node)
+
+    for node in sorted(graph):
+        visit(node, [])
+    return found
 
 
 @pytest.mark.parametrize("folder", sorted(LAYERS))
@@ -48,6 +93,15 @@ def test_the_check_sees_an_upward_import(tmp_path, monkeypatch):
     (tmp_path / "core" / "x.py").write_text("def f():\n    from pagechat.tui.app import App\n")
     monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
     assert _upward("core") == ["core/x.py imports pagechat.tui.app"]
+
+
+def test_no_module_imports_itself_round_a_cycle():
+    assert _cycles(_graph()) == []
+
+
+def test_the_check_sees_a_cycle():
+    graph = {"pagechat.tui.a": {"pagechat.tui.b"}, "pagechat.tui.b": {"pagechat.tui.a"}}
+    assert _cycles(graph) == [["pagechat.tui.a", "pagechat.tui.b", "pagechat.tui.a"]]
 
 
 def test_core_functions_are_short():

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import torch
 from pagechat.core.engine import Engine
 from pagechat.core.errors import PagechatError
-from pagechat.core.loader import dtype_name
 from pagechat.core.memory import kv_bytes_per_token, weight_report
+from pagechat.core.modelspec import dtype_name
 from pagechat.core.params import SamplingParams
 from pagechat.core.sources import gguf_file
 from pagechat.quant import kernels

@@ -74,8 +74,9 @@ def bench_quant(
     """Load model_dir once per mode (AWQ from awq_dir, or a temp RTN checkpoint); time decoding."""
     from pagechat.core.config import EngineConfig
     from pagechat.core.engine import Engine
-    from pagechat.core.loader import dtype_name, read_spec
+    from pagechat.core.loader import read_spec
     from pagechat.core.memory import weight_report
+    from pagechat.core.modelspec import dtype_name
     from pagechat.quant.checkpoint import quantize_checkpoint
 
     bad = [m for m in modes if m not in MODES]

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import transformers
 from pagechat.core.errors import PagechatError
-from pagechat.core.loader import dtype_name
+from pagechat.core.modelspec import dtype_name
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"

@@ -20,8 +20,9 @@ import torch
 from pagechat.core.errors import PagechatError
 from pagechat.core.gguf import GGUFFile, is_gguf
 from pagechat.core.gguf_model import gguf_spec, quant_types
-from pagechat.core.loader import ModelSpec, read_spec
+from pagechat.core.loader import read_spec
 from pagechat.core.memory import kv_bytes_per_token, meminfo
+from pagechat.core.modelspec import ModelSpec
 from pagechat.core.ollama import list_models
 from pagechat.core.sources import first_part
 

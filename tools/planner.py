@@ -15,8 +15,8 @@ from gguf.constants import GGMLQuantizationType as T
 from pagechat.core.gguf import GGUFFile
 from pagechat.core.gguf_model import FLOATS, gguf_spec
 from pagechat.core.kv import CUDA_FREE_FRACTION
-from pagechat.core.loader import ModelSpec, dtype_name
 from pagechat.core.memory import KINDS, WeightReport, WeightRow, kv_bytes_per_token
+from pagechat.core.modelspec import ModelSpec, dtype_name
 from pagechat.quant import kernels
 from pagechat.quant.ggml import GROUP, INT4, label
 from pagechat.quant.head import INT4_GROUP, check_int4_tie, head_format
