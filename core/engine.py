@@ -33,7 +33,7 @@ from pagechat.core.report import (
     TokenOutput,
 )
 from pagechat.core.runner import ModelRunner
-from pagechat.core.sampler import Sampler, SampleRecord, SampleRow, target_probs
+from pagechat.core.sampler import Sampler, SampleRecord, SampleRow, make_generator, target_probs
 from pagechat.core.scheduler import Batch, ScheduledSeq, Scheduler, SwapPlan
 from pagechat.core.sequence import SamplingState, Sequence, Status
 from pagechat.core.spec import DraftModelProposer, NgramProposer, verify
@@ -322,9 +322,9 @@ class Engine:
         return self._next_id - 1
 
     def _generator(self, seed: int | None) -> torch.Generator:
-        g = torch.Generator(device=self.device)
-        g.manual_seed(seed if seed is not None else random.randrange(2**63))
-        return g
+        """A request's own random stream: seeded as asked, else at random (so that samples forked
+        from it, seeded seed + j, and a later change of settings keep their own streams)."""
+        return make_generator(seed if seed is not None else random.randrange(2**63), self.device)
 
     def update_params(self, request_id: int, params: SamplingParams) -> None:
         """Change a request's sampling settings; they apply from its next sampled token."""

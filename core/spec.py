@@ -87,9 +87,6 @@ class NgramProposer:
     def release_missing(self, alive: set[int]) -> None:
         pass
 
-    def num_used_blocks(self) -> int:
-        return 0
-
 
 class DraftModelProposer:
     """Drafts with a smaller model of the same vocabulary, over its own paged KV cache."""
@@ -183,9 +180,6 @@ class DraftModelProposer:
         for seq_id in [i for i in self.computed if i not in alive]:
             self.blocks.free(seq_id)
             del self.computed[seq_id]
-
-    def num_used_blocks(self) -> int:
-        return self.blocks.num_blocks - self.blocks.num_free_blocks()
 
     def _reserve(self, seq: Sequence, k: int) -> bool:
         """Slots for the sequence's tokens plus k - 1 drafted ones; False (and no draft) when out of

@@ -1,7 +1,6 @@
-"""Quality checks through pagechat's engine: perplexity of a text, greedy agreement of two engines.
-
-Both run whole windows through the engine's ModelRunner (paged KV, the same kernels generation uses)
-and read the logits of every position; the KV blocks are released after each window.
+"""Quality through pagechat's engine: the perplexity of a text, its windows run whole through the
+engine's ModelRunner (paged KV, the same kernels generation uses) reading the logits of every
+position; the KV blocks are released after each window.
 """
 
 from __future__ import annotations
@@ -68,39 +67,3 @@ def perplexity(engine, ids: list[int], window: int | None = None) -> Perplexity:
     if count == 0:
         raise PagechatError("the text has fewer than 2 tokens; nothing to score")
     return Perplexity(math.exp(total / count), total / count, count, n, time.perf_counter() - t0)
-
-
-@dataclass(frozen=True, slots=True)
-class Agreement:
-    """How close a model's greedy decoding is to a reference's over the same prompts."""
-
-    # teacher-forced: share of the reference's generated tokens the model also ranks first
-    top1: float
-    exact: float  # share of prompts whose free-running greedy output is identical
-    prefix: float  # mean share of each output that matches before the first difference
-    tokens: int
-
-
-def greedy_agreement(ref, other, prompts: list[list[int]], max_tokens: int = 32) -> Agreement:
-    """Greedy generations of ref and other on the same prompts, compared token by token."""
-    from pagechat.core.params import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    a = [s.output_ids for s in ref.generate(prompts, params)]
-    b = [s.output_ids for s in other.generate(prompts, params)]
-    hits = total = 0
-    prefix = []
-    for p, ra, rb in zip(prompts, a, b):
-        logits = window_logits(other, p + ra)[
-            len(p) - 1 : -1
-        ]  # other's prediction at each of ref's positions
-        hits += int((logits.argmax(-1).cpu() == torch.tensor(ra)).sum())
-        total += len(ra)
-        same = next((i for i, (x, y) in enumerate(zip(ra, rb)) if x != y), min(len(ra), len(rb)))
-        prefix.append(same / max(1, len(ra)))
-    return Agreement(
-        hits / max(1, total),
-        sum(x == y for x, y in zip(a, b)) / len(prompts),
-        sum(prefix) / len(prefix),
-        total,
-    )

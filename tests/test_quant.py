@@ -22,7 +22,7 @@ from pagechat.core.params import SamplingParams
 from pagechat.quant import layers as qlayers
 from pagechat.quant.awq import BlockRunner, fold_scales, load_block, search_scales
 from pagechat.quant.checkpoint import quantize_checkpoint
-from pagechat.quant.evaluate import greedy_agreement, perplexity, window_logits
+from pagechat.quant.evaluate import perplexity, window_logits
 from pagechat.quant.layers import Bf16WOLinear, Int4Linear, Int8WOLinear, bnb_int8_linear
 from pagechat.quant.loaders import QuantPlan
 from pagechat.quant.pack import AWQ_ORDER, dequantize, fake_quantize, pack_awq, to_awq, unpack_awq
@@ -423,11 +423,6 @@ def test_perplexity_through_the_engine_matches_transformers(llama):
             n += w.shape[1] - 1
     assert res.tokens == n and res.windows == 3
     assert abs(res.nll - nll / n) < 1e-4
-
-
-def test_greedy_agreement_of_a_model_with_itself_is_total(llama):
-    a = greedy_agreement(engine(llama), engine(llama), [[5, 6, 7], [9, 10]], max_tokens=5)
-    assert (a.top1, a.exact, a.prefix, a.tokens) == (1.0, 1.0, 1.0, 10)
 
 
 # -- bad input: one line, exit 2 -------------------------------------------------------------------

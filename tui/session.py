@@ -454,11 +454,6 @@ class ChatSession:
                     return answer
         return None
 
-    def _by_request(self, rid: int | None) -> Message | None:
-        return next(
-            (m for m in reversed(self.messages) if m.request_id == rid and rid is not None), None
-        )
-
     def _answer(self, rid: int) -> tuple[Message | None, Message | None]:
         """(the reply, the answer of sequence rid): the reply itself, or one of its samples."""
         for m in reversed(self.messages):
