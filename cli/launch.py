@@ -9,8 +9,10 @@ from pathlib import Path
 
 from pagechat.core.config import EngineConfig
 from pagechat.core.errors import PagechatError
+from pagechat.core.gguf import split_parts
+from pagechat.core.memory import fmt_bytes
 from pagechat.core.params import SamplingParams
-from pagechat.core.sources import check_model_dir, ollama_model
+from pagechat.core.sources import check_model_dir, gguf_file, ollama_model
 from pagechat.tools.demo import model_or_demo
 from pagechat.tui.context import WHEN_FULL
 from pagechat.tui.history import (
@@ -27,10 +29,6 @@ DEFAULT_PARAMS = SamplingParams(temperature=0.7, top_p=0.95, max_tokens=512)
 
 def weights_label(model_dir: Path) -> str:
     """What loading reads: '270 MiB of safetensors', '93.8 MiB of GGUF'."""
-    from pagechat.core.gguf import split_parts
-    from pagechat.core.memory import fmt_bytes
-    from pagechat.core.sources import gguf_file
-
     gguf = gguf_file(model_dir)
     files, kind = (
         (split_parts(gguf), "GGUF") if gguf else (model_dir.glob("*.safetensors"), "safetensors")

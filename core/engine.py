@@ -16,6 +16,7 @@ from pagechat.core.blocks import BlockEvent, BlockManager
 from pagechat.core.config import EngineConfig
 from pagechat.core.detok import update_text
 from pagechat.core.errors import PagechatError, check_text, one_line
+from pagechat.core.gguf_model import FLOATS
 from pagechat.core.graphs import TRACE_SUPPORTED
 from pagechat.core.kv import allocate_pool, block_bytes, copy_blocks, pool_blocks
 from pagechat.core.loader import load_tokenizer, open_weights, read_spec
@@ -365,8 +366,8 @@ class Engine:
         dtype = dtype_name(self.dtype)
         mode = self.quant.mode
         if mode == "gguf":
-            types = self.spec.quantization["types"]
-            mode = next((t for t in types if t not in ("F32", "F16", "BF16")), mode)
+            floats = {t.name for t in FLOATS}
+            mode = next((t for t in self.spec.quantization["types"] if t not in floats), mode)
         return f"{dtype} · {mode}" if mode else dtype
 
     @property

@@ -179,7 +179,7 @@ def gguf_spec(f: GGUFFile) -> ModelSpec:
     head_dim = _positive(f, f"{arch}.attention.key_length", max(1, hidden // heads))
     theta, scaling = _rope(f, arch, head_dim)
     n = _positive(f, f"{arch}.block_count")
-    quantised = _torch_dtype(f) is None
+    torch_dtype = _torch_dtype(f)
     return ModelSpec(
         arch=ARCHS[arch],
         vocab_size=vocab,
@@ -200,8 +200,8 @@ def gguf_spec(f: GGUFFile) -> ModelSpec:
         qk_norm="blk.0.attn_q_norm.weight" in f.tensors,
         sliding_windows=(None,) * n,
         eos_token_ids=_eos_ids(f),
-        torch_dtype=_torch_dtype(f),
-        quantization={"quant_method": "gguf", "types": quant_types(f)} if quantised else None,
+        torch_dtype=torch_dtype,
+        quantization=None if torch_dtype else {"quant_method": "gguf", "types": quant_types(f)},
     )
 
 
@@ -210,6 +210,15 @@ def _embedding_shape(f: GGUFFile) -> tuple[int, int]:
     if len(shape) != 2:
         raise PagechatError(f"{f.path}: token_embd.weight must be 2-D, got shape {list(shape)}")
     return shape
+
+
+def dequantized(blocks: np.ndarray, qtype: GGMLQuantizationType, what: str) -> np.ndarray:
+    """Blocks of a quantised type as float32 values, by the gguf package's own dequantisation;
+    PagechatError naming `what` (the file and tensor) for a type it cannot read."""
+    try:
+        return np.ascontiguousarray(dequantize(blocks, qtype), dtype=np.float32)
+    except NotImplementedError:
+        raise PagechatError(f"{what} has type {qtype.name}, which pagechat cannot read") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,14 +289,9 @@ class GGUFWeights:
         if info.type in FLOATS:
             t = torch.from_numpy(raw.view(np.uint8)).view(FLOATS[info.type])
         else:
-            try:
-                values = dequantize(raw, info.type)
-            except NotImplementedError:
-                raise PagechatError(
-                    f"{self.file.path}: tensor {info.name} has type {info.type.name}, "
-                    "which pagechat cannot read"
-                ) from None
-            t = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+            t = torch.from_numpy(
+                dequantized(raw, info.type, f"{self.file.path}: tensor {info.name}")
+            )
         t = t.reshape(info.shape)
         order = self._rows(name, info.shape[0])
         return t if order is None else t[order]

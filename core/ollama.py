@@ -58,17 +58,15 @@ def parse_name(ref: str) -> tuple[str, str, str, str]:
     parts = name.split("/")
     if len(parts) > 3 or not all(_PART.match(p) for p in [*parts, tag or TAG]):
         raise PagechatError(f"ollama:{ref} is not an Ollama model name (NAME[:TAG])")
-    host, namespace, model = ([HOST, NAMESPACE] + parts)[-3:] if len(parts) < 3 else parts
-    if len(parts) == 2:
-        host, namespace, model = HOST, parts[0], parts[1]
+    host, namespace, model = [HOST, NAMESPACE][: 3 - len(parts)] + parts
     return host, namespace, model, tag or TAG
 
 
 def _display(host: str, namespace: str, model: str, tag: str) -> str:
-    prefix = "" if (host, namespace) == (HOST, NAMESPACE) else f"{namespace}/"
+    """The name as `ollama list` shows it: the registry and namespace only where not the default."""
     if host != HOST:
-        prefix = f"{host}/{namespace}/"
-    return f"{prefix}{model}:{tag}"
+        return f"{host}/{namespace}/{model}:{tag}"
+    return f"{model}:{tag}" if namespace == NAMESPACE else f"{namespace}/{model}:{tag}"
 
 
 def _blob(root: Path, digest: object, where: Path) -> Path:

@@ -19,9 +19,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 from gguf.constants import GGMLQuantizationType as T
-from gguf.quants import dequantize, quantize
+from gguf.quants import quantize
 from pagechat.core.errors import PagechatError
-from pagechat.core.gguf_model import FLOATS, GGMLTensor
+from pagechat.core.gguf_model import FLOATS, GGMLTensor, dequantized
 from pagechat.core.model import LinearLoader, TableLoader, dense_embedding, dense_linear, linear
 from pagechat.quant.head import Int4Head, Int8Head
 from pagechat.quant.layers import Int4Linear, Int8WOLinear, on_kernel
@@ -88,13 +88,7 @@ def requantize(t: GGMLTensor) -> tuple[torch.Tensor, torch.Tensor]:
     step = max(1, REQUANT_ROWS // k)
     parts = []
     for r in range(0, n, step):
-        raw = t.blocks[r : r + step].numpy()
-        try:
-            values = dequantize(raw, t.type)
-        except NotImplementedError:
-            raise PagechatError(
-                f"{t.file}: tensor {t.name} has type {t.type.name}, which pagechat cannot read"
-            ) from None
+        values = dequantized(t.blocks[r : r + step].numpy(), t.type, f"{t.file}: tensor {t.name}")
         parts.append(torch.from_numpy(np.ascontiguousarray(quantize(values, T.Q8_0))))
     return unpack_q8_0(torch.cat(parts), n, k)
 
@@ -159,9 +153,7 @@ def gguf_loader(device: torch.device) -> LinearLoader:
         types = {p.type for p in parts}
         if types <= set(FLOATS):
             return on_kernel(dense_linear(w, names, out_sizes, in_size, bias, dtype))
-        biases = [
-            w.floats(f"{n}.bias", (o,), dtype) if bias else None for n, o in zip(names, out_sizes)
-        ]
+        biases = [w.floats(f"{n}.bias", (o,), dtype) if bias else None for n, o in named]
         if len(types) == 1:
             b = torch.cat(biases) if bias else None
             return gguf_layer(_joined(parts), b, dtype, device)

@@ -47,14 +47,26 @@ def _linear_bytes(
     if mode == "bf16-wo":
         return "bf16-wo", bf16_wo_path(k, device_type), 2 * n * k + b
     g = group or 128
+    path, nbytes = _int4_bytes(n, k, g, device_type, 2, mins=False)  # AWQ's fp16 scales, zeros
+    return f"awq-int4 g{g}", path, nbytes + b
+
+
+def _int4_bytes(
+    n: int, k: int, g: int, device_type: str, scale: int, mins: bool
+) -> tuple[str, int]:
+    """(path, bytes) of an Int4Linear out=n, in=k in groups of g whose format keeps `scale`-byte
+    scales (AWQ's, Q4_0's and Q4_1's fp16: 2; Q4_K's float32: 4) and uint8 zeros or mins in the
+    scales' dtype, as quant/layers.py stores it."""
+    groups = k // g
     path = _int4_path(n, k, g, device_type)
-    if path == INT4_KERNEL_PATH:  # int4 [n, k/2] + a scale and u8 zero per group
-        rows, scale = kernels.stored_rows(n), 2 if kernels.PANELS else 4  # panels: fp16 scales
-        return f"awq-int4 g{g}", path, rows * k // 2 + (scale + 1) * rows * (k // g) + b
-    if path != "dequant":  # packed int4 [n, k/2] bytes + bf16 (scale, zero) per group and column
-        return f"awq-int4 g{g}", path, n * k // 2 + 4 * n * (k // g) + b
-    # the checkpoint's tensors as they are: qweight, qzeros, fp16 scales
-    return f"awq-int4 g{g}", path, n * k // 2 + n * (k // g) // 2 + 2 * n * (k // g) + b
+    if path == INT4_KERNEL_PATH:  # in panels, the format's scales as they are; in rows float32
+        stored = scale if kernels.PANELS else 4
+        rows = kernels.stored_rows(n)
+        return path, rows * k // 2 + (stored + (stored if mins else 1)) * rows * groups
+    if path != "dequant":  # packed int4 [n, k/2] bytes + bf16 (scale, zero) per group and row
+        return path, n * k // 2 + 4 * n * groups
+    # AWQ's int32 packing of the values and of zeros; the scales and mins as they are
+    return path, n * k // 2 + scale * n * groups + (scale * n * groups if mins else n * groups // 2)
 
 
 def _int4_path(n: int, k: int, g: int, device_type: str) -> str:
@@ -142,20 +154,9 @@ def _gguf_linear_bytes(qtype: T, n: int, k: int, elem: int, device_type: str) ->
     groups = k // GROUP
     if qtype in FLOATS:
         return "dense", n * k * elem
-    if qtype in INT4:
-        path = _int4_path(n, k, GROUP, device_type)
-        if path == INT4_KERNEL_PATH:  # a scale and an offset per group: fp16 where the file's
-            # are (in panels), else float32; Q4_0's offset a uint8 zero
-            scale = 2 if kernels.PANELS and qtype != T.Q4_K else 4
-            offset = 1 if qtype == T.Q4_0 else scale
-            rows = kernels.stored_rows(n)
-            return path, rows * k // 2 + (scale + offset) * rows * groups
-        if path.startswith("int4pack"):  # bf16 (scale, zero) per group and row
-            return path, n * k // 2 + 4 * n * groups
-        # AWQ's int32 packing of the values and zeros; the file's scales and mins as they are
+    if qtype in INT4:  # Q4_0: fp16 scales and zeros; Q4_1: fp16 mins; Q4_K: float32 both
         scale = 4 if qtype == T.Q4_K else 2
-        offset = n * groups // 2 if qtype == T.Q4_0 else scale * n * groups
-        return path, n * k // 2 + scale * n * groups + offset
+        return _int4_bytes(n, k, GROUP, device_type, scale, mins=qtype != T.Q4_0)
     # Q8_0, and the types requantised to it: int8 and an fp16 scale per group (float32 in rows)
     if int8_kernel_runs(k, device_type):
         rows = kernels.stored_rows(n)
