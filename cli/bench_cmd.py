@@ -40,7 +40,7 @@ def bench_command(
     engine = Engine(model_dir, config)
     spec_prompt = None
     if engine.proposer is not None:
-        spec_prompt = engine.encode(
+        spec_prompt = engine.requests.encode(
             spec_text or REPEAT_PROMPT, chat=bool(getattr(engine.tokenizer, "chat_template", None))
         )
     result = run_bench(

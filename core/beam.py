@@ -5,17 +5,22 @@ next beams and the finished hypotheses the way transformers' beam search does (i
 its `generate(num_beams=B, do_sample=False)` is the oracle): the top max(2, 1 + #eos) * B
 continuations by summed log-probability; those that end (an end-of-sequence token, or the length
 limit) among the first B become hypotheses scored log-probability / length ** length_penalty;
-the best B that do not end run on. The engine turns the picks into sequences: a beam picked once
-goes on as itself, one picked again is forked (sharing its blocks), one not picked is freed.
+the best B that do not end run on. BeamSearches turns the picks into sequences: a beam picked once
+goes on as itself, one picked again is forked (sharing its blocks), one not picked is freed. The
+scheduler knows nothing of beams: it sees grouped sequences, whose next token is not its to sample.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from pagechat.core.blocks import BlockManager
 from pagechat.core.report import BeamResult
-from pagechat.core.sequence import Sequence
+from pagechat.core.scheduler import Scheduler
+from pagechat.core.sequence import SamplingState, Sequence, Status
 
 NEG = -1.0e9  # transformers' score for "cannot be chosen"
 
@@ -114,3 +119,131 @@ class BeamGroup:
             BeamResult(tokens, decode(list(tokens)), score)
             for tokens, score in zip(self.hyps, self.hyp_scores.tolist())
         )
+
+
+class BeamSearches:
+    """Every running beam search of the engine: which sequence is whose beam, their logits as each
+    step computes them, and the sequences the picks make and free."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        blocks: BlockManager,
+        new_id: Callable[[], int],
+        decode: Callable[[list[int]], str],
+    ) -> None:
+        self.scheduler, self.blocks = scheduler, blocks
+        self.new_id, self.decode = new_id, decode  # the request layer's ids and detokeniser
+        self._groups: dict[int, BeamGroup] = {}  # request id -> its beam search
+        self._of: dict[int, BeamGroup] = {}  # running beam's seq id -> its beam search
+
+    def start(self, root: Sequence, eos_ids: frozenset[int], max_model_len: int) -> None:
+        """Make a new request a beam search: its prompt is the first beam."""
+        root.grouped = True
+        group = BeamGroup(root, eos_ids, max_model_len)
+        self._groups[root.seq_id] = self._of[root.seq_id] = group
+
+    def take(self, seq: Sequence, logits: torch.Tensor) -> bool:
+        """Keep a beam's logits row of this step for its search's pick; False for no beam."""
+        group = self._of.get(seq.seq_id)
+        if group is not None:
+            group.pending[seq.seq_id] = logits
+        return group is not None
+
+    def advance(self) -> list[Sequence]:
+        """Let every search whose beams all have this step's logits pick its next beams; the
+        requests of those that finished."""
+        finished = []
+        for group in list(self._groups.values()):
+            if group.ready():
+                self._apply(group, group.select())
+                if group.done:
+                    finished.append(self._finish(group))
+        return finished
+
+    def root(self, seq: Sequence) -> Sequence | None:
+        """The request a running beam searches for; None for a sequence that is no beam."""
+        group = self._of.get(seq.seq_id)
+        return None if group is None else group.root
+
+    def rank(self, seq: Sequence) -> tuple[int, int] | None:
+        """(its request, its rank among the running beams), or None for no running beam."""
+        group = self._of.get(seq.seq_id)
+        if group is not None and seq in group.running:
+            return group.root.seq_id, group.running.index(seq)
+        return None
+
+    def drop(self, request_id: int) -> None:
+        """End a request's search, if it is one: every running beam but the request's own is freed
+        (the request itself is finished by the caller)."""
+        group = self._groups.pop(request_id, None)
+        if group is None:
+            return
+        for beam in group.running:
+            self._of.pop(beam.seq_id, None)
+            if beam is not group.root:
+                self.scheduler.finish(beam)
+        group.running = []
+
+    def _apply(self, group: BeamGroup, choices: list[BeamChoice]) -> None:
+        """Make the picked beams: the first pick of a beam goes on as itself, a second one is forked
+        from it (sharing its blocks), a beam not picked is freed."""
+        reused: set[int] = set()
+        plan = []
+        for c in choices:
+            reuse = c.parent.seq_id not in reused and c.parent is not group.root
+            reused.add(c.parent.seq_id)
+            plan.append((c, reuse))
+        beams = [c.parent if reuse else self._fork(c) for c, reuse in plan]
+        for c, reuse in plan:  # after the forks, which copy the parent's tokens as they were
+            if reuse:
+                c.parent.token_ids.append(c.token)
+                self.scheduler.resume(c.parent)
+        kept = {b.seq_id for b in beams}
+        for old in group.running:
+            if old is group.root:
+                self.scheduler.detach(old)
+            elif old.seq_id not in kept:
+                self.scheduler.finish(old)
+            if old.seq_id not in kept:
+                del self._of[old.seq_id]
+        group.running = beams
+        self._of.update((b.seq_id, group) for b in beams)
+
+    def _fork(self, choice: BeamChoice) -> Sequence:
+        """A new beam: its parent's tokens plus the picked one, sharing the parent's blocks; a
+        parent preempted meanwhile has none, so the beam waits to be computed afresh."""
+        parent = choice.parent
+        beam = Sequence(
+            self.new_id(),
+            [*parent.token_ids, choice.token],
+            parent.num_prompt_tokens,
+            SamplingState(parent.sampling.params),
+            parent.arrival,
+            status=parent.status,
+            num_computed=parent.num_computed,
+            priority=parent.priority,
+            grouped=True,
+        )
+        if parent.status is Status.RUNNING:
+            self.blocks.fork(parent.seq_id, beam.seq_id)
+            self.scheduler.run(beam)
+        else:
+            beam.num_computed = 0
+            self.scheduler.add(beam, front=True)
+        return beam
+
+    def _finish(self, group: BeamGroup) -> Sequence:
+        """End a search: the request's tokens and text become the best hypothesis'."""
+        root = group.root
+        self.drop(root.seq_id)
+        root.beams = group.results(self.decode)
+        best = root.beams[0]
+        root.token_ids[root.num_prompt_tokens :] = best.token_ids
+        root.text = best.text
+        ended = bool(best.token_ids) and best.token_ids[-1] in group.eos_ids
+        now = time.perf_counter()
+        self.scheduler.finish(root)
+        root.finish_reason, root.finish_time = "stop" if ended else "length", now
+        root.first_token_time = root.first_token_time or now
+        return root

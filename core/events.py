@@ -54,6 +54,7 @@ class Finished:
     ttft_s: float | None
     total_s: float
     beams: tuple[BeamResult, ...] = ()  # a beam search's hypotheses, best first
+    fault: bool = False  # the error is the engine's own (a step failed), not the request's
 
     @classmethod
     def of(cls, seq: Sequence) -> Finished:
@@ -69,6 +70,7 @@ class Finished:
             ttft,
             total,
             seq.beams,
+            seq.fault,
         )
 
 

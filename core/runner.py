@@ -5,9 +5,12 @@ from __future__ import annotations
 import torch
 from pagechat.core.attention import build_metadata
 from pagechat.core.blocks import BlockManager
+from pagechat.core.errors import PagechatError
 from pagechat.core.graphs import StepGraphs
 from pagechat.core.model import DecoderModel
+from pagechat.core.params import SamplingParams
 from pagechat.core.scheduler import ScheduledSeq
+from pagechat.core.sequence import SamplingState, Sequence
 
 
 class ModelRunner:
@@ -38,6 +41,20 @@ class ModelRunner:
         meta = build_metadata([0], [count], [table], self.blocks.block_size, self.device)
         positions = torch.arange(count, device=self.device)
         self.graphs.run(torch.zeros_like(positions), positions, self.pool, meta)
+
+    def score(self, ids: list[int]) -> torch.Tensor:
+        """float32 logits [len(ids), vocab] at each position of ids: one prefill outside the
+        scheduler (perplexity), its blocks never committed, so never in the prefix cache."""
+        if not self.blocks.can_allocate(ids):
+            raise PagechatError(
+                f"a window of {len(ids)} tokens does not fit the KV pool; lower --seqlen"
+            )
+        seq = Sequence(-1, list(ids), len(ids), SamplingState(SamplingParams()), 0.0)  # id: none
+        self.blocks.allocate(seq.seq_id, seq.token_ids)  # of the engine's
+        try:
+            return self.run([ScheduledSeq(seq, 0, len(ids))], [len(ids)])
+        finally:
+            self.blocks.free(seq.seq_id)
 
     @torch.inference_mode()
     def run(self, items: list[ScheduledSeq], logits_per_item: list[int]) -> torch.Tensor:

@@ -69,10 +69,10 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()  # oldest first, resumed before any admission
-        # Beams whose logits of this round are in and whose blocks were given up to let their
-        # siblings in: none of them needs computing until its beam search picks its next token.
-        self.parked: list[Sequence] = []
-        self.ended: list[Sequence] = []  # finished since the engine last listed its sequences
+        # Grouped sequences freed while they had nothing to compute, to let others in: out of every
+        # queue until their group gives them their next token (resume).
+        self.idle: list[Sequence] = []
+        self.ended: list[Sequence] = []  # finished since take_ended()
 
     def add(self, seq: Sequence, front: bool = False) -> None:
         """Queue seq behind the waiting sequences of its priority and the more urgent ones; front:
@@ -87,8 +87,17 @@ class Scheduler:
         )
         self.waiting.insert(at, seq)
 
+    def run(self, seq: Sequence) -> None:
+        """Take a fork into the running batch: it holds its parent's blocks (shared) already."""
+        self.running.append(seq)
+
+    def take_ended(self) -> list[Sequence]:
+        """The sequences finished since the last call."""
+        ended, self.ended = self.ended, []
+        return ended
+
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped or self.parked)
+        return bool(self.waiting or self.running or self.swapped or self.idle)
 
     def schedule(self, lookahead: int = 0) -> Batch:
         """Pick this step's chunks: running sequences first (decodes, unfinished prefills), then new
@@ -147,12 +156,12 @@ class Scheduler:
             if budget <= 0:
                 break
             if seq.status is not Status.RUNNING or seq.num_computed == len(seq.token_ids):
-                continue  # preempted to make room for another; or a beam awaiting its pick
+                continue  # preempted to make room for another; or grouped, awaiting its token
             if id(seq) in admitted:
                 continue
             decoding = len(seq.token_ids) - seq.num_computed == 1
-            beam = seq.sampling.params.beam_width > 1  # a beam's next token is the group's pick
-            extra = min(lookahead, budget - 1) if decoding and not beam else 0
+            # a grouped sequence's next token is its group's pick: nothing to draft
+            extra = min(lookahead, budget - 1) if decoding and not seq.grouped else 0
             need = len(seq.token_ids) + extra - self.blocks.length(seq.seq_id)
             if extra and need > 0 and not self.blocks.can_append(seq.seq_id, need):
                 extra = 0  # speculation never preempts anyone: decode this one plainly
@@ -182,7 +191,7 @@ class Scheduler:
                 )
                 continue
             if not self.blocks.can_allocate(seq.token_ids):
-                if self._park_idle(batch):
+                if self._free_idle(batch):
                     continue
                 break
             self.waiting.popleft()
@@ -197,10 +206,11 @@ class Scheduler:
             admitted += 1
         return budget
 
-    def _park_idle(self, batch: Batch) -> bool:
-        """Free the newest running sequence that has nothing to compute (a beam whose logits wait
-        for its search's pick), so a waiting one can come in: without this, beams holding the pool
-        while their siblings wait would wait for each other forever. False when there is none."""
+    def _free_idle(self, batch: Batch) -> bool:
+        """Free the newest running sequence that has nothing to compute (a grouped one whose
+        logits wait for its group's pick), so a waiting one can come in: without this, a group
+        holding the pool while its other members wait would wait for itself forever. False when
+        there is none."""
         idle = [s for s in self.running if s.num_computed == len(s.token_ids)]
         if not idle:
             return False
@@ -210,13 +220,14 @@ class Scheduler:
         seq.status, seq.num_computed = Status.WAITING, 0
         seq.num_preemptions += 1
         batch.preempted.append(seq)
-        self.parked.append(seq)
+        self.idle.append(seq)
         return True
 
-    def unpark(self, seq: Sequence) -> None:
-        """A parked beam got its next token: it waits, first in line, to be computed again."""
-        if seq in self.parked:
-            self.parked.remove(seq)
+    def resume(self, seq: Sequence) -> None:
+        """A grouped sequence got its next token: freed while idle, it waits, first in line, to be
+        computed again (a running one simply runs on)."""
+        if seq in self.idle:
+            self.idle.remove(seq)
             self.add(seq, front=True)
 
     def _make_room(self, seq: Sequence, batch: Batch, extra: int = 0) -> bool:
@@ -266,20 +277,20 @@ class Scheduler:
         self.add(seq, front=True)
 
     def _can_swap(self, seq: Sequence) -> bool:
-        """Swapping is on, the host pool has room, and seq is no beam (beams are re-picked
-        together, so a beam is recomputed)."""
+        """Swapping is on, the host pool has room, and seq is not grouped (a group's members are
+        picked together, so one is recomputed)."""
         return (
             self.host is not None
             and seq.num_computed > 0
-            and seq.sampling.params.beam_width == 1
+            and not seq.grouped
             and self.host.num_free() >= self.blocks.blocks_needed(seq.num_computed)
         )
 
     def detach(self, seq: Sequence) -> None:
         """Take a running sequence out of the batch and free its blocks without finishing it (a
-        beam search's prompt, once its beams have forked from it)."""
-        if seq in self.parked:
-            self.parked.remove(seq)
+        group's first member, once the others have forked from it)."""
+        if seq in self.idle:
+            self.idle.remove(seq)
             return
         self.running.remove(seq)
         self.blocks.free(seq.seq_id, seq.token_ids, seq.num_computed)
@@ -294,8 +305,8 @@ class Scheduler:
         elif seq in self.swapped:
             self.swapped.remove(seq)
             self.host.give_back(seq.seq_id)
-        elif seq in self.parked:
-            self.parked.remove(seq)
+        elif seq in self.idle:
+            self.idle.remove(seq)
         seq.status = Status.FINISHED
         self.ended.append(seq)
 

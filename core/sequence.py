@@ -52,6 +52,7 @@ class Sequence:
     error: str | None = None
     fault: bool = False  # the error is the engine's own (a step failed), not the request's
     priority: int = 0  # lower is admitted first and preempted last (the app's chat 0, load 1)
+    grouped: bool = False  # a beam: its group picks its next token (never drafted for, or swapped)
     first_token_time: float | None = None
     finish_time: float | None = None
     text: str = ""  # detokenised output so far (stop strings already cut)

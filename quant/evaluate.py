@@ -25,28 +25,6 @@ class Perplexity:
     seconds: float
 
 
-def window_logits(engine, ids: list[int]) -> torch.Tensor:
-    """float32 logits [len(ids), vocab] at each position of ids: one prefill through the engine."""
-    from pagechat.core.params import SamplingParams
-    from pagechat.core.scheduler import ScheduledSeq
-    from pagechat.core.sequence import Sequence
-
-    if not engine.blocks.can_allocate(ids):
-        raise PagechatError(
-            f"a window of {len(ids)} tokens does not fit the KV pool; lower --seqlen"
-        )
-    seq = Sequence(
-        -1, list(ids), len(ids), SamplingParams(), time.perf_counter()
-    )  # outside the engine's request ids
-    engine.blocks.allocate(
-        seq.seq_id, seq.token_ids
-    )  # never committed, so it never enters the prefix cache
-    try:
-        return engine.runner.run([ScheduledSeq(seq, 0, len(ids))], [len(ids)])
-    finally:
-        engine.blocks.free(seq.seq_id)
-
-
 def perplexity(engine, ids: list[int], window: int | None = None) -> Perplexity:
     """Perplexity of ids in windows of `window` tokens (default: the engine's context, <= 2048)."""
     t0 = time.perf_counter()
@@ -58,7 +36,7 @@ def perplexity(engine, ids: list[int], window: int | None = None) -> Perplexity:
         chunk = ids[start : start + window]
         if len(chunk) < 2:
             break
-        logits = window_logits(engine, chunk)
+        logits = engine.runner.score(chunk)
         total += F.cross_entropy(
             logits[:-1], torch.tensor(chunk[1:], device=logits.device), reduction="sum"
         ).item()

@@ -1,4 +1,4 @@
-"""The FastAPI application: OpenAI's routes on one EngineLoop, plus /health and /metrics."""
+"""The FastAPI application: OpenAI's routes on one ServerLoop, plus /health and /metrics."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pagechat.server.engine_loop import EngineLoop
+from pagechat.server.engine_loop import ServerLoop
 from pagechat.server.errors import APIError, install_error_handlers
 from pagechat.server.jobs import Job, usage_of
 from pagechat.server.metrics import ServerMetrics
@@ -28,7 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 class ServerState:
     """What the routes share: the engine loop, metrics, the HTTP side's encoder, and settings."""
 
-    loop: EngineLoop
+    loop: ServerLoop
     metrics: ServerMetrics
     watchers: Watchers
     encoder: PromptEncoder

@@ -7,7 +7,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from pagechat.server.engine_loop import EngineLoop
+from pagechat.server.engine_loop import ServerLoop
 from pagechat.server.errors import APIError
 from pagechat.server.messages import ChoiceDelta, ChoiceUsage, Submission, TokenLogprob
 from pagechat.server.prompts import Limits
@@ -52,7 +52,7 @@ class Job:
 
     def __init__(
         self,
-        loop: EngineLoop,
+        loop: ServerLoop,
         prompts: list[list[int]],
         options: Options,
         limits: Limits,
@@ -109,5 +109,5 @@ class Job:
         blocks at its next look at the inbox, before its next step."""
         if self._open and not self._closed:
             for sub in self._subs:  # the engine's loop skips those already finished
-                self._loop.abort(sub)
+                self._loop.cancel(sub)
         self._closed = True

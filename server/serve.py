@@ -13,7 +13,7 @@ from pagechat.core.engine import Engine
 from pagechat.core.events import EngineInfo
 from pagechat.core.memory import weight_report
 from pagechat.server.app import ServerState, create_app
-from pagechat.server.engine_loop import EngineLoop
+from pagechat.server.engine_loop import ServerLoop
 from pagechat.server.metrics import ServerMetrics
 from pagechat.server.prompts import Limits, PromptEncoder
 from pagechat.server.watch import Watchers
@@ -56,14 +56,13 @@ def exposure_warning(host: str, api_key: str | None) -> str | None:
 def build_state(engine: Engine, settings: ServerSettings) -> ServerState:
     """The routes' shared state around a loaded engine."""
     name = settings.model_name or engine.model_dir.resolve().name.removesuffix(".gguf")
-    blocks = engine.blocks
-    limits = Limits(
-        engine.max_model_len, blocks.num_blocks * blocks.block_size, engine.spec.vocab_size
-    )
-    metrics = ServerMetrics(name, blocks.num_blocks)
-    watchers = Watchers(EngineInfo.of(engine))
+    info = EngineInfo.of(engine)
+    num_blocks, block_size = len(info.blocks.blocks), info.blocks.block_size
+    limits = Limits(engine.max_model_len, num_blocks * block_size, engine.spec.vocab_size)
+    metrics = ServerMetrics(name, num_blocks)
+    watchers = Watchers(info)
     return ServerState(
-        loop=EngineLoop(engine, metrics, watchers),
+        loop=ServerLoop(engine, metrics, watchers),
         metrics=metrics,
         watchers=watchers,
         encoder=PromptEncoder(engine.model_dir, limits),
@@ -79,7 +78,7 @@ def serve(model_dir: Path, config: EngineConfig, settings: ServerSettings) -> No
     state = build_state(engine, settings)
     print(
         f"pagechat serve: {model_dir} as {state.model_name!r} ({engine.precision}, "
-        f"{engine.blocks.num_blocks} KV blocks of {engine.blocks.block_size} tokens) on "
+        f"{state.metrics.num_blocks} KV blocks of {engine.config.block_size} tokens) on "
         f"http://{settings.host}:{settings.port}/v1; weights: "
         f"{weight_report(engine.model).formats()}",
         file=sys.stderr,

@@ -57,14 +57,15 @@ def sequences(engine) -> Mapping:
     compare what the app shows with the engine's own record, so they keep what it lets go."""
     if engine not in _RELEASED:
         kept = _RELEASED[engine] = {}
-        release = engine.release
+        requests = engine.requests
+        release = requests.release
 
         def keeping(request_id: int):
-            kept.update((c, engine.requests[c]) for c in engine.requests[request_id].children)
+            kept.update((c, requests[c]) for c in requests[request_id].children)
             kept[request_id] = release(request_id)
             return kept[request_id]
 
-        engine.release = keeping
+        requests.release = keeping
     return ChainMap(engine.requests, _RELEASED[engine])
 
 

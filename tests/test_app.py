@@ -255,7 +255,9 @@ async def test_the_app_on_an_engine_process(model_dir, tmp_path):
     config = EngineConfig(device="cpu", dtype="float32", kv_blocks=64)
     greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     engine = Engine(model_dir, config)  # the oracle: the same engine run in this process
-    engine.add_request(engine.encode_chat([{"role": "user", "content": "hello there"}]), greedy)
+    engine.requests.add(
+        engine.requests.encode_chat([{"role": "user", "content": "hello there"}]), greedy
+    )
     while engine.has_unfinished():
         engine.step()
     app = PagechatApp(

@@ -50,7 +50,7 @@ def breaks_once(engine: Engine, name: str, at_call: int):
 
 async def test_a_failed_step_ends_the_reply_and_ctrl_r_asks_again(model_dir, tmp_path):
     engine = Engine(model_dir, CONFIG)
-    prompt = engine.encode_chat([{"role": "user", "content": "hello"}])
+    prompt = engine.requests.encode_chat([{"role": "user", "content": "hello"}])
     want = engine.generate([prompt], GREEDY)[0].text  # as a fresh engine answers the turn
     breaks_once(engine, "_forward", 4)  # mid-reply: after the prompt and two decode steps
     app = app_on(ThreadedEngine(engine), tmp_path)

@@ -74,8 +74,8 @@ def test_beams_equal_transformers(arch, tiny_models, hf_models):
         [seq] = eng.generate([ids], params)
         assert_same(
             seq,
-            hf_beams(hf_models[arch], ids, eng.eos_ids, width, penalty, early),
-            min(eng.eos_ids),
+            hf_beams(hf_models[arch], ids, eng.requests.eos_ids, width, penalty, early),
+            min(eng.requests.eos_ids),
         )
     assert eng.block_map.snapshot().num_used == 0
 
@@ -86,12 +86,12 @@ def test_beams_that_end_early_equal_transformers(early, tiny_llama, hf_models):
     eng = engine(tiny_llama)
     ids = eng.tokenizer(PROMPT).input_ids
     [greedy] = eng.generate([ids], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-    eng.eos_ids = frozenset(greedy.output_ids[1:3])  # tokens the model is about to pick
+    eng.requests.eos_ids = frozenset(greedy.output_ids[1:3])  # tokens the model is about to pick
     params = SamplingParams(temperature=0, max_tokens=NEW, beam_width=3, early_stopping=early)
     [seq] = eng.generate([ids], params)
-    expected = hf_beams(hf_models["llama"], ids, eng.eos_ids, 3, 1.0, early)
+    expected = hf_beams(hf_models["llama"], ids, eng.requests.eos_ids, 3, 1.0, early)
     assert any(len(b.token_ids) < NEW for b in seq.beams)
-    assert_same(seq, expected, min(eng.eos_ids))
+    assert_same(seq, expected, min(eng.requests.eos_ids))
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -102,7 +102,11 @@ def test_beams_in_a_tight_pool_are_preempted_and_still_equal(arch, tiny_models, 
     params = SamplingParams(temperature=0, max_tokens=NEW, beam_width=4)
     [seq] = eng.generate([ids], params, on_report=lambda r: preempted.extend(r.preempted))
     assert preempted  # 4 beams of ~20 tokens do not fit 8 blocks of 4 at once
-    assert_same(seq, hf_beams(hf_models[arch], ids, eng.eos_ids, 4, 1.0, False), min(eng.eos_ids))
+    assert_same(
+        seq,
+        hf_beams(hf_models[arch], ids, eng.requests.eos_ids, 4, 1.0, False),
+        min(eng.requests.eos_ids),
+    )
     assert eng.block_map.snapshot().num_used == 0
 
 

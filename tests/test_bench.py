@@ -86,7 +86,7 @@ def test_bench_speculation_round_decodes_the_given_prompt(tiny_llama, capsys):
     engine = Engine(tiny_llama, EngineConfig(device="cpu", dtype="float32"))
     chat = bool(getattr(engine.tokenizer, "chat_template", None))
     assert (
-        spec["prompt_tokens"] == len(engine.encode(text, chat=chat)) != 128
+        spec["prompt_tokens"] == len(engine.requests.encode(text, chat=chat)) != 128
     )  # not the workload's prompt
 
 

@@ -71,7 +71,7 @@ def test_block_deltas_rebuild_every_snapshot_of_a_busy_pool():
     engine = Engine(tiny_model_dir(), CONFIG)
     prompt = list(range(5, 45))
     for i in range(3):
-        engine.add_request(
+        engine.requests.add(
             prompt + [50 + i] * (i + 1),
             SamplingParams(temperature=0.8, max_tokens=12 + 6 * i, seed=i),
         )
@@ -81,7 +81,7 @@ def test_block_deltas_rebuild_every_snapshot_of_a_busy_pool():
         events = [engine.step()]
         steps += 1
         if steps == 4:
-            engine.abort(2)
+            engine.requests.abort(2)
             events.append(BlocksChanged(engine.block_map.snapshot()))
         batch, sent = pack(events, sent)
         got, held = unpack(pickle.loads(pickle.dumps(batch)), held)

@@ -41,7 +41,7 @@ def test_beams_in_json_are_the_engines_best_first(tiny_llama, capsys):
     )
     engine = Engine(tiny_llama, EngineConfig(device="cpu", dtype="float32"))
     params = SamplingParams(max_tokens=6, beam_width=3, length_penalty=0.5)
-    [seq] = engine.generate([engine.encode("Hello", chat=False)], params)
+    [seq] = engine.generate([engine.requests.encode("Hello", chat=False)], params)
     beams = result["beams"]
     assert [b["token_ids"] for b in beams] == [list(b.token_ids) for b in seq.beams]
     assert [b["score"] for b in beams] == sorted((b["score"] for b in beams), reverse=True)

@@ -53,11 +53,11 @@ def test_demo_draft_records_are_what_the_reply_got():
     )
     records = []
     [seq] = engine.generate(
-        [engine.encode("Explain speculative decoding.", chat=True)],
+        [engine.requests.encode("Explain speculative decoding.", chat=True)],
         SamplingParams(temperature=0.0, max_tokens=80),
         on_report=lambda r: records.extend(r.drafts),
     )
-    assert seq.finish_reason == "stop" and seq.output_ids[-1] in engine.eos_ids
+    assert seq.finish_reason == "stop" and seq.output_ids[-1] in engine.requests.eos_ids
     assert [t for r in records for t in r.emitted] == seq.output_ids[1:]
     assert sum(r.accepted for r in records) / sum(len(r.drafted) for r in records) >= 0.6
 
@@ -72,7 +72,7 @@ def test_a_chat_turn_reuses_every_token_the_last_one_computed():
     engine = Engine(demo.chat_model_dir(), EngineConfig(device="cpu", dtype="float32"))
     messages = [{"role": "user", "content": "Tell me about paged attention."}]
     [first] = engine.generate(
-        [engine.encode_chat(messages)], SamplingParams(temperature=0.0, max_tokens=60)
+        [engine.requests.encode_chat(messages)], SamplingParams(temperature=0.0, max_tokens=60)
     )
     assert first.num_computed % engine.blocks.block_size, "the turn was meant to end inside a block"
     messages += [
@@ -80,7 +80,7 @@ def test_a_chat_turn_reuses_every_token_the_last_one_computed():
         {"role": "user", "content": "And the KV cache?"},
     ]
     [second] = engine.generate(
-        [engine.encode_chat(messages)], SamplingParams(temperature=0.0, max_tokens=4)
+        [engine.requests.encode_chat(messages)], SamplingParams(temperature=0.0, max_tokens=4)
     )
     assert second.num_cached_tokens == first.num_computed
 

@@ -35,12 +35,12 @@ def test_seeded_request_ignores_batch_mates(engine):
 
 
 def test_update_params_applies_from_next_token(engine):
-    rid = engine.add_request("Decode", sampled(5, n=30))
+    rid = engine.requests.add("Decode", sampled(5, n=30))
     seq = engine.requests[rid]
     while seq.num_output_tokens < 3:
         engine.step()
     greedy = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
-    engine.update_params(rid, greedy)
+    engine.requests.update_params(rid, greedy)
     seen = []
     while not seq.finished:
         seen += [r.params.temperature for r in engine.step().samples if r.seq_id == rid]
@@ -49,18 +49,18 @@ def test_update_params_applies_from_next_token(engine):
 
 
 def test_update_params_rejects_bad_values(engine):
-    rid = engine.add_request("x", sampled(1, n=2))
+    rid = engine.requests.add("x", sampled(1, n=2))
     with pytest.raises(PagechatError, match="top-p"):
-        engine.update_params(rid, SamplingParams(top_p=2.0))
-    engine.abort(rid)
+        engine.requests.update_params(rid, SamplingParams(top_p=2.0))
+    engine.requests.abort(rid)
 
 
 def test_abort_keeps_output_and_frees_blocks(engine):
-    rid = engine.add_request("Abort me", sampled(1, n=100))
+    rid = engine.requests.add("Abort me", sampled(1, n=100))
     seq = engine.requests[rid]
     while seq.num_output_tokens < 5:
         engine.step()
-    engine.abort(rid)
+    engine.requests.abort(rid)
     assert seq.finish_reason == "abort" and seq.num_output_tokens == 5
     assert engine.block_map.snapshot().num_used == 0 and not engine.has_unfinished()
 
@@ -78,7 +78,7 @@ def test_stop_string_cuts_text(engine):
 
 
 def test_streamed_deltas_add_up_to_text(engine):
-    rid = engine.add_request(
+    rid = engine.requests.add(
         "Stream", SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     )
     assert "".join(engine.stream(rid)) == engine.requests[rid].text
@@ -89,8 +89,8 @@ def test_request_larger_than_pool_fails_alone(tiny_llama):
         tiny_llama, EngineConfig(device="cpu", dtype="float32", block_size=4, kv_blocks=6)
     )
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    big = engine.add_request(list(range(5, 35)), params)  # 30 prompt tokens > 24 slots
-    small = engine.add_request(
+    big = engine.requests.add(list(range(5, 35)), params)  # 30 prompt tokens > 24 slots
+    small = engine.requests.add(
         [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     )
     while engine.has_unfinished():
@@ -126,11 +126,11 @@ def test_context_limit_finishes_with_length(tiny_llama):
 )
 def test_bad_prompts(engine, prompt, needle):
     with pytest.raises(PagechatError, match=needle):
-        engine.add_request(prompt, sampled(1))
+        engine.requests.add(prompt, sampled(1))
 
 
 def test_step_report_counts(engine):
-    rid = engine.add_request(
+    rid = engine.requests.add(
         list(range(5, 25)), SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     )
     first = engine.step()
@@ -177,7 +177,7 @@ def test_step_reports_carry_every_block_event(tiny_llama):
     engine = Engine(tiny_llama, EngineConfig(device="cpu", dtype="float32", block_size=4))
     seen = []
     engine.blocks.observers.append(seen.append)
-    engine.add_request("Blocks fill up", SamplingParams(max_tokens=20, n=2, ignore_eos=True))
+    engine.requests.add("Blocks fill up", SamplingParams(max_tokens=20, n=2, ignore_eos=True))
     reported = []
     while engine.has_unfinished():
         reported += engine.step().block_events
@@ -194,17 +194,19 @@ def test_released_requests_leave_nothing_behind(tiny_llama):
         SamplingParams(max_tokens=3, ignore_eos=True, n=3, temperature=1.0),
         SamplingParams(max_tokens=3, temperature=0.0, beam_width=2),
     ]
-    rid = engine.add_request("not yet", kinds[0])
+    rid = engine.requests.add("not yet", kinds[0])
     with pytest.raises(PagechatError, match=f"request {rid} has not finished"):
-        engine.release(rid)
-    engine.abort(rid)
-    assert engine.release(rid).finish_reason == "abort"
+        engine.requests.release(rid)
+    engine.requests.abort(rid)
+    assert engine.requests.release(rid).finish_reason == "abort"
     for i in range(30):
-        rid = engine.add_request(f"request {i}", kinds[i % 3])
+        rid = engine.requests.add(f"request {i}", kinds[i % 3])
         while engine.has_unfinished():
             engine.step()
-        assert engine.release(rid).finished
-    assert not engine.requests and not engine._beams and not engine._beam_of
+        assert engine.requests.release(rid).finished
+    assert (
+        not engine.requests and not engine.requests.beams._groups and not engine.requests.beams._of
+    )
     s = engine.scheduler
-    assert not (s.running or s.waiting or s.swapped or s.parked)
+    assert not (s.running or s.waiting or s.swapped or s.idle)
     assert not engine.blocks._tables and engine.block_map.snapshot().num_used == 0

@@ -8,9 +8,10 @@ from collections import deque
 
 from pagechat.core.config import EngineConfig
 from pagechat.core.engine import Engine
+from pagechat.core.engine_loop import NOTHING
 from pagechat.core.events import Finished, Started
 from pagechat.core.params import SamplingParams
-from pagechat.tui.engine_loop import NOTHING, EngineLoop
+from pagechat.tui.engine_loop import AppLoop
 from pagechat.tui.protocol import Send, StartLoad, Stop
 
 
@@ -48,7 +49,7 @@ def test_the_engine_keeps_no_request_once_the_app_has_been_told(tiny_llama):
     commands += [Send(13, chat(13), SamplingParams(max_tokens=6), prefix=(5, 6), beside=True)]
     commands.append(StartLoad(count=24, rate=1000.0, max_tokens=6))
     port = ScriptPort(commands)
-    EngineLoop(engine, port).run()
+    AppLoop(engine, port).run()
     started = {e.request_id for e in port.events if isinstance(e, Started)}
     ended = {e.request_id for e in port.events if isinstance(e, Finished)}
     assert len(started) == 14 + 24 and started <= ended  # each told as it ended

@@ -172,13 +172,13 @@ def test_a_temperature_too_small_to_divide_by_samples_the_argmax(tiny_llama, cap
     assert ids[0] == ids[1] == ids[2] and len(ids[0]) == 3
 
 
-STAGES = {  # where to break a step: (on the engine or its sampler, the attribute)
-    "forward": (False, "_forward"),
-    "draft": (False, "_draft"),
-    "sample": (True, "sample"),
-    "verify": (False, "_verify_drafts"),
-    "append": (False, "_append"),
-    "beam pick": (False, "_advance_beams"),
+STAGES = {  # where to break a step: (the engine, its sampler or its beam searches; the method)
+    "forward": ("engine", "_forward"),
+    "draft": ("engine", "_draft"),
+    "sample": ("sampler", "sample"),
+    "verify": ("engine", "_verify_drafts"),
+    "append": ("engine", "_append"),
+    "beam pick": ("beams", "advance"),
 }
 
 
@@ -196,8 +196,8 @@ def test_an_engine_step_that_raises_fails_its_requests_and_the_engine_goes_on(
     beams = SamplingParams(max_tokens=6, ignore_eos=True, beam_width=2)
     engine = Engine(tiny_llama, EngineConfig(ngram=True, num_draft=2))
     want = Engine(tiny_llama, EngineConfig()).generate(["one two one two one"], greedy)
-    on_sampler, name = STAGES[stage]
-    target = engine.sampler if on_sampler else engine
+    where, name = STAGES[stage]
+    target = {"engine": engine, "sampler": engine.sampler, "beams": engine.requests.beams}[where]
     real, calls = getattr(target, name), []
 
     def broken(*args, **kwargs):
@@ -208,7 +208,7 @@ def test_an_engine_step_that_raises_fails_its_requests_and_the_engine_goes_on(
 
     monkeypatch.setattr(target, name, broken)
     prompts = ["one two one two one two", "a b c d e f g", "x y z"]
-    ids = [engine.add_request(p, beams if i == 1 else greedy) for i, p in enumerate(prompts)]
+    ids = [engine.requests.add(p, beams if i == 1 else greedy) for i, p in enumerate(prompts)]
     while engine.has_unfinished():
         engine.step()
     assert len(calls) >= 2, "the stage never ran twice"
@@ -222,9 +222,9 @@ def test_an_engine_step_that_raises_fails_its_requests_and_the_engine_goes_on(
 
 
 def test_a_chat_template_that_never_ends_is_stopped(model, capsys, monkeypatch):
-    import pagechat.core.engine
+    import pagechat.core.requests
 
-    monkeypatch.setattr(pagechat.core.engine, "TEMPLATE_LIMIT_S", 0.5)
+    monkeypatch.setattr(pagechat.core.requests, "TEMPLATE_LIMIT_S", 0.5)
     (model / "chat_template.jinja").write_text(
         "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
     )

@@ -24,7 +24,7 @@ from pagechat.core.gguf import GGUFFile
 from pagechat.core.loader import read_spec
 from pagechat.core.memory import weight_report
 from pagechat.core.params import SamplingParams
-from pagechat.quant.evaluate import perplexity, window_logits
+from pagechat.quant.evaluate import perplexity
 from pagechat.tools.planner import estimate_gguf_weights
 from transformers import AutoModelForCausalLM
 
@@ -61,7 +61,7 @@ def test_an_f32_gguf_runs_as_the_checkpoint_it_was_written_from(arch, tiny_model
     e = Engine(tiny_ggufs[arch], F32)
     for ids in IDS:
         want = hf_logits(tiny_models[arch], ids)
-        assert torch.allclose(window_logits(e, ids), want, atol=1e-4, rtol=1e-4)
+        assert torch.allclose(e.runner.score(ids), want, atol=1e-4, rtol=1e-4)
     ref = Engine(tiny_models[arch], F32)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     assert [o.output_ids for o in e.generate(IDS, params)] == [
@@ -69,7 +69,7 @@ def test_an_f32_gguf_runs_as_the_checkpoint_it_was_written_from(arch, tiny_model
     ]
     text = "Hello <|im_end|> world, 123"  # the file's tokenizer: the checkpoint's
     assert e.tokenizer(text).input_ids == ref.tokenizer(text).input_ids
-    assert e.encode("Hi", chat=True) == ref.encode("Hi", chat=True)
+    assert e.requests.encode("Hi", chat=True) == ref.requests.encode("Hi", chat=True)
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_1"])
@@ -87,7 +87,7 @@ def test_a_quantised_gguf_computes_what_transformers_computes_on_the_same_file(
     assert formats == {qtype if qtype != "Q5_1" else "Q5_1→int8"}
     for ids in IDS:
         want = hf_logits(tmp_path, ids, gguf_file=path.name)
-        got = window_logits(e, ids)
+        got = e.runner.score(ids)
         assert (got - want).norm() / want.norm() < (2e-2 if qtype == "Q5_1" else 1e-3)
 
 
@@ -159,7 +159,7 @@ def test_a_split_gguf_loads_as_one(tiny_models, tmp_path):
         w.write_tensors_to_file()
         w.close()
     e, ref = Engine(parts[1], F32), Engine(whole, F32)
-    assert torch.equal(window_logits(e, IDS[0]), window_logits(ref, IDS[0]))
+    assert torch.equal(e.runner.score(IDS[0]), ref.runner.score(IDS[0]))
     parts[1].unlink()
     with pytest.raises(Exception, match="m-00002-of-00002.gguf is missing"):
         Engine(parts[0], F32)
@@ -197,7 +197,7 @@ def smol_hf(smollm2):
 
 def test_smollm2_greedy_tokens_equal_transformers_on_the_same_file(smol_engine, smol_hf):
     e = smol_engine
-    prompts = [e.encode(p, chat=True) for p in PROMPTS]
+    prompts = [e.requests.encode(p, chat=True) for p in PROMPTS]
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     smol_hf.generation_config.eos_token_id = None  # as ignore_eos: every token a plain one
     for ids, out in zip(prompts, e.generate(prompts, params)):
@@ -251,7 +251,7 @@ def test_serve_answers_from_a_gguf_as_from_its_checkpoint(tiny_models, tiny_gguf
 
     engine = Engine(tiny_ggufs["qwen2"], F32)
     [want] = Engine(tiny_models["qwen2"], F32).generate(
-        [engine.encode_chat(HELLO)], SamplingParams(temperature=0.0, max_tokens=12)
+        [engine.requests.encode_chat(HELLO)], SamplingParams(temperature=0.0, max_tokens=12)
     )
     with listening(create_app(build_state(engine, ServerSettings()))) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0)

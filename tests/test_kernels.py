@@ -26,7 +26,6 @@ from pagechat.core.engine import Engine
 from pagechat.core.params import SamplingParams
 from pagechat.quant import kernels
 from pagechat.quant.checkpoint import quantize_checkpoint
-from pagechat.quant.evaluate import window_logits
 from pagechat.quant.layers import INT4_KERNEL_PATH, Int4Linear, Int8WOLinear
 from pagechat.quant.pack import quantize_groups
 
@@ -310,7 +309,7 @@ def test_engine_with_the_int4_kernel_decodes_as_the_exact_dequantised_model(
         o.output_ids for o in ref.generate(prompts, params)
     ]
     ids = [5, 9, 3, 77, 120, 6, 7]
-    assert rel(window_logits(e, ids), window_logits(ref, ids)) <= 3e-3
+    assert rel(e.runner.score(ids), ref.runner.score(ids)) <= 3e-3
 
 
 @needs_kernel
@@ -412,9 +411,9 @@ def test_engine_with_the_kernel_decodes_as_the_exact_dequantised_model(kernel, t
     got = [o.output_ids for o in e.generate(prompts, params)]
     assert got == [o.output_ids for o in ref.generate(prompts, params)]
     ids = [5, 9, 3, 77, 120, 6, 7]
-    exact = window_logits(ref, ids)
-    kernel_err = rel(window_logits(e, ids), exact)
-    torch_err = rel(window_logits(_torch_engine(tiny_llama, "int8pack-cpu"), ids), exact)
+    exact = ref.runner.score(ids)
+    kernel_err = rel(e.runner.score(ids), exact)
+    torch_err = rel(_torch_engine(tiny_llama, "int8pack-cpu").runner.score(ids), exact)
     assert kernel_err <= 2e-3 and kernel_err < torch_err / 2
 
 

@@ -22,7 +22,7 @@ from pagechat.core.params import SamplingParams
 from pagechat.quant import layers as qlayers
 from pagechat.quant.awq import BlockRunner, fold_scales, load_block, search_scales
 from pagechat.quant.checkpoint import quantize_checkpoint
-from pagechat.quant.evaluate import perplexity, window_logits
+from pagechat.quant.evaluate import perplexity
 from pagechat.quant.layers import Bf16WOLinear, Int4Linear, Int8WOLinear, bnb_int8_linear
 from pagechat.quant.loaders import QuantPlan
 from pagechat.quant.pack import AWQ_ORDER, dequantize, fake_quantize, pack_awq, to_awq, unpack_awq
@@ -221,7 +221,7 @@ def llama_bf16(llama, tmp_path_factory):
 def test_auto_dtype_keeps_a_bf16_checkpoint_in_bf16_weights_only_where_the_cpu_lacks_bf16(
     llama_bf16, llama, monkeypatch, native
 ):
-    monkeypatch.setattr("pagechat.core.engine.cpu_has_native_bf16", lambda: native)
+    monkeypatch.setattr("pagechat.core.checkpoint.cpu_has_native_bf16", lambda: native)
     e = Engine(llama_bf16, EngineConfig(kv_blocks=64, draft=str(llama_bf16)))
     qkv = e.model.layers[0].self_attn.qkv_proj
     if native:  # bf16 throughout, no weight-only mode
@@ -323,7 +323,7 @@ def test_awq_engine_equals_a_dense_model_of_the_dequantised_weights(rtn, monkeyp
     ids = [5, 9, 3, 77, 120, 4, 18]
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
-    assert rel(window_logits(e, ids), ref) < 1e-4
+    assert rel(e.runner.score(ids), ref) < 1e-4
 
 
 def test_awq_quantize_runs_folds_exactly_and_loads(llama, tmp_path):
@@ -397,12 +397,10 @@ def test_transformers_load_in_8bit_checkpoint_loads_directly(llama, tmp_path):
     pre, fresh = engine(out), engine(llama, quant="int8")
     assert pre.quant.mode == "int8" and pre.quant.checkpoint == "bnb-int8"
     ids = [5, 9, 3, 77, 120]
-    assert torch.equal(
-        window_logits(pre, ids), window_logits(fresh, ids)
-    )  # same int8 rows and scales
+    assert torch.equal(pre.runner.score(ids), fresh.runner.score(ids))  # same int8 rows and scales
     wo = engine(out, quant="int8-wo")
     assert isinstance(wo.model.layers[0].mlp.down_proj, Int8WOLinear)
-    assert rel(window_logits(wo, ids), window_logits(fresh, ids)) < 2e-2
+    assert rel(wo.runner.score(ids), fresh.runner.score(ids)) < 2e-2
 
 
 # -- eval / agreement ------------------------------------------------------------------------------

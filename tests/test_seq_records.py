@@ -26,8 +26,8 @@ def run(engine: Engine, prompts, params) -> list:
 
 def test_each_step_lists_every_live_sequence_with_the_block_maps_counts(tiny_llama):
     engine = engine_of(tiny_llama, max_batch_tokens=16)
-    engine.add_request(PROMPTS[0], LONG)
-    engine.add_request(PROMPTS[5], LONG)
+    engine.requests.add(PROMPTS[0], LONG)
+    engine.requests.add(PROMPTS[5], LONG)
     while engine.has_unfinished():
         report = engine.step()
         live = {s.seq_id for s in report.seqs if s.state != "finished"}

@@ -97,7 +97,7 @@ def test_models_and_health(served):
 def test_greedy_chat_equals_the_engine(served, oracle):
     """Greedy text through the server, whole and streamed, is the engine's own greedy text for
     the same prompt ids; usage counts those ids."""
-    ids = oracle.encode_chat(HELLO)
+    ids = oracle.requests.encode_chat(HELLO)
     [want] = oracle.generate([ids], SamplingParams(temperature=0, max_tokens=24))
     client = served.client()
     got = client.chat.completions.create(model=MODEL, messages=HELLO, temperature=0, max_tokens=24)
@@ -140,7 +140,7 @@ def test_greedy_completion_equals_the_engine(served, oracle):
 
 
 def test_completion_of_token_ids_and_of_several_prompts(served, oracle):
-    ids = oracle.encode("Once upon a time")
+    ids = oracle.requests.encode("Once upon a time")
     [want] = oracle.generate([ids], SamplingParams(temperature=0, max_tokens=8))
     got = served.client().completions.create(
         model=MODEL, prompt=[ids, ids], temperature=0, max_tokens=8, n=2
@@ -207,7 +207,8 @@ def test_completion_logprobs(served):
 def test_stop_string(served, oracle):
     """A stop string cuts the reply before it, and the reason is stop."""
     [full] = oracle.generate(
-        [oracle.encode_chat(HELLO)], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+        [oracle.requests.encode_chat(HELLO)],
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
     )
     stop = full.text[len(full.text) // 2 :][:3]
     assert stop.strip(), full.text

@@ -121,7 +121,7 @@ def test_bookkeeping_matches_recount(tiny_llama, draft_dir):
 
 def test_rollback_leaves_no_stale_slots(tiny_llama, draft_dir):
     eng = engine(tiny_llama, draft=str(draft_dir), num_draft=5)
-    rid = eng.add_request(
+    rid = eng.requests.add(
         "The KV cache keeps", SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     )
     seq = eng.requests[rid]
@@ -214,7 +214,7 @@ def test_nothing_is_drafted_past_an_end_of_sequence(tiny_llama):
     """A drafted EOS ends the draft (whatever followed could never be kept); with ignore_eos it
     does not."""
     eng = engine(tiny_llama, ngram=True, num_draft=4)
-    eos = min(eng.eos_ids)
+    eos = min(eng.requests.eos_ids)
     eng.proposer.propose = lambda seqs, ks: ([[eos, 8, 9, 10][:k] for k in ks], [None] * len(seqs))
     for ignore, expected in ((False, (eos,)), (True, (eos, 8, 9, 10))):
         records = []
@@ -240,7 +240,7 @@ def test_draft_with_other_tokenizer_is_refused(tiny_llama, tmp_path):
 
 def test_speculation_toggles_between_steps(tiny_llama):
     eng = engine(tiny_llama, ngram=True, num_draft=2)
-    rid = eng.add_request("a b a b a b a b", GREEDY)
+    rid = eng.requests.add("a b a b a b a b", GREEDY)
     eng.step()
     eng.set_speculation(False)
     assert not eng.step().drafts

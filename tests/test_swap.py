@@ -63,12 +63,12 @@ def test_a_swapped_request_can_be_aborted(tiny_llama):
         EngineConfig(device="cpu", dtype="float32", block_size=4, kv_blocks=24, preempt="swap"),
     )
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    ids = [engine.add_request(p, params) for p in PROMPTS]
+    ids = [engine.requests.add(p, params) for p in PROMPTS]
     while not engine.scheduler.swapped:
         engine.step()
     victim = engine.scheduler.swapped[0]
     assert victim.status is Status.SWAPPED
-    engine.abort(victim.seq_id)
+    engine.requests.abort(victim.seq_id)
     while engine.has_unfinished():
         engine.step()
     assert engine.requests[victim.seq_id].finish_reason == "abort"
@@ -110,10 +110,10 @@ def test_the_chat_goes_first_under_background_load(preempt, tiny_llama):
     roomy = Engine(tiny_llama, EngineConfig(kv_blocks=512, **exact))
     want = [s.output_ids for s in roomy.generate([*prompts, chat], greedy)]
     tight = Engine(tiny_llama, EngineConfig(kv_blocks=30, preempt=preempt, **exact))
-    load = [tight.add_request(p, greedy, priority=1) for p in prompts]
+    load = [tight.requests.add(p, greedy, priority=1) for p in prompts]
     for _ in range(3):
         tight.step()
-    rid = tight.add_request(chat, greedy)
+    rid = tight.requests.add(chat, greedy)
     tight.step()
     assert tight.requests[rid].status is Status.RUNNING  # admitted ahead of waiting load
     while tight.has_unfinished():

@@ -39,9 +39,9 @@ def test_every_record_survives_json(tiny_llama):
         tiny_llama, tiny_config(kv_blocks=10, preempt="swap", swap_blocks=64, ngram=True)
     )
     events = [EngineInfo.of(engine)]
-    engine.add_request([5, 6, 7, 8] * 8, SamplingParams(max_tokens=24, n=3, seed=1))
-    engine.add_request([9, 10, 11] * 5, SamplingParams(max_tokens=6, beam_width=2))
-    engine.add_request(list(range(3, 40)), SamplingParams(temperature=0, max_tokens=40))
+    engine.requests.add([5, 6, 7, 8] * 8, SamplingParams(max_tokens=24, n=3, seed=1))
+    engine.requests.add([9, 10, 11] * 5, SamplingParams(max_tokens=6, beam_width=2))
+    engine.requests.add(list(range(3, 40)), SamplingParams(temperature=0, max_tokens=40))
     while engine.has_unfinished():
         report = engine.step()
         events.append(report)
@@ -78,7 +78,7 @@ def test_a_slow_watcher_is_dropped_and_told(tiny_llama, monkeypatch):
         got_slow = [await anext(slow), await anext(slow)]
         got_fast = [await anext(fast), await anext(fast)]
         assert hub.watched
-        engine.add_request([1, 2, 3], SamplingParams(max_tokens=6))
+        engine.requests.add([1, 2, 3], SamplingParams(max_tokens=6))
         for _ in range(6):
             hub.emit(engine.step())
             hub.flush(idle=True)

@@ -116,8 +116,8 @@ def _gguf(path: Path, source: str, name: str, modified: float) -> FoundModel:
 
 
 def _hf(path: Path, source: str, name: str, modified: float) -> FoundModel:
+    from pagechat.core.checkpoint import resolve_quant_mode
     from pagechat.core.config import EngineConfig
-    from pagechat.core.engine import resolve_quant_mode
     from pagechat.quant.loaders import resolve_quant
     from pagechat.tools.planner import estimate_weights
 
@@ -153,13 +153,13 @@ def _device() -> str:
 
 
 def _dtype(spec: ModelSpec) -> torch.dtype:
-    from pagechat.core.engine import resolve_dtype
+    from pagechat.core.checkpoint import resolve_dtype
 
     return resolve_dtype("auto", torch.device(_device()), spec.torch_dtype)
 
 
 def _kv_dtype(spec: ModelSpec) -> torch.dtype:
-    from pagechat.core.engine import resolve_kv_dtype
+    from pagechat.core.checkpoint import resolve_kv_dtype
 
     return resolve_kv_dtype("auto", _dtype(spec), torch.device(_device()))
 

@@ -83,13 +83,13 @@ def profile_decode(engine: Engine, prompt: list[int], step_ms: float) -> StepBre
     params = SamplingParams(
         max_tokens=STEPS + 1, temperature=0.0, ignore_eos=True, num_candidates=0
     )  # as the bench's own rounds
-    rid = engine.add_request(prompt, params)
+    rid = engine.requests.add(prompt, params)
     engine.step()  # the prompt and the first token, outside the profile
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         steps = 0
         while engine.has_unfinished():
             steps += engine.step().kind == "decode"
-    engine.release(rid)
+    engine.requests.release(rid)
     totals = {"matmul": 0.0, "attention": 0.0, "other": 0.0}
     for e in prof.events():
         totals[kind_of(e)] += e.self_cpu_time_total / 1000  # µs -> ms

@@ -13,10 +13,11 @@ import threading
 from collections import deque
 
 from pagechat.core.engine import Engine
+from pagechat.core.engine_loop import NOTHING
 from pagechat.core.errors import one_line
 from pagechat.core.events import EngineInfo
 from pagechat.core.params import SamplingParams
-from pagechat.tui.engine_loop import NOTHING, EngineLoop
+from pagechat.tui.engine_loop import AppLoop
 from pagechat.tui.protocol import (
     Abort,
     Advance,
@@ -191,7 +192,7 @@ class ThreadedEngine(EngineClient):
 
     def _run(self) -> None:
         try:
-            EngineLoop(self.engine, self).run()
+            AppLoop(self.engine, self).run()
         except Exception as e:  # noqa: BLE001 - the app reads it through failure()
             self._failure = f"the engine failed: {one_line(e)}"
 

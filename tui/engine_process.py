@@ -25,11 +25,12 @@ from pathlib import Path
 
 from pagechat.core.blockmap import BlockSnapshot
 from pagechat.core.config import EngineConfig
+from pagechat.core.engine_loop import NOTHING
 from pagechat.core.errors import PagechatError, one_line
 from pagechat.core.events import EngineInfo, Finished, FirstToken, Started
 from pagechat.core.wire import BEAT_S, SILENT_S, Outbox, pack, unpack
 from pagechat.tui.client import EngineClient
-from pagechat.tui.engine_loop import NOTHING, EngineLoop
+from pagechat.tui.engine_loop import AppLoop
 from pagechat.tui.heap import settle_heap
 from pagechat.tui.protocol import Command, LoadSet, ParamsApplied, Refused, SpeculationSet, Synced
 
@@ -111,7 +112,7 @@ def serve(conn: Connection, model_dir: str, config: EngineConfig) -> None:
     port = _PipePort(conn, info.blocks)
     threading.Thread(target=port.beat, name="pagechat-heartbeat", daemon=True).start()
     try:
-        EngineLoop(engine, port).run()
+        AppLoop(engine, port).run()
     except Exception as e:  # noqa: BLE001 - the last word to the app, which starts a new engine
         port.send(f"the engine failed: {one_line(e)}")
         sys.exit(1)

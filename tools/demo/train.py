@@ -224,7 +224,7 @@ def _engine(model_dir: Path, **config):
 def _greedy(engine, questions: list[str], max_tokens: int = 96, on_report=None):
     from pagechat.core.params import SamplingParams
 
-    prompts = [engine.encode(q, chat=True) for q in questions]
+    prompts = [engine.requests.encode(q, chat=True) for q in questions]
     return engine.generate(
         prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens), on_report=on_report
     )
