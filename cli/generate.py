@@ -27,29 +27,40 @@ def run_generate(
 ) -> int:
     """Run the prompts as one batch; returns the exit code (2 when a request failed)."""
     engine = Engine(model_dir, config)
-    ids = [engine.add_request(engine.encode(p, chat=chat, system=system), params) for p in prompts]
+    ids = [engine.requests.encode(p, chat=chat, system=system) for p in prompts]
     stats = RunStats(engine)
-    printer = None if as_json else _Printer(engine, ids)
-    while engine.has_unfinished():
-        report = engine.step()
+    streams = params.n == 1 and params.beam_width == 1
+    printer = _Stream() if streams and not as_json else None
+
+    def on_report(report: StepReport) -> None:
         stats.add(report)
         if printer is not None:
             printer.add(report)
-    seqs = [engine.requests[i] for i in ids]
+
+    answers: list[list[Sequence]] = []  # per prompt: its sequence, then the samples forked from it
+    for seq in engine.generate(ids, params, on_report):
+        if seq.parent is None:
+            answers.append([])
+        answers[-1].append(seq)
     if as_json:
-        results = [_result(engine, s) for s in seqs]
+        results = [_result(samples) for samples in answers]
         print(json.dumps({"results": results, "stats": stats.as_dict()}))
-    elif not all(s.error for s in seqs):  # when every prompt failed, the errors say it all
+    elif not streams:
+        for samples in answers:
+            sys.stdout.write("".join(f"{head}\n{text}\n" for head, text in _answers(samples)))
+    roots = [samples[0] for samples in answers]
+    if not as_json and not all(s.error for s in roots):  # every prompt failed: the errors say it
         print(stats.line(), file=sys.stderr)
-    for i, s in enumerate(seqs):
+    for i, s in enumerate(roots):
         if s.error:
             print(f"error: prompt {i + 1}: {s.error}", file=sys.stderr)
-    return 2 if any(s.error for s in seqs) else 0
+    return 2 if any(s.error for s in roots) else 0
 
 
-def _result(engine: Engine, seq: Sequence) -> dict:
+def _result(samples: list[Sequence]) -> dict:
     """One prompt's JSON result: its tokens and text, and its samples (n > 1) or its beams, best
     first (beam search; the result's own tokens are the best beam's)."""
+    seq = samples[0]
     params = seq.sampling.params
     result = {
         "prompt_ids": seq.token_ids[: seq.num_prompt_tokens],
@@ -60,7 +71,7 @@ def _result(engine: Engine, seq: Sequence) -> dict:
     if params.n > 1:
         result["samples"] = [
             {"token_ids": s.output_ids, "text": s.text, "finish_reason": s.finish_reason}
-            for s in _samples(engine, seq)
+            for s in samples
         ]
     if params.beam_width > 1:
         result["beams"] = [
@@ -71,46 +82,39 @@ def _result(engine: Engine, seq: Sequence) -> dict:
     return result
 
 
-def _samples(engine: Engine, seq: Sequence) -> list[Sequence]:
-    return [seq, *(engine.requests[c] for c in seq.children)]
+class _Stream:
+    """Stdout in prompt order, each prompt's one answer streamed as it is generated."""
 
-
-class _Printer:
-    """Stdout in prompt order. A prompt with one answer streams as it is generated; one with
-    several samples or beams prints them, each under a header line, once all have ended."""
-
-    def __init__(self, engine: Engine, ids: list[int]) -> None:
-        self.engine, self.ids, self.shown = engine, ids, 0
+    def __init__(self) -> None:
+        self.order: list[int] | None = None  # the requests, in the order they were added
+        self.shown = 0
         self.pending: dict[int, list[str]] = defaultdict(list)
+        self.ended: set[int] = set()
 
     def add(self, report: StepReport) -> None:
+        if self.order is None:  # the first step lists every request; ids count up as added
+            self.order = sorted(r.seq_id for r in report.seqs)
         for out in report.outputs:
             self.pending[out.request_id].append(out.text_delta)
-        while self.shown < len(self.ids):
-            seq = self.engine.requests[self.ids[self.shown]]
-            params = seq.sampling.params
-            if params.n == 1 and params.beam_width == 1:
-                sys.stdout.write("".join(self.pending.pop(seq.seq_id, ())))
-                if not seq.finished:
-                    break
-                sys.stdout.write("\n")
-            elif all(s.finished for s in _samples(self.engine, seq)):
-                sys.stdout.write(
-                    "".join(f"{head}\n{text}\n" for head, text in _answers(self.engine, seq))
-                )
-            else:
+            if out.finished:
+                self.ended.add(out.request_id)
+        while self.shown < len(self.order):
+            rid = self.order[self.shown]
+            sys.stdout.write("".join(self.pending.pop(rid, ())))
+            if rid not in self.ended:
                 break
+            sys.stdout.write("\n")
             self.shown += 1
         sys.stdout.flush()
 
 
-def _answers(engine: Engine, seq: Sequence) -> list[tuple[str, str]]:
+def _answers(samples: list[Sequence]) -> list[tuple[str, str]]:
     """(header, text) of each of a finished prompt's samples or beams."""
+    seq = samples[0]
     if seq.beams:
         b = len(seq.beams)
         return [
             (f"[beam {k}/{b}, score {r.score:.4f}]", r.text) for k, r in enumerate(seq.beams, 1)
         ]
-    samples = _samples(engine, seq)
     n = len(samples)
     return [(f"[sample {k}/{n}, {s.finish_reason}]", s.text) for k, s in enumerate(samples, 1)]

@@ -115,3 +115,46 @@ def test_core_functions_are_short():
                         f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines} lines)"
                     )
     assert long == []
+
+
+DRIVING = {"add", "encode", "encode_chat", "abort", "release", "update_params"}  # requests' API
+
+
+def _engine_reads(folder: str) -> list[str]:
+    """Where a module outside core reads the engine's insides: its scheduler or block manager,
+    or sequences out of its request table; the server and the app do not touch the table at all
+    (their loop drives it), the rest may only call the request layer's own methods."""
+    bad = []
+    for path in _modules(folder):
+        tree = ast.parse(path.read_text())
+        parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute):
+                continue
+            owner = node.value
+            name = owner.id if isinstance(owner, ast.Name) else getattr(owner, "attr", "")
+            if name not in ("engine", "eng") or node.attr not in (
+                "requests",
+                "scheduler",
+                "blocks",
+            ):
+                continue
+            up = parents.get(node)
+            calls = isinstance(up, ast.Attribute) and up.attr in DRIVING
+            if node.attr != "requests" or folder in ("server", "tui") or not calls:
+                bad.append(f"{path.relative_to(ROOT)}:{node.lineno} reads engine.{node.attr}")
+    return bad
+
+
+@pytest.mark.parametrize("folder", [f for f in sorted(LAYERS) if f != "core"])
+def test_front_ends_read_records_not_the_engines_insides(folder):
+    assert _engine_reads(folder) == []
+
+
+def test_the_check_sees_a_read_of_the_engines_insides(tmp_path, monkeypatch):
+    (tmp_path / "cli").mkdir()
+    (tmp_path / "cli" / "x.py").write_text(
+        "def f(engine):\n    engine.requests.add([1])\n    return engine.requests[0]\n"
+    )
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    assert _engine_reads("cli") == ["cli/x.py:3 reads engine.requests"]

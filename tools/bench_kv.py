@@ -81,7 +81,8 @@ def preempt_cost(engine: Engine, tokens: int, rounds: int = 3) -> PreemptCost:
     """Median time of swapping a tokens-long sequence's blocks out and in, and of computing
     those tokens again as one prefill."""
     rng = random.Random(tokens)
-    blocks = engine.blocks.blocks_needed(tokens)
+    block_size = engine.config.block_size
+    blocks = -(-tokens // block_size)
     host = host_pool(engine.pool, blocks)
     pairs = list(zip(range(blocks), range(blocks)))
     swap, recompute = [], []
@@ -92,9 +93,9 @@ def preempt_cost(engine: Engine, tokens: int, rounds: int = 3) -> PreemptCost:
         copy_between(host, engine.pool, pairs)
         sync(engine.device)
         swap.append(time.perf_counter() - t0)
-        engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1))
-        recompute.append(_first_token_s(engine))
-    size = blocks * block_bytes(engine.spec, engine.blocks.block_size, engine.kv_dtype)
+        [seq] = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1))
+        recompute.append(seq.first_token_time - seq.arrival)
+    size = blocks * block_bytes(engine.spec, block_size, engine.kv_dtype)
     return PreemptCost(
         tokens,
         blocks,
@@ -102,11 +103,6 @@ def preempt_cost(engine: Engine, tokens: int, rounds: int = 3) -> PreemptCost:
         1000 * statistics.median(swap),
         1000 * statistics.median(recompute),
     )
-
-
-def _first_token_s(engine: Engine) -> float:
-    seq = engine.requests[max(engine.requests)]
-    return seq.first_token_time - seq.arrival
 
 
 def kv_engine(model_dir, config: EngineConfig, context: int) -> Engine:
@@ -125,10 +121,10 @@ def churn_rss(engine: Engine, count: int, marks: int = 10) -> list[tuple[int, in
     points = [(0, read_memory(engine.device).rss or 0)]
     for i in range(1, count + 1):
         prompt = [rng.randrange(3, engine.spec.vocab_size) for _ in range(8)]
-        rid = engine.add_request(prompt, params)
+        rid = engine.requests.add(prompt, params)
         while engine.has_unfinished():
             engine.step()
-        engine.release(rid)
+        engine.requests.release(rid)
         if i % max(1, count // marks) == 0:
             points.append((i, read_memory(engine.device).rss or 0))
     return points
