@@ -9,28 +9,23 @@ from typing import Annotated
 
 import typer
 from pagechat.cli.options import (
+    BATCH,
+    ENGINE_OPTIONS,
+    KV_POOL,
+    MODEL,
+    SPECULATION,
     BlockSize,
     Device,
-    Draft,
-    Dtype,
-    Eager,
     HFModelDir,
-    KvBlocks,
-    KvDtype,
-    KvMemory,
     LmHead,
     ModelDir,
-    Ngram,
-    NumDraft,
     OptionalModelDir,
-    Preempt,
-    Quant,
-    SwapBlocks,
     Threads,
     check_at_least_one,
-    engine_config,
+    engine_options,
     positive_ints,
 )
+from pagechat.core.config import EngineConfig
 from pagechat.core.errors import PagechatError, check_text
 
 app = typer.Typer(
@@ -91,6 +86,7 @@ def make_model_cmd(
 
 
 @app.command()
+@engine_options(*ENGINE_OPTIONS)
 def generate(
     prompt: Annotated[
         list[str],
@@ -139,26 +135,8 @@ def generate(
             "can come, judged at the current length) | never (judged at max-tokens)"
         ),
     ] = "false",
-    dtype: Dtype = "auto",
-    kv_dtype: KvDtype = "auto",
-    device: Device = "auto",
-    quant: Quant = None,
-    lm_head: LmHead = "auto",
-    draft: Draft = None,
-    ngram: Ngram = False,
-    num_draft: NumDraft = 4,
-    block_size: BlockSize = 16,
-    kv_blocks: KvBlocks = None,
-    kv_memory: KvMemory = None,
-    preempt: Preempt = "recompute",
-    swap_blocks: SwapBlocks = None,
-    max_batch_tokens: Annotated[
-        int, typer.Option(help="tokens computed per step (longer prompts are chunked)")
-    ] = 2048,
-    max_seqs: Annotated[int, typer.Option(help="sequences running at once")] = 64,
-    prefix_cache: Annotated[bool, typer.Option(help="reuse KV blocks of repeated prefixes")] = True,
-    eager: Eager = False,
-    threads: Threads = None,
+    *,
+    config: EngineConfig,
     as_json: Annotated[
         bool, typer.Option("--json", help="print one JSON object (results and stats) instead")
     ] = False,
@@ -190,9 +168,8 @@ def generate(
         early_stopping=early_stopping_value(early_stopping),
         num_candidates=0,  # what the app's sampling panel shows; generate prints none
     ).validate()
-    config = engine_config(locals())
     code = run_generate(
-        model_or_demo(model_dir, quant),
+        model_or_demo(model_dir, config.quant),
         prompt,
         params,
         config,
@@ -228,24 +205,21 @@ def quantize(
 
 
 @app.command("eval")
+@engine_options(*MODEL)
 def eval_cmd(
     model_dir: ModelDir,
     text: Annotated[Path, typer.Option(help="text file to score")],
-    quant: Quant = None,
-    lm_head: LmHead = "auto",
     seqlen: Annotated[
         int | None, typer.Option(help="tokens per window (default: the context, at most 2048)")
     ] = None,
-    dtype: Dtype = "auto",
-    kv_dtype: KvDtype = "auto",
-    device: Device = "auto",
-    threads: Threads = None,
+    *,
+    config: EngineConfig,
 ) -> None:
     """Perplexity of a text through pagechat's engine; with a quantised LM head, also with a
     float one, and the difference."""
     from pagechat.cli.quant_cmds import eval_command
 
-    eval_command(model_dir, text, engine_config(locals()), seqlen)
+    eval_command(model_dir, text, config, seqlen)
 
 
 @app.command()
@@ -263,7 +237,7 @@ def plan(
     dtype: Annotated[
         str, typer.Option(help="activation / KV dtype (auto: what the engine picks on CUDA)")
     ] = "auto",
-    block_size: Annotated[int, typer.Option(help="tokens per KV block")] = 16,
+    block_size: BlockSize = 16,
     group_size: Annotated[
         int, typer.Option(help="AWQ group size when planning a quantisation")
     ] = 128,
@@ -300,6 +274,7 @@ def bench_quant(
 
 
 @app.command()
+@engine_options(*MODEL, *SPECULATION, *KV_POOL, "eager")
 def run(
     model_dir: OptionalModelDir = None,
     resume: Annotated[
@@ -344,27 +319,13 @@ def run(
             "oldest turns (the system prompt stays), or refuse the turn (start a new chat)"
         ),
     ] = "drop",
-    draft: Draft = None,
-    ngram: Ngram = False,
-    num_draft: NumDraft = 4,
-    quant: Quant = None,
-    lm_head: LmHead = "auto",
-    dtype: Dtype = "auto",
-    kv_dtype: KvDtype = "auto",
-    device: Device = "auto",
-    block_size: BlockSize = 16,
-    kv_blocks: KvBlocks = None,
-    kv_memory: KvMemory = None,
-    preempt: Preempt = "recompute",
-    swap_blocks: SwapBlocks = None,
-    eager: Eager = False,
-    threads: Threads = None,
+    *,
+    config: EngineConfig,
 ) -> None:
     """Chat with a local model in the terminal app, with live KV-block, timing, sampling and
     memory panels."""
     from pagechat.cli.launch import run_app
 
-    config = engine_config(locals())
     overrides = dict(
         temperature=temperature,
         top_p=top_p,
@@ -415,22 +376,15 @@ def models(
 
 
 @app.command()
+@engine_options(*MODEL, *SPECULATION, "eager")
 def bench(
     model_dir: OptionalModelDir = None,
-    quant: Quant = None,
-    lm_head: LmHead = "auto",
-    draft: Draft = None,
-    ngram: Ngram = False,
-    num_draft: NumDraft = 4,
     vs_hf: Annotated[
         bool, typer.Option("--vs-hf", help="also run transformers' generate on the same weights")
     ] = False,
     rounds: Annotated[int, typer.Option(help="repetitions; the table shows medians")] = 3,
-    dtype: Dtype = "auto",
-    kv_dtype: KvDtype = "auto",
-    device: Device = "auto",
-    eager: Eager = False,
-    threads: Threads = None,
+    *,
+    config: EngineConfig,
     as_json: Annotated[
         bool, typer.Option("--json", help="print one JSON object instead of the table")
     ] = False,
@@ -449,17 +403,19 @@ def bench(
 
     if rounds < 1:
         raise PagechatError(f"--rounds must be >= 1, got {rounds}")
-    config = engine_config(locals())
-    if spec_prompt is not None and not (draft or ngram):
+    if spec_prompt is not None and not (config.draft or config.ngram):
         raise PagechatError(
             "--spec-prompt needs --draft DIR or --ngram (it is the speculation round's prompt)"
         )
     if spec_prompt is not None and not spec_prompt.strip():
         raise PagechatError("--spec-prompt is empty")
-    bench_command(model_or_demo(model_dir, quant), config, rounds, vs_hf, as_json, spec_prompt)
+    bench_command(
+        model_or_demo(model_dir, config.quant), config, rounds, vs_hf, as_json, spec_prompt
+    )
 
 
 @app.command("bench-kv")
+@engine_options(*MODEL)
 def bench_kv(
     model_dir: OptionalModelDir = None,
     prompt_tokens: Annotated[int, typer.Option(help="prompt length of the sharing runs")] = 1024,
@@ -473,12 +429,8 @@ def bench_kv(
     churn: Annotated[
         int, typer.Option(help="also serve this many short requests, releasing each, and print RSS")
     ] = 0,
-    quant: Quant = None,
-    lm_head: LmHead = "auto",
-    dtype: Dtype = "auto",
-    kv_dtype: KvDtype = "auto",
-    device: Device = "auto",
-    threads: Threads = None,
+    *,
+    config: EngineConfig,
     as_json: Annotated[
         bool, typer.Option("--json", help="print one JSON object instead of the tables")
     ] = False,
@@ -498,9 +450,8 @@ def bench_kv(
     )
     if churn < 0:
         raise PagechatError(f"--churn must be >= 0, got {churn}")
-    config = engine_config(locals())
     bench_kv_command(
-        model_or_demo(model_dir, quant),
+        model_or_demo(model_dir, config.quant),
         config,
         prompt_tokens,
         new_tokens,
@@ -594,6 +545,7 @@ def train_demo_cmd(
 
 
 @app.command()
+@engine_options(*MODEL, *SPECULATION, *KV_POOL, *BATCH, "eager")
 def serve(
     model_dir: OptionalModelDir = None,
     host: Annotated[
@@ -610,25 +562,8 @@ def serve(
     served_model_name: Annotated[
         str | None, typer.Option(help="the model's name in the API (default: the directory's)")
     ] = None,
-    draft: Draft = None,
-    ngram: Ngram = False,
-    num_draft: NumDraft = 4,
-    quant: Quant = None,
-    lm_head: LmHead = "auto",
-    dtype: Dtype = "auto",
-    kv_dtype: KvDtype = "auto",
-    device: Device = "auto",
-    block_size: BlockSize = 16,
-    kv_blocks: KvBlocks = None,
-    kv_memory: KvMemory = None,
-    preempt: Preempt = "recompute",
-    swap_blocks: SwapBlocks = None,
-    max_batch_tokens: Annotated[
-        int, typer.Option(help="tokens computed per step (longer prompts are chunked)")
-    ] = 2048,
-    max_seqs: Annotated[int, typer.Option(help="sequences running at once")] = 64,
-    eager: Eager = False,
-    threads: Threads = None,
+    *,
+    config: EngineConfig,
     watch: Annotated[
         bool,
         typer.Option(
@@ -646,7 +581,6 @@ def serve(
 
     if not 0 <= port <= 65535:
         raise PagechatError(f"--port must be in 0..65535, got {port}")
-    config = engine_config(locals())
     if watch:
         from pagechat.cli.watch import serve_and_watch
 
@@ -655,7 +589,7 @@ def serve(
             serve_and_watch([a for a in args if a != "--watch"], host, port, api_key or None)
         )
     settings = ServerSettings(host, port, api_key or None, served_model_name)
-    serve_model(model_or_demo(model_dir, quant), config, settings)
+    serve_model(model_or_demo(model_dir, config.quant), config, settings)
 
 
 @app.command()

@@ -1,10 +1,13 @@
-"""The command-line options several commands share, declared once, and the one place an
-EngineConfig is built from them."""
+"""The command-line options several commands share, declared once: the engine's as a group a
+command takes with @engine_options, which builds the EngineConfig the command is given."""
 
 from __future__ import annotations
 
+import functools
+import inspect
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from pagechat.core.config import EngineConfig, parse_bytes
@@ -96,37 +99,96 @@ Threads = Annotated[
 ]
 
 
-ENGINE_OPTIONS = (  # command options that are EngineConfig fields of the same name
-    "device",
-    "dtype",
-    "kv_dtype",
-    "quant",
-    "lm_head",
-    "ngram",
-    "num_draft",
-    "block_size",
-    "kv_blocks",
-    "max_batch_tokens",
-    "max_seqs",
-    "prefix_cache",
-    "preempt",
-    "swap_blocks",
-    "threads",
-)
+MaxBatchTokens = Annotated[
+    int, typer.Option(help="tokens computed per step (longer prompts are chunked)")
+]
+MaxSeqs = Annotated[int, typer.Option(help="sequences running at once")]
+PrefixCache = Annotated[bool, typer.Option(help="reuse KV blocks of repeated prefixes")]
+
+ENGINE_OPTIONS = {  # every engine option, in the order a command's help lists those it takes
+    "draft": Draft,
+    "ngram": Ngram,
+    "num_draft": NumDraft,
+    "quant": Quant,
+    "lm_head": LmHead,
+    "dtype": Dtype,
+    "kv_dtype": KvDtype,
+    "device": Device,
+    "block_size": BlockSize,
+    "kv_blocks": KvBlocks,
+    "kv_memory": KvMemory,
+    "preempt": Preempt,
+    "swap_blocks": SwapBlocks,
+    "max_batch_tokens": MaxBatchTokens,
+    "max_seqs": MaxSeqs,
+    "prefix_cache": PrefixCache,
+    "eager": Eager,
+    "threads": Threads,
+}
+# the group's parts: every engine command takes MODEL; those that run speculation, size their
+# own KV pool or batch take those too
+MODEL = ("quant", "lm_head", "dtype", "kv_dtype", "device", "threads")
+SPECULATION = ("draft", "ngram", "num_draft")
+KV_POOL = ("block_size", "kv_blocks", "kv_memory", "preempt", "swap_blocks")
+BATCH = ("max_batch_tokens", "max_seqs")
+
+
+def engine_options(*names: str) -> Callable[[Callable], Callable]:
+    """Decorator: the command takes the engine options named (defaults: EngineConfig's), listed
+    in ENGINE_OPTIONS' order where its keyword-only `config` parameter stands, and is called
+    with their validated EngineConfig as `config`."""
+    if unknown := set(names) - ENGINE_OPTIONS.keys():
+        raise TypeError(f"not engine options: {sorted(unknown)}")
+    defaults = EngineConfig()
+    options = {
+        name: (option, not defaults.graphs if name == "eager" else getattr(defaults, name))
+        for name, option in ENGINE_OPTIONS.items()
+        if name in names
+    }
+    return lambda command: option_group(command, "config", options, engine_config)
 
 
 def engine_config(options: dict) -> EngineConfig:
-    """The validated EngineConfig of a command's options (its locals()): `demo` names the
-    shipped draft, --kv-memory is parsed, --eager turns traced graphs off; options a command
-    does not have keep EngineConfig's defaults."""
+    """The validated EngineConfig of a command's engine options: `demo` names the shipped
+    draft, --kv-memory is parsed, --eager turns traced graphs off; options a command does not
+    have keep EngineConfig's defaults."""
     from pagechat.tools.demo import draft_or_demo
 
-    fields = {name: options[name] for name in ENGINE_OPTIONS if name in options}
+    fields = {k: v for k, v in options.items() if k not in ("draft", "kv_memory", "eager")}
     fields["draft"] = draft_or_demo(options.get("draft"))
     if options.get("kv_memory"):
         fields["kv_memory"] = parse_bytes(options["kv_memory"])
     fields["graphs"] = not options.get("eager", False)
     return EngineConfig(**fields).validate()
+
+
+def option_group(
+    command: Callable, name: str, options: dict[str, tuple[Any, Any]], build: Callable[[dict], Any]
+) -> Callable:
+    """The command with its parameter `name` replaced, in the signature typer reads, by the
+    options ({parameter: (Annotated type, default)}); called, it passes build(their values) as
+    `name`."""
+    signature = inspect.signature(command, eval_str=True)
+    if name not in signature.parameters:
+        raise TypeError(f"{command.__name__} has no parameter {name!r} for its option group")
+    params = []
+    for param in signature.parameters.values():
+        if param.name != name:
+            params.append(param)
+            continue
+        params += [
+            inspect.Parameter(option, param.kind, default=default, annotation=annotation)
+            for option, (annotation, default) in options.items()
+        ]
+
+    @functools.wraps(command)
+    def with_group(**kwargs):
+        values = {option: kwargs.pop(option) for option in options}
+        return command(**kwargs, **{name: build(values)})
+
+    with_group.__signature__ = signature.replace(parameters=params)
+    with_group.__annotations__ = {p.name: p.annotation for p in params}  # for get_type_hints
+    return with_group
 
 
 def positive_ints(text: str, option: str) -> list[int]:
