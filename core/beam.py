@@ -12,6 +12,7 @@ scheduler knows nothing of beams: it sees grouped sequences, whose next token is
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -73,9 +74,13 @@ class BeamGroup:
         ends = torch.tensor([t in self.eos_ids or cur_len + 1 >= self.max_length for t in tokens])
         live = top + ends.float() * NEG
         order = torch.topk(live, self.width).indices.tolist()
+        order = [j for j in order if live[j] > -math.inf]  # a grammar may allow fewer
         self._add_hypotheses(top, ends, parents, tokens, cur_len)
         choices = [BeamChoice(self.running[parents[j]], tokens[j], live[j].item()) for j in order]
         self.scores = live[order]
+        if not choices:  # no continuation its grammar allows: the hypotheses are all there is
+            self.done = True
+            return choices
         self._check_done(cur_len + 1, bool(ends.all()))
         return choices
 
@@ -147,6 +152,8 @@ class BeamSearches:
         """Keep a beam's logits row of this step for its search's pick; False for no beam."""
         group = self._of.get(seq.seq_id)
         if group is not None:
+            if seq.grammar is not None:  # a constrained search ranks only what its grammar allows
+                logits = logits.masked_fill(~seq.grammar.allowed(), float("-inf"))
             group.pending[seq.seq_id] = logits
         return group is not None
 
@@ -198,6 +205,8 @@ class BeamSearches:
         for c, reuse in plan:  # after the forks, which copy the parent's tokens as they were
             if reuse:
                 c.parent.token_ids.append(c.token)
+                if c.parent.grammar is not None:
+                    c.parent.grammar.consume(c.token)
                 self.scheduler.resume(c.parent)
         kept = {b.seq_id for b in beams}
         for old in group.running:
@@ -224,7 +233,10 @@ class BeamSearches:
             num_computed=parent.num_computed,
             priority=parent.priority,
             grouped=True,
+            grammar=parent.grammar and parent.grammar.fork(),
         )
+        if beam.grammar is not None:
+            beam.grammar.consume(choice.token)
         if parent.status is Status.RUNNING:
             self.blocks.fork(parent.seq_id, beam.seq_id)
             self.scheduler.run(beam)

@@ -20,6 +20,7 @@ from pagechat.core.checkpoint import (
 from pagechat.core.config import EngineConfig
 from pagechat.core.errors import PagechatError, one_line
 from pagechat.core.gguf_model import FLOATS
+from pagechat.core.grammar import masks_along
 from pagechat.core.graphs import TRACE_SUPPORTED
 from pagechat.core.kv import allocate_pool, block_bytes, copy_blocks, pool_blocks
 from pagechat.core.modelspec import dtype_name
@@ -76,9 +77,15 @@ def _decoding(it: ScheduledSeq) -> bool:
     return len(it.seq.token_ids) - it.start == 1 and it.seq.num_output_tokens > 0
 
 
-def _row(seq: Sequence, history: list[int]) -> SampleRow:
-    """The sampler's view of a sequence: its settings, the tokens so far and its random stream."""
-    return SampleRow(seq.seq_id, seq.sampling.params, history, seq.sampling.generator)
+def _row(seq: Sequence, history: list[int], grammar: tuple | None = None) -> SampleRow:
+    """The sampler's view of a sequence: its settings, the tokens so far, its random stream, and
+    its grammar's mask and place (grammar: those at history; default: the matcher's now)."""
+    if grammar is None and seq.grammar is not None:
+        grammar = seq.grammar.allowed(), seq.grammar.where()
+    allowed, where = grammar or (None, "")
+    return SampleRow(
+        seq.seq_id, seq.sampling.params, history, seq.sampling.generator, allowed, where
+    )
 
 
 class Engine:
@@ -331,7 +338,8 @@ class Engine:
     def _verify(self, it: ScheduledSeq, logits: torch.Tensor) -> tuple[DraftRecord, list]:
         """Rejection-sample it.draft against the target logits [len(draft) + 1, V]."""
         seq, draft, sampling = it.seq, it.draft, it.seq.sampling
-        rows = [_row(seq, seq.token_ids + draft[:i]) for i in range(len(draft) + 1)]
+        masks = masks_along(seq.grammar, draft) if seq.grammar else [None] * (len(draft) + 1)
+        rows = [_row(seq, seq.token_ids + draft[:i], m) for i, m in enumerate(masks)]
         p = target_probs(logits, rows)
         accepted, nxt = verify(
             p, self._q.pop(seq.seq_id, None), draft, sampling.params.greedy, sampling.generator

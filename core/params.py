@@ -7,6 +7,32 @@ from dataclasses import dataclass
 
 from pagechat.core.errors import PagechatError
 
+CONSTRAINTS = ("json", "json_schema", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    """What a reply must match, token by token (core/grammar.py compiles it): any JSON object
+    ("json"), a JSON schema (spec: the schema as JSON text), a regular expression, one of a choice
+    of strings (spec: a JSON list), or a grammar (spec: Lark, or GBNF as llama.cpp writes it)."""
+
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in CONSTRAINTS:
+            raise PagechatError(
+                f"a constraint is one of {', '.join(CONSTRAINTS)}, got {self.kind!r}"
+            )
+
+    @property
+    def label(self) -> str:
+        """How the app and the logs name it: 'json', 'json schema', 'regex [0-9]+'..."""
+        if self.kind in ("json", "json_schema", "grammar"):
+            return self.kind.replace("_", " ")
+        short = self.spec if len(self.spec) <= 24 else self.spec[:23] + "…"
+        return f"{self.kind} {short}"
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
@@ -26,6 +52,7 @@ class SamplingParams:
     beam_width: int = 1  # > 1: beam search (deterministic; the sampling settings above are unused)
     length_penalty: float = 1.0  # a finished beam's score is its log-probability / length**this
     early_stopping: bool | str = False  # True, False or "never", as transformers reads them
+    constraint: Constraint | None = None  # the reply must match it (grammar-constrained decoding)
 
     def _rules(self) -> list[tuple[str, object, str, bool]]:
         """(option name, value, rule, whether it holds) for every field, in the order checked."""

@@ -19,6 +19,7 @@ from pagechat.core.beam import BeamSearches
 from pagechat.core.blocks import BlockManager
 from pagechat.core.detok import update_text
 from pagechat.core.errors import PagechatError, check_text
+from pagechat.core.grammar import Grammars
 from pagechat.core.modelspec import ModelSpec
 from pagechat.core.params import SamplingParams
 from pagechat.core.report import SeqRecord, TokenOutput
@@ -48,6 +49,7 @@ class Requests(Mapping[int, Sequence]):
         eos = {*spec.eos_token_ids, tokenizer.eos_token_id} - {None}
         self.eos_ids = frozenset(eos)  # the config's and the tokenizer's
         self.scheduler, self.blocks = scheduler, blocks
+        self.grammars = Grammars(tokenizer, spec.vocab_size, self.eos_ids)
         self._seqs: dict[int, Sequence] = {}
         self._next_id = 0
         self.beams = BeamSearches(scheduler, blocks, self.new_id, self.decode)
@@ -117,9 +119,12 @@ class Requests(Mapping[int, Sequence]):
             raise PagechatError(
                 f"token id {bad[0]} is outside the model's vocabulary (0..{self.vocab_size - 1})"
             )
+        # compiled before anything is queued: a bad constraint costs no step
+        grammar = params.constraint and self.grammars.matcher(params.constraint)
         sampling = SamplingState(params, self._generator(params.seed))
         now = time.perf_counter()
         seq = Sequence(self.new_id(), ids, len(ids), sampling, now, priority=priority)
+        seq.grammar = grammar
         if params.beam_width > 1:
             self.beams.start(seq, self.eos_ids, self.max_model_len)
         self._seqs[seq.seq_id] = seq
@@ -141,6 +146,7 @@ class Requests(Mapping[int, Sequence]):
             beam_width=own.beam_width,
             length_penalty=own.length_penalty,
             early_stopping=own.early_stopping,
+            constraint=own.constraint,
         )
         for j, seq in enumerate([root, *map(self._seqs.get, root.children)]):
             if not seq.finished:
@@ -246,6 +252,7 @@ class Requests(Mapping[int, Sequence]):
                 parent=parent.seq_id,
                 sample_index=j,
                 priority=parent.priority,
+                grammar=parent.grammar and parent.grammar.fork(),
             )
             self.blocks.fork(parent.seq_id, kid.seq_id)
             self.scheduler.run(kid)
@@ -275,10 +282,14 @@ class Requests(Mapping[int, Sequence]):
         update_text(self.tokenizer, seq)
         p = seq.sampling.params
         reason = None
+        if seq.grammar is not None and token not in self.eos_ids:
+            seq.grammar.consume(token)  # the mask allowed it
         if token in self.eos_ids and not p.ignore_eos:
             reason = "stop"
         elif p.stop and any(s in seq.text for s in p.stop):
             seq.text = seq.text[: min(seq.text.find(s) for s in p.stop if s in seq.text)]
+            reason = "stop"
+        elif seq.grammar is not None and seq.grammar.done:  # complete: only an end may follow
             reason = "stop"
         elif seq.num_output_tokens >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
             reason = "length"

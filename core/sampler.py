@@ -2,7 +2,9 @@
 
 Semantics follow transformers' RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
 TopKLogitsWarper, TopPLogitsWarper and MinPLogitsWarper (min_tokens_to_keep=1), applied in that
-order, but vectorised across rows so every row may carry its own settings.
+order, but vectorised across rows so every row may carry its own settings. A constrained row's
+grammar mask (core/grammar.py) comes first, after the penalty: the filters see only what it allows,
+as vLLM applies its bitmask before sampling.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from pagechat.core.errors import PagechatError
 from pagechat.core.params import SamplingParams
 from torch import Tensor
 
-_CUT_BY = (None, "top-k", "top-p", "min-p")  # index = the cut code used below
+_CUT_BY = (None, "grammar", "top-k", "top-p", "min-p")  # index = the cut code used below
 _NEG_INF = float("-inf")
 TOP_P_SHORTLIST = 256  # tokens top-p looks at before it sorts the whole vocabulary...
 TOP_P_SHORTLIST_VOCAB = 4096  # ...in vocabularies this large: in smaller ones one sort is cheaper
@@ -35,6 +37,8 @@ class SampleRow:
     params: SamplingParams
     history: list[int]  # prompt + output token ids so far (for the repetition penalty)
     generator: torch.Generator | None  # on the logits' device; None -> torch's global RNG
+    allowed: Tensor | None = None  # the grammar's mask [V] (bool) of a constrained row
+    where: str = ""  # where the row's grammar matcher stands (the sampling panel says it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +55,7 @@ class Candidate:
     kept: bool  # survived the filters; a greedy row keeps only its argmax
     cut_by: (
         str | None
-    )  # "top-k" | "top-p" | "min-p": the first filter that cut it; None if kept / greedy
+    )  # "grammar" | "top-k" | "top-p" | "min-p": the first filter that cut it; None if kept
     chosen: bool
 
 
@@ -63,6 +67,8 @@ class SampleRecord:
     token_id: int
     candidates: tuple[Candidate, ...]  # top-N by logit; the chosen token is appended if outside it
     params: SamplingParams  # a copy of the params in force for this token
+    allowed: int | None = None  # tokens the grammar allowed here (None: unconstrained)
+    where: str = ""  # where the grammar matcher stood
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
@@ -168,41 +174,57 @@ def tempered(pen: Tensor, rows: Sequence[SampleRow], top: Tensor | None = None) 
     return x
 
 
-def _process(
-    logits: Tensor, rows: Sequence[SampleRow]
-) -> tuple[Tensor, Tensor, list[Tensor | None]]:
-    """(penalised logits, processed logits, [top-k, top-p, min-p] masks, None if not applied)."""
-    pen = penalised_logits(logits, rows)
+def _masked(pen: Tensor, rows: Sequence[SampleRow]) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(the penalised logits with what the rows' grammars forbid at -inf, their row maxima, the
+    forbidden tokens [n, V] or None when no row is constrained)."""
     top = pen.amax(dim=-1, keepdim=True)
     if not torch.isfinite(top).all():
         raise PagechatError(
             "the model's logits are not finite (NaN or inf): its weights are broken or its "
             "precision overflowed"
         )
+    masks = [r.allowed for r in rows]
+    if all(m is None for m in masks):
+        return pen, top, None
+    allowed = torch.ones_like(pen, dtype=torch.bool)
+    for i, m in enumerate(masks):
+        if m is not None:
+            allowed[i] = m.to(pen.device)
+    masked = pen.masked_fill(~allowed, _NEG_INF)
+    return masked, masked.amax(dim=-1, keepdim=True), ~allowed
+
+
+def _process(
+    logits: Tensor, rows: Sequence[SampleRow]
+) -> tuple[Tensor, Tensor, list[Tensor | None]]:
+    """(penalised logits, processed logits, [grammar, top-k, top-p, min-p] masks, None if not
+    applied). The penalised logits are the model's, unmasked: what the panel shows."""
+    pen = penalised_logits(logits, rows)
+    masked, top, grammar = _masked(pen, rows)
     vocab = pen.shape[1]
     # Greedy rows ride along with neutral settings: their processed logits are the penalised ones.
     ps = [r.params for r in rows]
     ks = [0 if p.greedy or p.top_k >= vocab else p.top_k for p in ps]
     tops = [1.0 if p.greedy else p.top_p for p in ps]
     min_ps = [0.0 if p.greedy else p.min_p for p in ps]
-    x = tempered(pen, rows, top)
-    cuts: list[Tensor | None] = [None, None, None]
+    x = tempered(masked, rows, top)
+    cuts: list[Tensor | None] = [grammar, None, None, None]
     if any(ks):
         k = torch.tensor(ks, device=pen.device).unsqueeze(1)
         kth = x.topk(max(ks), dim=-1).values.gather(1, (k - 1).clamp(min=0))
         removed = (x < kth) & (k > 0)  # ties with the k-th value survive, as in transformers
         x = x.masked_fill(removed, _NEG_INF)
-        cuts[0] = removed
+        cuts[1] = removed
     if any(t < 1 for t in tops):
         removed = top_p_removed(x, tops)
         x = x.masked_fill(removed, _NEG_INF)
-        cuts[1] = removed
+        cuts[2] = removed
     if any(m > 0 for m in min_ps):
         probs = x.softmax(dim=-1)
         # The top token is never below min_p * max (min_p <= 1), so it always stays.
         removed = probs < _column(min_ps, pen) * probs.amax(dim=-1, keepdim=True)
         x = x.masked_fill(removed, _NEG_INF)
-        cuts[2] = removed
+        cuts[3] = removed
     return pen, x, cuts
 
 
@@ -211,20 +233,20 @@ def processed_logits(logits: Tensor, rows: Sequence[SampleRow]) -> Tensor:
     return _process(logits, rows)[1]
 
 
-def _probs(pen: Tensor, x: Tensor, rows: Sequence[SampleRow]) -> Tensor:
+def _probs(x: Tensor, rows: Sequence[SampleRow]) -> Tensor:
     probs = x.softmax(dim=-1)
     greedy = [i for i, r in enumerate(rows) if r.params.greedy]
-    if greedy:
-        g = torch.tensor(greedy, device=pen.device)
+    if greedy:  # a greedy row's processed logits are its (masked) penalised ones
+        g = torch.tensor(greedy, device=x.device)
         probs[g] = 0.0
-        probs[g, pen[g].argmax(dim=-1)] = 1.0
+        probs[g, x[g].argmax(dim=-1)] = 1.0
     return probs
 
 
 def target_probs(logits: Tensor, rows: Sequence[SampleRow]) -> Tensor:
     """The exact distribution each row samples from ([n, V], rows sum to 1); greedy rows one-hot."""
-    pen, x, _ = _process(logits, rows)
-    return _probs(pen, x, rows)
+    _, x, _ = _process(logits, rows)
+    return _probs(x, rows)
 
 
 def draw_from(probs: Tensor, generators: Sequence[torch.Generator | None]) -> Tensor:
@@ -276,7 +298,7 @@ class Sampler:
         if not rows:
             return [], []
         pen, x, cuts = _process(logits, rows)
-        tokens = self._draw(pen, x, rows)
+        tokens = self._draw(x, rows)
         chosen = tokens.tolist()
         return chosen, self._records(pen, x, cuts, tokens, chosen, rows)
 
@@ -290,13 +312,14 @@ class Sampler:
         return self._records(pen, x, cuts, torch.tensor(chosen, device=logits.device), chosen, rows)
 
     @staticmethod
-    def _draw(pen: Tensor, x: Tensor, rows: Sequence[SampleRow]) -> Tensor:
+    def _draw(x: Tensor, rows: Sequence[SampleRow]) -> Tensor:
         greedy = [r.params.greedy for r in rows]
         if not any(greedy):  # every row draws: no indexing in and out
             return draw_from(x.softmax(dim=-1), [r.generator for r in rows])
-        # max's indices are argmax's (the first of tied maxima); torch's CPU max over a vocabulary
-        # row takes a third of argmax's time (24 vs 69 us for 49,152 logits)
-        tokens = pen.max(dim=-1).indices
+        # A greedy row's processed logits are its penalised ones (masked by its grammar): max's
+        # indices are argmax's (the first of tied maxima); torch's CPU max over a vocabulary row
+        # takes a third of argmax's time (24 vs 69 us for 49,152 logits)
+        tokens = x.max(dim=-1).indices
         drawn = [i for i, g in enumerate(greedy) if not g]
         if drawn:
             idx = torch.tensor(drawn, device=x.device)
@@ -317,12 +340,16 @@ class Sampler:
         wants = [r.params.num_candidates for r in rows]
         top_n = min(max(wants), pen.shape[1])
         params = _frozen_params(rows)
+        allowed = [None if r.allowed is None else int(r.allowed.sum()) for r in rows]
         if top_n == 0:
-            return [SampleRecord(r.seq_id, t, (), p) for r, t, p in zip(rows, chosen, params)]
+            return [
+                SampleRecord(r.seq_id, t, (), p, a, r.where)
+                for r, t, p, a in zip(rows, chosen, params, allowed)
+            ]
         cols = _candidate_columns(pen, x, cuts, tokens, rows, top_n)
         return [
-            SampleRecord(r.seq_id, token, self._candidates(want, token, top_n, col), p)
-            for r, want, token, col, p in zip(rows, wants, chosen, cols, params)
+            SampleRecord(r.seq_id, token, self._candidates(want, token, top_n, col), p, a, r.where)
+            for r, want, token, col, p, a in zip(rows, wants, chosen, cols, params, allowed)
         ]
 
     def _candidates(self, want: int, token: int, top_n: int, col: tuple) -> tuple[Candidate, ...]:
@@ -366,7 +393,7 @@ def _candidate_columns(
     prob = tempered(pen, rows).softmax(dim=-1).gather(1, ids)
     greedy = _column([r.params.greedy for r in rows], pen, torch.bool)
     kept = torch.where(greedy, ids == tokens.unsqueeze(1), x.gather(1, ids) > _NEG_INF)
-    code = _cut_codes(ids, cuts).masked_fill_(greedy, 0)
+    code = _cut_codes(ids, cuts)  # a greedy row's filters are off: only its grammar cuts
     return list(zip(ids.tolist(), logit.tolist(), prob.tolist(), kept.tolist(), code.tolist()))
 
 

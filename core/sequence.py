@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 import torch
+from pagechat.core.grammar import Matcher
 from pagechat.core.params import SamplingParams
 from pagechat.core.report import BeamResult, SpecTotals
 
@@ -53,6 +54,7 @@ class Sequence:
     fault: bool = False  # the error is the engine's own (a step failed), not the request's
     priority: int = 0  # lower is admitted first and preempted last (the app's chat 0, load 1)
     grouped: bool = False  # a beam: its group picks its next token (never drafted for, or swapped)
+    grammar: Matcher | None = None  # a constrained sequence's place in its constraint
     first_token_time: float | None = None
     finish_time: float | None = None
     text: str = ""  # detokenised output so far (stop strings already cut)

@@ -27,7 +27,7 @@ from pagechat.core.events import (
     Started,
 )
 from pagechat.core.memory import EngineMemory, Readings, WeightReport, WeightRow
-from pagechat.core.params import SamplingParams
+from pagechat.core.params import Constraint, SamplingParams
 from pagechat.core.report import (
     BatchItem,
     BeamResult,
@@ -58,6 +58,7 @@ RECORDS = {
         SampleRecord,
         Candidate,
         SamplingParams,
+        Constraint,
         BlockSnapshot,
         BlockInfo,
         BlockEvent,
