@@ -77,7 +77,7 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _whole(job: Job, header: Header, request: Request, logprobs: bool) -> Response:
+async def _whole(job: Job, header: Header, request: Request, options: Options) -> Response:
     """Run a job to its end and answer at once; the client leaving first aborts it."""
     job.start()
     collect = asyncio.ensure_future(job.collect())
@@ -92,7 +92,8 @@ async def _whole(job: Job, header: Header, request: Request, logprobs: bool) -> 
     if not collect.done() or collect.cancelled():
         return Response(status_code=499)  # nobody is listening any more
     choices = collect.result()  # raises the job's APIError, if it failed
-    return JSONResponse(whole(header, choices, usage_of(job.usages), logprobs))
+    logprobs = options.logprobs is not None
+    return JSONResponse(whole(header, choices, usage_of(job.usages), logprobs, options.tools))
 
 
 async def _chunks(job: Job, writer: ChunkWriter) -> AsyncIterator[str]:
@@ -145,9 +146,9 @@ async def _answer(
     job = Job(state.loop, prompts, options, state.encoder.limits, (label, header.id))
     logprobs = options.logprobs is not None
     if not req.stream:
-        return await _whole(job, header, request, logprobs)
+        return await _whole(job, header, request, options)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    writer = ChunkWriter(header, logprobs, include_usage)
+    writer = ChunkWriter(header, logprobs, include_usage, options.tools)
     return StreamingResponse(_chunks(job, writer), media_type="text/event-stream")
 
 
@@ -166,8 +167,8 @@ def _v1_routes(state: ServerState) -> APIRouter:
     @v1.post("/chat/completions")
     async def chat(req: ChatRequest, request: Request) -> Response:
         state.check_model(req.model)
-        options = chat_options(req, state.max_n)
-        prompts = [state.encoder.chat(req.messages)]
+        options = chat_options(req, state.max_n, state.encoder.template)
+        prompts = [state.encoder.chat(req.messages, options.tools)]
         return await _answer(state, "chat", req, prompts, options, request)
 
     @v1.post("/completions")

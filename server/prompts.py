@@ -3,12 +3,14 @@ detokenises with the engine's; a fast tokenizer is not safe to share across thre
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from pagechat.core.loader import load_tokenizer
 from pagechat.server.errors import bad_param
 from pagechat.server.schema import Message
+from pagechat.server.tools import Tools, renders_tools, system_block
 
 _ROLES = {"system", "user", "assistant", "developer", "tool"}
 
@@ -35,19 +37,27 @@ class PromptEncoder:
         self.limits = limits
 
     @property
-    def has_chat_template(self) -> bool:
-        return bool(getattr(self.tokenizer, "chat_template", None))
+    def template(self) -> str:
+        """The model's chat template ("" without one)."""
+        return str(getattr(self.tokenizer, "chat_template", None) or "")
 
-    def chat(self, messages: list[Message]) -> list[int]:
-        """The conversation through the chat template, ready for the assistant's turn."""
-        if not self.has_chat_template:
+    def chat(self, messages: list[Message], tools: Tools | None = None) -> list[int]:
+        """The conversation through the chat template, ready for the assistant's turn; with
+        tools, shown the model by its template, or in the system message where it shows none."""
+        if not self.template:
             raise bad_param(
                 "messages", "the model has no chat template; use /v1/completions with a prompt"
             )
-        turns = [_turn(i, m) for i, m in enumerate(messages)]
+        own = renders_tools(self.template)
+        turns = [_turn(i, m, own) for i, m in enumerate(messages)]
+        extra = {}
+        if tools is not None and own:
+            extra["tools"] = list(tools.raw)
+        elif tools is not None:
+            turns = _with_system(turns, system_block(tools))
         try:
             text = self.tokenizer.apply_chat_template(
-                turns, add_generation_prompt=True, tokenize=False
+                turns, add_generation_prompt=True, tokenize=False, **extra
             )
         except Exception as e:  # the template's own checks (e.g. roles must alternate)
             message = f"the model's chat template refused the messages: {e}"
@@ -91,8 +101,10 @@ class PromptEncoder:
         return ids
 
 
-def _turn(i: int, message: Message) -> dict:
-    """One message as the chat template takes it: a role it knows and the text."""
+def _turn(i: int, message: Message, own_tools: bool) -> dict:
+    """One message as the chat template takes it: a role it knows and the text; an assistant's
+    tool calls and a tool's answer as the template takes them (own_tools), else as the text a
+    Hermes-style model reads."""
     if message.role not in _ROLES:
         raise bad_param(
             f"messages[{i}].role",
@@ -108,4 +120,42 @@ def _turn(i: int, message: Message) -> dict:
                 )
         content = "".join(part.text for part in content)
     role = "system" if message.role == "developer" else message.role
-    return {"role": role, "content": content or ""}
+    turn = {"role": role, "content": content or ""}
+    calls = [_call(i, c) for c in message.tool_calls or ()]
+    if calls and own_tools:
+        turn["tool_calls"] = calls
+    elif calls:
+        text = "\n".join(f"<tool_call>\n{json.dumps(c['function'])}\n</tool_call>" for c in calls)
+        turn["content"] = f"{turn['content']}\n{text}" if turn["content"] else text
+    if role == "tool" and own_tools:
+        turn["tool_call_id"] = message.tool_call_id
+    elif role == "tool":
+        turn = {"role": "user", "content": f"<tool_response>\n{turn['content']}\n</tool_response>"}
+    return turn
+
+
+def _call(i: int, call: dict) -> dict:
+    """An assistant's tool call as templates take it: the arguments as an object."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise bad_param(f"messages[{i}].tool_calls", "a tool call needs function.name")
+    args = fn.get("arguments", "{}")
+    try:
+        args = json.loads(args) if isinstance(args, str) else args
+    except json.JSONDecodeError:
+        raise bad_param(
+            f"messages[{i}].tool_calls", "a tool call's arguments must be JSON text"
+        ) from None
+    return {
+        "type": "function",
+        "id": call.get("id"),
+        "function": {"name": fn["name"], "arguments": args},
+    }
+
+
+def _with_system(turns: list[dict], block: str) -> list[dict]:
+    """The turns with block at the end of the system message (one made where there is none)."""
+    if turns and turns[0]["role"] == "system":
+        head = turns[0]["content"]
+        return [{"role": "system", "content": f"{head}\n\n{block}" if head else block}, *turns[1:]]
+    return [{"role": "system", "content": block}, *turns]

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pagechat.server.jobs import Choice
 from pagechat.server.logprobs import chat_logprobs, completion_logprobs
 from pagechat.server.messages import ChoiceDelta
+from pagechat.server.tools import CallStream, Tools
 
 DONE = "data: [DONE]\n\n"
 
@@ -51,17 +52,26 @@ def _logprobs(kind: str, choice_logprobs: list, wanted: bool, offset: int = 0) -
     return completion_logprobs(choice_logprobs, offset)
 
 
-def whole(header: Header, choices: list[Choice], usage: dict, logprobs: bool) -> dict:
-    """A non-streamed response: every choice's text, logprobs and finish reason, and usage."""
+def whole(
+    header: Header, choices: list[Choice], usage: dict, logprobs: bool, tools: Tools | None = None
+) -> dict:
+    """A non-streamed response: every choice's text (or its tool calls), logprobs and finish
+    reason, and usage."""
     out = []
     for c in choices:
         lp = _logprobs(header.kind, c.logprobs, logprobs)
+        reason = c.finish_reason
         if header.kind == "chat":
             message = {"role": "assistant", "content": c.text}
+            rest, calls = tools.calls(c.text) if tools is not None else (c.text, [])
+            if calls:
+                message = {"role": "assistant", "content": rest or None}
+                message["tool_calls"] = [call.as_dict() for call in calls]
+                reason = "tool_calls" if reason == "stop" else reason
             out.append({"index": c.index, "message": message, "logprobs": lp})
         else:
             out.append({"index": c.index, "text": c.text, "logprobs": lp})
-        out[-1]["finish_reason"] = c.finish_reason
+        out[-1]["finish_reason"] = reason
     return {**header.body(chunk=False), "choices": out, "usage": usage}
 
 
@@ -69,9 +79,13 @@ class ChunkWriter:
     """The chunks of one streamed response; remembers per choice only what the format needs
     (completions' character offsets)."""
 
-    def __init__(self, header: Header, logprobs: bool, include_usage: bool) -> None:
+    def __init__(
+        self, header: Header, logprobs: bool, include_usage: bool, tools: Tools | None = None
+    ) -> None:
         self.header, self.logprobs, self.include_usage = header, logprobs, include_usage
+        self.tools = tools
         self._offsets: dict[int, int] = {}
+        self._calls: dict[int, CallStream] = {}  # per choice, with tools
 
     def _chunk(self, choice: dict) -> str:
         body = {**self.header.body(chunk=True), "choices": [choice]}
@@ -94,11 +108,28 @@ class ChunkWriter:
         offset = self._offsets.get(d.index, 0)
         self._offsets[d.index] = offset + sum(len(t.token) for t in d.logprobs)
         lp = _logprobs(self.header.kind, list(d.logprobs), self.logprobs, offset)
+        if self.tools is not None:
+            return self._tool_chunks(d, lp)
         if self.header.kind == "chat":
             choice = {"index": d.index, "delta": {"content": d.text} if d.text else {}}
         else:
             choice = {"index": d.index, "text": d.text}
         return self._chunk({**choice, "logprobs": lp, "finish_reason": d.finish_reason})
+
+    def _tool_chunks(self, d: ChoiceDelta, lp: dict | None) -> str:
+        """A chat delta where the model may call tools: its content and the calls it completes
+        (server/tools.py's CallStream), the logprobs on the first chunk, the finish on the last."""
+        stream = self._calls.setdefault(d.index, CallStream(self.tools))
+        deltas = stream.feed(d.text, d.finished) or [{}]
+        reason = d.finish_reason
+        if reason == "stop" and stream.calls:
+            reason = "tool_calls"
+        chunks = []
+        for k, delta in enumerate(deltas):
+            last = k == len(deltas) - 1
+            choice = {"index": d.index, "delta": delta, "logprobs": lp if k == 0 else None}
+            chunks.append(self._chunk({**choice, "finish_reason": reason if last else None}))
+        return "".join(chunks)
 
     def usage(self, usage: dict) -> str:
         """The last chunk with stream_options.include_usage: no choices, the whole usage."""

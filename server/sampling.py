@@ -11,6 +11,8 @@ from pagechat.core.params import SamplingParams
 from pagechat.server.errors import APIError, bad_param
 from pagechat.server.prompts import Limits
 from pagechat.server.schema import ChatRequest, CompletionRequest, SamplingFields
+from pagechat.server.structured import constraint_of
+from pagechat.server.tools import Tools, tools_of
 
 MAX_TOP_LOGPROBS = 20
 SEED_LIMIT = 2**63
@@ -25,6 +27,7 @@ class Options:
     max_tokens: int | None
     logprobs: int | None
     max_tokens_param: str = "max_tokens"  # the field that set max_tokens, for errors
+    tools: Tools | None = None  # the tools the model may call (chat)
 
     def for_prompt(self, prompt_len: int, limits: Limits) -> SamplingParams:
         """The params of one prompt: max_tokens given (and checked against the room left), or all
@@ -100,8 +103,13 @@ def _max_tokens(value: int | None, param: str) -> int | None:
     return value
 
 
-def _params(req: SamplingFields, num_candidates: int) -> SamplingParams:
-    """The engine's params (max_tokens is set per prompt); OpenAI's default temperature is 1."""
+def _params(req: SamplingFields, num_candidates: int, tools: Tools | None = None) -> SamplingParams:
+    """The engine's params (max_tokens is set per prompt); OpenAI's default temperature is 1; a
+    constraint in any peer's dialect (server/structured.py), or the one tool_choice sets."""
+    constraint = constraint_of(req)
+    forced = tools.constraint() if tools is not None else None
+    if forced is not None and constraint is not None:
+        raise bad_param("tool_choice", "a required or named tool call takes no other constraint")
     top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
     try:
         return SamplingParams(
@@ -115,18 +123,17 @@ def _params(req: SamplingFields, num_candidates: int) -> SamplingParams:
             ignore_eos=req.ignore_eos,
             n=req.n,
             num_candidates=num_candidates,
+            constraint=forced or constraint,
         ).validate()
     except PagechatError as e:  # a rule the checks above do not know yet
         raise APIError(400, str(e)) from None
 
 
-def chat_options(req: ChatRequest, max_n: int) -> Options:
-    """A chat request's options, or a 400 naming its first bad field."""
+def chat_options(req: ChatRequest, max_n: int, template: str) -> Options:
+    """A chat request's options (template: the model's chat template, which says how it writes
+    a tool call), or a 400 naming its first bad field."""
     _check_common(req, max_n)
-    _require(not req.tools, "tools", "tools (function calling) are not supported")
-    _require(req.tool_choice in (None, "none"), "tool_choice", "tool_choice is not supported")
-    kind = (req.response_format or {}).get("type", "text")
-    _require(kind == "text", "response_format", f"response_format {kind!r} is not supported")
+    tools = tools_of(req.tools, req.tool_choice, template, req.parallel_tool_calls)
     k = req.top_logprobs
     _require(
         k is None or 0 <= k <= MAX_TOP_LOGPROBS,
@@ -138,7 +145,7 @@ def chat_options(req: ChatRequest, max_n: int) -> Options:
     tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     tokens = _max_tokens(tokens, param)
-    return Options(_params(req, _candidates(logprobs)), tokens, logprobs, param)
+    return Options(_params(req, _candidates(logprobs), tools), tokens, logprobs, param, tools)
 
 
 def completion_options(req: CompletionRequest, max_n: int) -> Options:

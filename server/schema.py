@@ -57,6 +57,8 @@ class Message(BaseModel):
 
     role: str
     content: str | list[TextPart] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls, as it was answered
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 class ChatRequest(SamplingFields):
@@ -68,6 +70,7 @@ class ChatRequest(SamplingFields):
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
 
 
