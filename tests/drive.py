@@ -97,7 +97,7 @@ async def wait_reply_done(pilot: Pilot, timeout: float = 60.0) -> None:
 
     def done() -> bool:
         msgs = app.session.messages
-        return bool(msgs) and not msgs[-1].streaming and not app.render_pending
+        return bool(msgs) and not msgs[-1].streaming and not app.frames.render_pending
 
     await wait_until(pilot, done, timeout, "the reply to finish")
     await pilot.pause(0.1)
@@ -130,7 +130,7 @@ async def advance(pilot: Pilot, steps: int) -> None:
     app.loop.advance(steps)
     app.loop.sync(timeout=60)
     await wait_until(
-        pilot, lambda: not app.render_pending, 10, "the UI to draw the engine's events"
+        pilot, lambda: not app.frames.render_pending, 10, "the UI to draw the engine's events"
     )
     await pilot.pause(0.05)
 

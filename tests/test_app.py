@@ -75,7 +75,7 @@ async def test_prompt_streams_a_reply(model_dir, tmp_path, monkeypatch):
         for _ in range(3):
             app.loop.advance(5)
             app.loop.sync()
-            await wait_until(pilot, lambda: not app.render_pending, 10, "a repaint")
+            await wait_until(pilot, lambda: not app.frames.render_pending, 10, "a repaint")
         app.loop.resume()
         await wait_reply_done(pilot)
         reply = app.session.messages[-1]
@@ -94,7 +94,7 @@ async def test_prompt_streams_a_reply(model_dir, tmp_path, monkeypatch):
         view = app.query_one(ChatLog).views[id(reply)]
         assert view.has_class("-done") and reply.finish_reason == "length"
         assert (
-            app.store.load(app.session.record.id).messages[-1]["content"] == seq.text
+            app.files.store.load(app.session.record.id).messages[-1]["content"] == seq.text
         )  # autosaved
 
 
@@ -169,10 +169,10 @@ async def test_a_streaming_reply_takes_the_room_below_its_prompt_with_no_layout_
 async def test_the_first_token_is_drawn_at_once_whatever_the_frame_budget(
     model_dir, tmp_path, monkeypatch
 ):
-    monkeypatch.setattr("pagechat.tui.app.UI_CPU_BUDGET", 1e-9)  # no frame is ever within budget...
-    monkeypatch.setattr(
-        "pagechat.tui.app.MAX_FRAME_GAP", 30.0
-    )  # ...nor overdue while advance() waits (10 s)
+    # no frame is ever within budget...
+    monkeypatch.setattr("pagechat.tui.frames.UI_CPU_BUDGET", 1e-9)
+    # ...nor overdue while advance() waits (10 s)
+    monkeypatch.setattr("pagechat.tui.frames.MAX_FRAME_GAP", 30.0)
     app = make_app(model_dir, tmp_path)
     async with app.run_test(size=SIZE) as pilot:
         await send_and_advance(
@@ -247,7 +247,7 @@ async def test_escape_stops_the_reply_and_keeps_its_text(model_dir, tmp_path):
         assert reply.finish_reason == "abort" == seq.finish_reason
         assert reply.content == seq.text and 4 <= len(reply.tokens) < 400
         assert app.loop.engine.block_map.snapshot().num_used == 0
-        assert app.store.load(app.session.record.id).messages[-1]["finish_reason"] == "abort"
+        assert app.files.store.load(app.session.record.id).messages[-1]["finish_reason"] == "abort"
 
 
 async def test_the_app_on_an_engine_process(model_dir, tmp_path):
@@ -279,7 +279,7 @@ async def test_the_app_on_an_engine_process(model_dir, tmp_path):
             "the block map of the child's pool",
         )
         assert app.readings is not None and app.readings.rss > 0
-        app.set_params(replace(greedy, max_tokens=400))
+        app.settings.set_params(replace(greedy, max_tokens=400))
         await type_prompt(pilot, "go on")
         await wait_tokens(pilot, 3)
         await pilot.press("escape")
@@ -315,7 +315,7 @@ async def test_ctrl_n_frees_the_chats_blocks_and_keeps_the_prefix_cache(model_di
         assert truth.num_cached > 0  # the prompt's full blocks stay in the prefix cache
         assert app.session.record.id != old_id and not app.session.messages
         assert not app.query_one(ChatLog).children
-        assert app.store.load(old_id).messages[-1]["finish_reason"] == "abort"
+        assert app.files.store.load(old_id).messages[-1]["finish_reason"] == "abort"
 
 
 async def test_selecting_a_reply_token_shows_the_samplers_record(model_dir, tmp_path):
@@ -329,7 +329,7 @@ async def test_selecting_a_reply_token_shows_the_samplers_record(model_dir, tmp_
         panel = app.query_one(SamplingPanel)
         await pilot.press("ctrl+r", "left", "left")  # keyboard: the third token from the end
         await pilot.pause()
-        assert app.active_panel == "sampling" and panel.record is records[-3]
+        assert app.main.active_panel == "sampling" and panel.record is records[-3]
         table = str(panel.query_one("#sampling-table").render())
         for c in records[-3].candidates:
             assert f"{c.logit:6.2f}" in table and f"{c.prob:.3f}" in table
@@ -386,7 +386,7 @@ async def test_engine_refusals_are_shown_and_the_app_stays_up(model_dir, tmp_pat
 
 async def test_keys_nudge_params_help_and_resize(model_dir, tmp_path):
     app = make_app(model_dir, tmp_path)
-    app.layout_mode = "auto"
+    app.main.layout_mode = "auto"
     async with app.run_test(size=(100, 30)) as pilot:
         assert app.screen.has_class("-tabs")
         await pilot.press("f6", "f6", "f7")
@@ -412,14 +412,14 @@ async def test_keys_nudge_params_help_and_resize(model_dir, tmp_path):
         await pilot.resize_terminal(100, 30)
         assert app.screen.has_class("-tabs")
         await pilot.press("f2")
-        assert app.active_panel == "sampling" and app.query_one(SamplingPanel).display
+        assert app.main.active_panel == "sampling" and app.query_one(SamplingPanel).display
         for _ in range(3):  # keys in one burst (as a terminal delivers them): each switch counts
             app.action_next_panel()
         await pilot.pause(0.2)
-        assert app.active_panel == "memory" == app.query_one("#panel-tabs", Tabs).active
+        assert app.main.active_panel == "memory" == app.query_one("#panel-tabs", Tabs).active
         await pilot.click("#panel-tabs Tab#timing")  # a click on a tab still switches
         await pilot.pause(0.2)
-        assert app.active_panel == "timing" and app.query_one(TimingPanel).display
+        assert app.main.active_panel == "timing" and app.query_one(TimingPanel).display
 
 
 async def test_speculation_panel_shows_the_engines_draft_records(model_dir, tmp_path):
@@ -433,7 +433,7 @@ async def test_speculation_panel_shows_the_engines_draft_records(model_dir, tmp_
     async with app.run_test(size=SIZE) as pilot:
         await type_prompt(pilot, "the the the the the the")
         await wait_reply_done(pilot)
-        app.show_panel("speculation")
+        app.main.show_panel("speculation")
         await pilot.pause()
         seen_drafts = [d for r in reports for d in r.drafts]
         assert list(app.session.drafts) == seen_drafts and seen_drafts
@@ -445,11 +445,11 @@ async def test_speculation_panel_shows_the_engines_draft_records(model_dir, tmp_
         if seq.spec.emitted:
             assert f"({seq.spec.steps} fwd, {seq.spec.emitted} tok)" in text
         assert str(app.query_one("#spec-state").render()).startswith("on")
-        app.show_panel("controls")
+        app.main.show_panel("controls")
         await pilot.pause()
         await pilot.click("#ctl-spec")  # switch it off with the mouse
         await wait_until(pilot, lambda: not engine.speculate, 5, "speculation off")
-        app.show_panel("speculation")
+        app.main.show_panel("speculation")
         await pilot.pause()
         assert str(app.query_one("#spec-state").render()).startswith("off")
 

@@ -61,7 +61,7 @@ async def test_n_samples_decode_together_and_the_kept_one_goes_on(model_dir, tmp
         assert "kept answer 3 of 4" in str(view.query_one(".answers-head").render())
         # the chat goes on from the kept answer; the saved chat names it and keeps every answer
         assert app.session.conversation()[-1] == {"role": "assistant", "content": seqs[2].text}
-        saved = app.store.load(app.session.record.id).messages[-1]
+        saved = app.files.store.load(app.session.record.id).messages[-1]
         assert saved["content"] == seqs[2].text
         assert (saved["answers"]["of"], saved["answers"]["kept"]) == (4, 2)
         assert [a["content"] for a in saved["answers"]["each"]] == [s.text for s in seqs]
@@ -80,7 +80,7 @@ async def test_keeping_a_sample_mid_reply_frees_the_others_at_once(model_dir, tm
         app.loop.sync()
         assert [sequences(engine)[i].finished for i in ids] == [True, True, True, False]
         assert [engine.block_map.held(i)[0] > 0 for i in ids] == [False, False, False, True]
-        await wait_until(pilot, lambda: not app.render_pending, 10, "the aborts to be drawn")
+        await wait_until(pilot, lambda: not app.frames.render_pending, 10, "the aborts to be drawn")
         assert [a.finish_reason for a in reply.samples[:3]] == ["abort"] * 3
         assert reply.streaming  # the kept answer goes on
         app.loop.resume()
@@ -119,7 +119,7 @@ async def test_a_samples_value_above_eight_is_refused(model_dir, tmp_path):
 async def test_the_scheduler_panel_lists_every_sample(model_dir, tmp_path):
     app = make_app(model_dir, tmp_path, replace(PARAMS, n=3, max_tokens=40))
     async with app.run_test(size=SIZE) as pilot:
-        app.show_panel("sched")
+        app.main.show_panel("sched")
         app.loop.pause()
         await type_prompt(pilot, "hello")
         await advance(pilot, 4)
@@ -149,7 +149,7 @@ async def set_load_fields(pilot, count: int, rate: float) -> None:
 async def test_background_load_batches_hits_the_prefix_cache_and_preempts(model_dir, tmp_path):
     app = make_app(model_dir, tmp_path, replace(PARAMS, max_tokens=30), kv_blocks=40, block_size=4)
     async with app.run_test(size=SIZE) as pilot:
-        app.show_panel("sched")
+        app.main.show_panel("sched")
         await set_load_fields(pilot, 14, 5)
         # paused until every request is in (they come over 2.6 s): on a fast machine a load
         # that ran as it came would end before the chat comes, and nothing would be preempted
@@ -172,7 +172,7 @@ async def test_background_load_batches_hits_the_prefix_cache_and_preempts(model_
         await wait_until(
             pilot, lambda: all(sequences(engine)[r].finished for r in load), 120, "the load to end"
         )
-        await wait_until(pilot, lambda: not app.render_pending, 10, "the last frame")
+        await wait_until(pilot, lambda: not app.frames.render_pending, 10, "the last frame")
         assert app.sched.preemptions > 0  # the pool could not hold them all
         assert app.session.blocks.prefix_hit_tokens > 0  # repeated prompts share blocks
         assert {sequences(engine)[r].finish_reason for r in load} <= {"stop", "length"}
@@ -195,7 +195,7 @@ async def test_ctrl_l_stops_the_load_and_frees_its_blocks(model_dir, tmp_path):
         app.loop.sync()
         assert all(s.finish_reason == "abort" for s in sequences(engine).values())
         assert engine.block_map.snapshot().num_used == 0
-        await wait_until(pilot, lambda: not app.render_pending, 10, "the stop to be drawn")
+        await wait_until(pilot, lambda: not app.frames.render_pending, 10, "the stop to be drawn")
         await pilot.pause(0.1)
         assert not app.query_one(ControlsPanel).load_on and not app.sched.live
 
@@ -361,7 +361,7 @@ async def test_branches_run_together_each_with_its_settings_and_are_kept(model_d
     is saved with what made it and comes back on resume."""
     from pagechat.core.config import EngineConfig
     from pagechat.core.engine import Engine
-    from pagechat.tui.app import MAX_BRANCHES
+    from pagechat.tui.answers import MAX_BRANCHES
     from pagechat.tui.session import ChatSession
 
     app = make_app(model_dir, tmp_path, replace(PARAMS, max_tokens=20))
@@ -370,9 +370,9 @@ async def test_branches_run_together_each_with_its_settings_and_are_kept(model_d
         await wait_reply_done(pilot)
         reply, engine = app.session.messages[-1], app.loop.engine
         app.loop.pause()
-        app.set_params(replace(PARAMS, max_tokens=12, temperature=0.5, seed=11))
+        app.settings.set_params(replace(PARAMS, max_tokens=12, temperature=0.5, seed=11))
         await pilot.press("ctrl+r", "left", "left", "left", "left", "left", "b")  # at token 15
-        app.set_params(replace(PARAMS, max_tokens=12, temperature=1.3, seed=12))
+        app.settings.set_params(replace(PARAMS, max_tokens=12, temperature=1.3, seed=12))
         await pilot.press("ctrl+r", "a")  # the turn asked again
         await wait_until(pilot, lambda: len(reply.samples) == 3, 5, "two branches")
         await advance(pilot, 2)
@@ -380,9 +380,9 @@ async def test_branches_run_together_each_with_its_settings_and_are_kept(model_d
         ran = {b.seq_id for b in app.session.latest.batch}
         assert {b.request_id for b in branches} <= ran  # decoded together in one step
         for k in range(MAX_BRANCHES - 2):
-            app.branch(reply.samples[0], 3 + k)
+            app.answers.branch(reply.samples[0], 3 + k)
         assert sum(a.streaming for a in reply.samples) == MAX_BRANCHES
-        app.branch(reply.samples[0], 9)
+        app.answers.branch(reply.samples[0], 9)
         assert len(reply.samples) == 1 + MAX_BRANCHES  # refused: four run already
         app.loop.resume()
         await wait_reply_done(pilot)
@@ -401,7 +401,7 @@ async def test_branches_run_together_each_with_its_settings_and_are_kept(model_d
         assert made[1]["branch"] == {"again": True}
         assert branches[1].tokens[0].record is not None  # asked again: nothing given
         texts = [a.content for a in reply.samples]
-    record = app.store.load(app.session.record.id)
+    record = app.files.store.load(app.session.record.id)
     resumed = ChatSession(record, PARAMS).messages[-1]
     assert [a.content for a in resumed.samples] == texts
     assert resumed.samples[1].produced_by == made[0] and resumed.picked is None

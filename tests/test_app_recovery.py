@@ -31,7 +31,7 @@ def app_on(client, tmp_path) -> PagechatApp:
 
 
 def saved(app: PagechatApp) -> list[dict]:
-    path = app.store.path(app.session.record.id)
+    path = app.files.store.path(app.session.record.id)
     return json.loads(path.read_text())["messages"]
 
 
@@ -81,7 +81,7 @@ async def test_a_loop_that_dies_is_replaced_and_the_chat_kept(model_dir, tmp_pat
         failed = app.session.messages[-1]
         await wait_until(pilot, lambda: failed.error is not None, 2, "the app to notice")
         assert failed.error == "the engine stopped: the engine failed: RuntimeError: boom"
-        await wait_until(pilot, lambda: not app.restarting, 60, "a new engine")
+        await wait_until(pilot, lambda: not app.supervisor.restarting, 60, "a new engine")
         assert app.loop.engine is not engine and app.session.messages[1].content == first
         await pilot.press("ctrl+r")
         await wait_reply_done(pilot)
@@ -113,7 +113,7 @@ async def test_an_engine_process_killed_or_stopped_is_noticed_within_2_s(sig, mo
             and ("exited (exit code -9)" if sig == signal.SIGKILL else "stopped answering")
             in (reply.error)
         )
-        await wait_until(pilot, lambda: not app.restarting, 60, "a new engine")
+        await wait_until(pilot, lambda: not app.supervisor.restarting, 60, "a new engine")
         assert app.loop.pid != pid and app.loop.is_alive()
         app.session.params = GREEDY
         await pilot.press("ctrl+r")

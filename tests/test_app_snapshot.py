@@ -1,7 +1,8 @@
 """Snapshot tests (pytest-textual-snapshot): the main screen after one reply at a fixed seed on the
 tiny model.
 
-Numbers that vary between runs (times, tok/s, RSS) are frozen to a placeholder in these screens.
+Numbers that vary between runs (times, tok/s, RSS) are fixed where the engine takes them: its
+clock reads a fixed step later each time, and its memory readings are fixed.
 Update the stored SVGs with `pytest tests/test_app_snapshot.py --snapshot-update` after a deliberate
 change.
 """
@@ -12,6 +13,7 @@ import pytest
 from drive import send_and_advance, tiny_model_dir, type_prompt, wait_reply_done
 from pagechat.core.config import EngineConfig
 from pagechat.core.engine import Engine
+from pagechat.core.memory import Readings
 from pagechat.core.params import SamplingParams
 from pagechat.tui.app import PagechatApp
 from pagechat.tui.client import ThreadedEngine
@@ -19,6 +21,8 @@ from pagechat.tui.history import ChatRecord, ChatStore
 from pagechat.tui.widgets.chat import PromptInput
 
 PARAMS = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=40, seed=7, ignore_eos=True)
+TICK_S = 0.005  # the engine's clock here: each reading this much later than the last
+READINGS = Readings(rss=64 << 20, mem_total=128 << 20)  # the engine process's memory, fixed
 
 
 def snapshot_app(tmp_path, layout: str) -> PagechatApp:
@@ -28,7 +32,6 @@ def snapshot_app(tmp_path, layout: str) -> PagechatApp:
         chat=ChatRecord(id="snapshot", model="tiny-llama"),
         params=PARAMS,
         store=ChatStore(tmp_path / "chats"),
-        frozen=True,
         layout=layout,
     )
 
@@ -60,3 +63,24 @@ def test_main_screen_all_panels(snap_compare, tmp_path):
 def _quiet_notifications(monkeypatch):
     """Toasts time out on the wall clock; keep them out of the snapshots."""
     monkeypatch.setattr(PagechatApp, "notify", lambda self, *a, **k: None)
+
+
+class EngineClock:
+    """The engine's time.perf_counter here: each reading TICK_S after the last, so that every time,
+    rate and step bar is the same from run to run (only the engine's thread reads it)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        self.now += TICK_S
+        return self.now
+
+
+@pytest.fixture(autouse=True)
+def _fixed_numbers(monkeypatch):
+    """The engine's timestamps and memory readings vary between runs: fixed at their source."""
+    clock = EngineClock()
+    for module in ("engine", "requests", "beam", "events"):  # core's modules that read the time
+        monkeypatch.setattr(f"pagechat.core.{module}.time", clock)
+    monkeypatch.setattr("pagechat.core.engine_loop.read_memory", lambda device: READINGS)

@@ -410,7 +410,7 @@ async def test_each_reply_records_what_produced_it(tmp_path):
         await type_prompt(pilot, "hello")
         await advance(pilot, 5)
         at = len(app.session.messages[-1].tokens)
-        app.set_params(replace(PARAMS, temperature=0.2))
+        app.settings.set_params(replace(PARAMS, temperature=0.2))
         app.loop.resume()
         await wait_reply_done(pilot)
         await type_prompt(pilot, "again")

@@ -80,7 +80,7 @@ async def test_a_long_chat_in_the_app_goes_on_with_a_marker_and_a_meter(tmp_path
         assert f"the {s.context_from} messages above are out of the model's context" in str(
             marker.render()
         )
-        line = status_line(app.loop.info, s, True, app.theme_variables).plain
+        line = status_line(app.loop.info, s, app.theme_variables).plain
         assert f"context {s.context_used()}/160 ({s.context_from} earlier messages out)" in line
         # the kept part is a prefix the cache serves: the next turn fits and hits it
         first = s.context_from
@@ -95,7 +95,7 @@ async def test_a_long_chat_in_the_app_goes_on_with_a_marker_and_a_meter(tmp_path
 async def test_a_full_chat_set_to_refuse_says_start_a_new_one(tmp_path):
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     app = tabs_app(tiny_model_dir(), tmp_path, params, max_model_len=96)
-    app.when_full = "refuse"
+    app.turns.when_full = "refuse"
     async with app.run_test(size=(120, 36)) as pilot:
         for i in range(6):
             await type_prompt(pilot, f"turn {i} please")

@@ -238,11 +238,11 @@ async def test_the_app_on_a_server_chats_through_its_api(model_dir, tmp_path):
                 ),
                 daemon=True,
             ).start()
-            app.set_load(True, 3, 50.0)
+            app.load.set(True, 3, 50.0)
             await wait_until(pilot, lambda: {"api cmpl", "load 1", "load 3"} <= names(), 20)
-            await wait_until(pilot, lambda: app.load_left == 0 and not app.load_running(), 30)
+            await wait_until(pilot, lambda: app.load.left == 0 and not app.load.running(), 30)
             # between replies the sampling panel shows whatever the server samples
-            app.show_panel("sampling")
+            app.main.show_panel("sampling")
             s.client().completions.create(model=MODEL, prompt="p q", max_tokens=2)
 
             def sampling() -> str:

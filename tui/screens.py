@@ -9,7 +9,7 @@ from pagechat.core.memory import EngineMemory
 from pagechat.core.params import SamplingParams
 from pagechat.tui.session import ChatSession
 from pagechat.tui.widgets.blocks import BlocksPanel
-from pagechat.tui.widgets.chat import ChatColumn, ChatLog, PromptInput
+from pagechat.tui.widgets.chat import ChatColumn, ChatLog, PromptInput, ReplyView
 from pagechat.tui.widgets.controls import ControlsPanel
 from pagechat.tui.widgets.memory import MemoryPanel
 from pagechat.tui.widgets.panel import Panel, Readout
@@ -19,11 +19,13 @@ from pagechat.tui.widgets.speculation import SpeculationPanel
 from pagechat.tui.widgets.timing import TimingPanel
 from rich.table import Table
 from rich.text import Text
+from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Container, Horizontal, Vertical, VerticalScroll
+from textual.geometry import Size
 from textual.screen import ModalScreen, Screen
-from textual.widgets import Footer, Static, Tab, Tabs
+from textual.widgets import Footer, Input, Static, Tab, Tabs
 
 PANELS = (
     ("blocks", "Blocks"),
@@ -34,16 +36,15 @@ PANELS = (
     ("speculation", "Spec"),
     ("sched", "Scheduler"),
 )
+GRID_MIN = (150, 40)  # terminal size from which every panel is shown at once
 
 
 class StatusBar(Readout):
     """One line: model, dtype and device, chat id, and what the engine is doing."""
 
 
-def status_line(
-    info: EngineInfo, session: ChatSession, frozen: bool, colours: Mapping[str, str]
-) -> Text:
-    """The status bar's text; `frozen` hides the varying tok/s; colours: the theme's variables."""
+def status_line(info: EngineInfo, session: ChatSession, colours: Mapping[str, str]) -> Text:
+    """The status bar's text; colours: the theme's variables."""
     badge = f"bold {colours['pc-on-accent']} on {colours['pc-accent']}"
     t = Text().append(" pagechat ", badge)
     t.append(f" {info.model_name} ", "bold").append(f"{info.precision} on {info.device}", "dim")
@@ -55,7 +56,7 @@ def status_line(
         return t.append(" │ ", "dim").append("idle", "dim")
     t.append(" │ ", "dim").append("● generating", f"bold {colours['pc-good']}")
     t.append(f" {sum(len(a.tokens) for a in msg.samples) or len(msg.tokens)} tok", "dim")
-    if msg.timing and msg.timing.decode_tok_s and not frozen:
+    if msg.timing and msg.timing.decode_tok_s:
         t.append(f" · {msg.timing.decode_tok_s:.1f} tok/s", "dim")
     return t
 
@@ -75,7 +76,8 @@ def context_meter(session: ChatSession, context: int, colours: Mapping[str, str]
 class MainScreen(Screen):
     """The chat column beside the inspector panels, between the status line and the footer.
 
-    The panels are tabbed (one shown at a time: Screen class -tabs) or all in a grid (-grid).
+    The panels are tabbed (one shown at a time: Screen class -tabs) or all in a grid (-grid). The
+    screen routes its widgets' messages to the app's chat, settings, answers and load.
     """
 
     def __init__(
@@ -84,11 +86,15 @@ class MainScreen(Screen):
         memory: EngineMemory,
         params: SamplingParams,
         spec: tuple[bool, bool, int],
+        layout: str = "auto",
     ) -> None:
         """system: the chat's system prompt; spec: (a proposer exists, speculation on, draft
-        length)."""
+        length); layout: auto (by the terminal's size), tabs or grid."""
         super().__init__()
         self.system, self.memory, self.params, self.spec = system, memory, params, spec
+        self.layout_mode = layout
+        self.active_panel = "blocks"
+        self.term_size: Size | None = None
 
     def compose(self) -> ComposeResult:
         yield StatusBar(id="status")
@@ -109,7 +115,7 @@ class MainScreen(Screen):
     def on_mount(self) -> None:
         """The layout before the first one is computed: a panel first sized as one of seven
         stacked ones would draw the block map at a scale it does not keep."""
-        self.set_layout(self.app.grid_layout(), self.app.active_panel)
+        self.set_layout(self.grid_layout(), self.active_panel)
 
     @property
     def prompt(self) -> PromptInput:
@@ -119,6 +125,24 @@ class MainScreen(Screen):
     def chat_log(self) -> ChatLog:
         return self.query_one(ChatLog)
 
+    # -- layout ------------------------------------------------------------------------------------
+    def grid_layout(self) -> bool:
+        """Every panel at once: asked for, or in auto on a terminal of at least GRID_MIN."""
+        if self.layout_mode != "auto":
+            return self.layout_mode == "grid"
+        size = self.term_size or self.app.size
+        return size.width >= GRID_MIN[0] and size.height >= GRID_MIN[1]
+
+    def apply_layout(self, size: Size | None = None) -> None:
+        """Tabs on small terminals, a grid on big ones; size: the terminal's, from App.on_resize."""
+        if size is not None:
+            self.term_size = size
+        grid = self.grid_layout()
+        if not self.query("#panels"):
+            return  # not composed yet
+        self.set_layout(grid, self.active_panel)
+        self.app.call_after_refresh(self.app.inspector.refresh, True)
+
     def set_layout(self, grid: bool, active: str) -> None:
         """Every panel at once in a grid, or tabs that show the `active` one."""
         self.set_class(grid, "-grid")
@@ -126,15 +150,88 @@ class MainScreen(Screen):
         self._mark_active(active)
 
     def show_panel(self, key: str) -> None:
-        """Make `key` the active panel: its tab selected, its box highlighted."""
+        """Make `key` the active panel (the one the tabs show): tab selected, box lit, drawn."""
+        self.active_panel = key
         tabs = self.query_one("#panel-tabs", Tabs)
         if tabs.active != key:
             tabs.active = key
         self._mark_active(key)
+        self.app.call_after_refresh(self.app.inspector.refresh, True)
 
     def _mark_active(self, key: str) -> None:
         for k, _ in PANELS:
             self.query_one(f"#{k}", Panel).set_class(k == key, "-active")
+
+    def shows(self, key: str) -> bool:
+        """Whether panel `key` is on view, so worth drawing."""
+        return self.grid_layout() or key == self.active_panel
+
+    def next_panel(self) -> None:
+        """The next panel in the tabs' order."""
+        keys = [k for k, _ in PANELS]
+        self.show_panel(keys[(keys.index(self.active_panel) + 1) % len(keys)])
+
+    def toggle_layout(self) -> None:
+        """Tabs if every panel is on view now, else every panel."""
+        self.layout_mode = "tabs" if self.grid_layout() else "grid"
+        self.apply_layout()
+
+    def focus_controls(self) -> None:
+        """The Controls panel on view, its first field focused."""
+        self.show_panel("controls")
+        self.query_one("#ctl-temperature", Input).focus()
+
+    @on(Tabs.TabActivated, "#panel-tabs")
+    def _tab(self, event: Tabs.TabActivated) -> None:
+        """A tab clicked.
+
+        Keys switch panels too, and each switch posts this event: one that arrives after a later
+        switch (keys pressed in a burst) names a tab no longer active and is not a request.
+        """
+        if event.tab.id and event.tab.id == event.tabs.active != self.active_panel:
+            self.show_panel(event.tab.id)
+
+    # -- the widgets' messages, to the app's behaviour ---------------------------------------------
+    @on(PromptInput.Submitted)
+    def _send(self, event: PromptInput.Submitted) -> None:
+        self.app.turns.send(event.text)
+
+    @on(ReplyView.TokenSelected)
+    def _token_selected(self, event: ReplyView.TokenSelected) -> None:
+        """A token picked in a reply: the sampling panel shows its candidates."""
+        inspector = self.app.inspector
+        inspector.pinned = (event.message, event.index) if event.index >= 0 else None
+        if not self.grid_layout() and self.active_panel != "sampling":
+            self.show_panel("sampling")
+        inspector.show_sampling()
+
+    @on(ReplyView.BranchAsked)
+    def _branch_asked(self, event: ReplyView.BranchAsked) -> None:
+        self.app.answers.branch(event.message, event.index)
+
+    @on(Input.Submitted, "#system-prompt")
+    def _system_submitted(self, event: Input.Submitted) -> None:
+        event.stop()
+        self.app.session.system = event.value
+        self.app.files.save()
+        self.app.notify("system prompt set (applies from the next message)", timeout=3)
+        self.prompt.focus()
+
+    @on(Input.Changed, "#system-prompt")
+    def _system_changed(self, event: Input.Changed) -> None:
+        self.app.session.system = event.value
+
+    @on(ControlsPanel.Changed)
+    def _controls_changed(self, event: ControlsPanel.Changed) -> None:
+        self.app.settings.set_params(event.params, from_controls=True)
+
+    @on(ControlsPanel.SpeculationChanged)
+    def _speculation_changed(self, event: ControlsPanel.SpeculationChanged) -> None:
+        self.app.settings.set_speculation(event.enabled, event.num_draft)
+
+    @on(ControlsPanel.LoadChanged)
+    def _load_changed(self, event: ControlsPanel.LoadChanged) -> None:
+        self.app.load.set(event.on, event.count, event.rate)
 
 
 KEY_NAMES = {

@@ -274,7 +274,7 @@ class ReplyView(Vertical, can_focus=True):
             parts.append(" · stopped", colours["pc-warn"])
         elif m.finish_reason:
             parts.append(f" · {m.finish_reason}")
-        if t is not None and t.decode_tok_s and not self.app.frozen:
+        if t is not None and t.decode_tok_s:
             parts.append(f" · {t.decode_tok_s:.1f} tok/s")
         if m.error:
             parts.append(f"\n{m.error}", f"bold {colours['pc-bad']}")

@@ -95,8 +95,6 @@ class MemoryPanel(Panel):
     def readings_text(self, r: Readings, width: int, kv_used: int) -> Text:
         i, w = self.info, self.info.weights.total
         colours = self.app.theme_variables
-        if self.app.frozen:
-            return Text().append(f"{i.device.type} readings hidden (frozen numbers)", "dim")
         t = Text()
         if r.device_total is not None:
             t.append("activation peak ", "dim").append(

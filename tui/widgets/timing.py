@@ -13,7 +13,6 @@ from textual.app import ComposeResult
 
 KIND_COLOURS = {"prefill": "pc-warn", "decode": "pc-accent", "mixed": "pc-other"}  # theme variables
 BARS = " ▁▂▃▄▅▆▇█"
-HIDDEN = "·"  # shown instead of a varying time when numbers are frozen (snapshot tests)
 
 
 def scale_top(values: Sequence[float]) -> float:
@@ -64,9 +63,7 @@ def split_bar(wall: dict[str, float], width: int, colours: Mapping[str, str]) ->
     return t
 
 
-def _num(value: float | None, fmt: str, frozen: bool) -> str:
-    if frozen:
-        return HIDDEN
+def _num(value: float | None, fmt: str) -> str:
     return "—" if value is None or value == 0 else format(value, fmt)
 
 
@@ -81,16 +78,16 @@ COLUMNS = (
 )
 
 
-def turn_row(i: int, t: TurnTiming, frozen: bool, live: str | None) -> Text:
+def turn_row(i: int, t: TurnTiming, live: str | None) -> Text:
     """One turn's figures; live: the row's style while its reply streams."""
     cells = [
         ("▶" if live else "") + str(i),
-        _num(None if t.ttft_s is None else 1000 * t.ttft_s, ".0f", frozen),
+        _num(None if t.ttft_s is None else 1000 * t.ttft_s, ".0f"),
         str(t.prefill_tokens),
-        _num(t.prefill_tok_s, ".0f", frozen),
+        _num(t.prefill_tok_s, ".0f"),
         str(t.decode_tokens),
-        _num(t.ms_per_token, ".1f", frozen),
-        _num(t.decode_tok_s, ".1f", frozen),
+        _num(t.ms_per_token, ".1f"),
+        _num(t.decode_tok_s, ".1f"),
     ]
     return Text(
         " ".join(c.rjust(w) for c, (_, w) in zip(cells, COLUMNS)),
@@ -111,7 +108,7 @@ class TimingPanel(Panel):
 
     def show(self, session: ChatSession) -> None:
         """Render the session's turns and step log."""
-        width, frozen = max(10, self.content_size.width), self.app.frozen
+        width = max(10, self.content_size.width)
         colours = self.app.theme_variables
         live = f"bold {colours['pc-good']}"
         turns = session.turns()
@@ -120,9 +117,7 @@ class TimingPanel(Panel):
         )
         rows = max(1, self.content_size.height - 7)
         for i, m in list(enumerate(turns, 1))[-rows:]:
-            table.append("\n").append_text(
-                turn_row(i, m.timing, frozen, live if m.streaming else None)
-            )
+            table.append("\n").append_text(turn_row(i, m.timing, live if m.streaming else None))
         if not turns:
             table.append("\n  no replies yet", "dim")
         self.set_text("#timing-table", table)
@@ -130,19 +125,9 @@ class TimingPanel(Panel):
         top = scale_top([s for _, s in list(steps)[-width:]])
         title = Text().append("step time", "dim")
         if steps:
-            title.append(f" full bar {HIDDEN if frozen else f'{1000 * top:.0f}'} ms", "dim")
+            title.append(f" full bar {1000 * top:.0f} ms", "dim")
         for kind, colour in KIND_COLOURS.items():
             title.append(" ■", Style(color=colours[colour])).append(kind, "dim")
         self.set_text("#timing-spark-title", title)
-        self.set_text(
-            "#timing-spark",
-            sparkline(steps, width, colours)
-            if not frozen
-            else Text(HIDDEN * min(width, len(steps)), "dim"),
-        )
-        self.set_text(
-            "#timing-split",
-            split_bar(session.wall, width, colours)
-            if not frozen
-            else Text().append("wall-time split hidden (frozen numbers)", "dim"),
-        )
+        self.set_text("#timing-spark", sparkline(steps, width, colours))
+        self.set_text("#timing-split", split_bar(session.wall, width, colours))
