@@ -9,10 +9,42 @@ from pathlib import Path
 
 from pagechat.core.config import EngineConfig
 from pagechat.core.engine import Engine
-from pagechat.core.params import SamplingParams
+from pagechat.core.errors import PagechatError
+from pagechat.core.grammar import grammar_of
+from pagechat.core.params import Constraint, SamplingParams
 from pagechat.core.report import StepReport
 from pagechat.core.sequence import Sequence
 from pagechat.core.stats import RunStats
+
+
+def constraint_from(
+    json_schema: Path | None, regex: str | None, choice: str | None, grammar: Path | None
+) -> Constraint | None:
+    """The one constraint the flags ask for, checked before any model loads."""
+    given = {
+        "--json-schema": json_schema,
+        "--regex": regex,
+        "--choice": choice,
+        "--grammar": grammar,
+    }
+    given = {flag: value for flag, value in given.items() if value is not None}
+    if len(given) > 1:
+        raise PagechatError(f"give one constraint, not {' and '.join(given)}")
+    if not given:
+        return None
+    if regex is not None:
+        constraint = Constraint("regex", regex)
+    elif choice is not None:
+        constraint = Constraint("choice", json.dumps([c for c in choice.split(",") if c]))
+    else:
+        path = json_schema or grammar
+        try:
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise PagechatError(f"cannot read {path}: {e}") from None
+        constraint = Constraint("json_schema" if json_schema else "grammar", text)
+    grammar_of(constraint)
+    return constraint
 
 
 def run_generate(

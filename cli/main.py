@@ -135,6 +135,20 @@ def generate(
             "can come, judged at the current length) | never (judged at max-tokens)"
         ),
     ] = "false",
+    json_schema: Annotated[
+        Path | None,
+        typer.Option(help="constrain the output to this JSON schema (a .json file)"),
+    ] = None,
+    regex: Annotated[
+        str | None, typer.Option(help="constrain the output to match this regular expression")
+    ] = None,
+    choice: Annotated[
+        str | None, typer.Option(help="constrain the output to one of these, e.g. yes,no")
+    ] = None,
+    grammar: Annotated[
+        Path | None,
+        typer.Option(help="constrain the output to this grammar (a Lark or GBNF file)"),
+    ] = None,
     *,
     config: EngineConfig,
     as_json: Annotated[
@@ -142,7 +156,7 @@ def generate(
     ] = False,
 ) -> None:
     """Generate from one or more prompts; text streams to stdout, a stats line goes to stderr."""
-    from pagechat.cli.generate import run_generate
+    from pagechat.cli.generate import constraint_from, run_generate
     from pagechat.core.params import SamplingParams
     from pagechat.tools.demo import model_or_demo
 
@@ -167,6 +181,7 @@ def generate(
         length_penalty=length_penalty,
         early_stopping=early_stopping_value(early_stopping),
         num_candidates=0,  # what the app's sampling panel shows; generate prints none
+        constraint=constraint_from(json_schema, regex, choice, grammar),
     ).validate()
     code = run_generate(
         model_or_demo(model_dir, config.quant),

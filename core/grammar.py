@@ -16,6 +16,9 @@ from pagechat.core.errors import PagechatError
 from pagechat.core.params import Constraint
 
 _BITS = torch.arange(8, dtype=torch.uint8)
+# Between JSON tokens: nothing, a space, or a newline and up to 20 spaces or tabs, as llama.cpp's
+# json-schema-to-grammar bounds it; unbounded whitespace lets a small model pad forever.
+JSON_SPACE = {"whitespace_pattern": "(?:\n[ \t]{0,20}| )?"}
 
 
 def grammar_of(constraint: Constraint) -> str:
@@ -26,9 +29,10 @@ def grammar_of(constraint: Constraint) -> str:
     kind, spec = constraint.kind, constraint.spec
     try:
         if kind == "json":
-            grammar = LLMatcher.grammar_from_json_schema('{"type": "object"}')
+            grammar = LLMatcher.grammar_from_json_schema('{"type": "object"}', JSON_SPACE)
         elif kind == "json_schema":
-            grammar = LLMatcher.grammar_from_json_schema(json.dumps(_json(spec, "schema")))
+            schema = json.dumps(_json(spec, "schema"))
+            grammar = LLMatcher.grammar_from_json_schema(schema, JSON_SPACE)
         elif kind == "regex":
             grammar = LLMatcher.grammar_from_regex(spec)
         elif kind == "choice":

@@ -18,6 +18,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagechat.core.grammar import JSON_SPACE
 from pagechat.core.params import Constraint
 from pagechat.server.errors import bad_param
 
@@ -75,6 +76,7 @@ class Tools:
         funcs = [f for f in self.functions if self.choice in ("required", f.name)]
         args = "arguments" if self.family != "llama3" else "parameters"
         call = {
+            "x-guidance": JSON_SPACE,
             "anyOf": [
                 {
                     "type": "object",
@@ -83,7 +85,7 @@ class Tools:
                     "additionalProperties": False,
                 }
                 for f in funcs
-            ]
+            ],
         }
         if self.family == "mistral":
             calls = {"type": "array", "items": call, "minItems": 1}

@@ -66,3 +66,33 @@ def test_bad_early_stopping(tiny_llama, capsys):
     assert code == 2 and err.strip().splitlines() == [
         "error: --early-stopping must be true, false or never, got 'maybe'"
     ]
+
+
+def test_generate_takes_the_four_constraints(tiny_llama, capsys, tmp_path):
+    """Each flag constrains the output as the engine's own constraint does; a bad one, or two,
+    is one line and exit code 2 before any model loads."""
+    import re
+
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    (tmp_path / "s.json").write_text(json.dumps(schema))
+    (tmp_path / "g.gbnf").write_text('root ::= "up" | "down"')
+    sampled = ("--temperature", "1", "--seed", "3", "--max-tokens", "40")
+    [r] = generate_json(tiny_llama, capsys, "--json-schema", str(tmp_path / "s.json"), *sampled)
+    if r["finish_reason"] == "stop":
+        jsonschema.validate(json.loads(r["text"]), schema)
+    assert r["text"].startswith("{")
+    [r] = generate_json(tiny_llama, capsys, "--regex", "[a-c]{2,4}!", *sampled)
+    assert re.fullmatch("[a-c]{2,4}!", r["text"])
+    [r] = generate_json(tiny_llama, capsys, "--choice", "red,green,blue", *sampled)
+    assert r["text"] in ("red", "green", "blue") and r["finish_reason"] == "stop"
+    [r] = generate_json(tiny_llama, capsys, "--grammar", str(tmp_path / "g.gbnf"), *sampled)
+    assert r["text"] in ("up", "down")
+    for bad, says in [
+        (("--regex", "[a-"), "regex"),
+        (("--regex", "a", "--choice", "b"), "give one constraint"),
+        (("--grammar", str(tmp_path / "nope")), "cannot read"),
+    ]:
+        code, _, err = cli(["generate", str(tiny_llama), "-p", "Hi", *bad], capsys)
+        assert code == 2 and says in err and len(err.strip().splitlines()) == 1
