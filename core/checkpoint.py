@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from pagechat.core.config import EngineConfig
 from pagechat.core.errors import PagechatError
+from pagechat.core.gguf_model import FLOATS
 from pagechat.core.loader import load_tokenizer, open_weights, read_spec
 from pagechat.core.model import DecoderModel
 from pagechat.core.modelspec import DTYPES, ModelSpec, dtype_name
@@ -71,6 +72,17 @@ class LoadedModel:
     model: DecoderModel
     dtype: torch.dtype
     max_len: int
+
+    @property
+    def precision(self) -> str:
+        """The activation dtype, and the weights' quantisation mode if any: 'float32', 'float32 ·
+        bf16-wo'; a GGUF's its most common quantised type: 'bfloat16 · Q4_K'."""
+        dtype = dtype_name(self.dtype)
+        mode = self.quant.mode
+        if mode == "gguf":
+            floats = {t.name for t in FLOATS}
+            mode = next((t for t in self.spec.quantization["types"] if t not in floats), mode)
+        return f"{dtype} · {mode}" if mode else dtype
 
 
 def load_checkpoint(model_dir: Path, cfg: EngineConfig, device: torch.device) -> LoadedModel:

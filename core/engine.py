@@ -19,11 +19,9 @@ from pagechat.core.checkpoint import (
 )
 from pagechat.core.config import EngineConfig
 from pagechat.core.errors import PagechatError, one_line
-from pagechat.core.gguf_model import FLOATS
 from pagechat.core.grammar import masks_along
 from pagechat.core.graphs import TRACE_SUPPORTED
 from pagechat.core.kv import allocate_pool, block_bytes, copy_blocks, pool_blocks
-from pagechat.core.modelspec import dtype_name
 from pagechat.core.params import SamplingParams
 from pagechat.core.report import (
     BatchItem,
@@ -55,6 +53,7 @@ class _StepWork:
     decode: int = 0
     swaps: list[SwapRecord] = field(default_factory=list)
     ran: tuple[BatchItem, ...] = ()
+    grammar_s: float = 0.0  # computing the constrained sequences' masks
 
 
 def _ran(items: list[ScheduledSeq]) -> tuple[BatchItem, ...]:
@@ -99,7 +98,11 @@ class Engine:
         target = load_checkpoint(self.model_dir, cfg, self.device)
         self.spec = spec = target.spec
         self.quant, self.tokenizer, self.model = target.quant, target.tokenizer, target.model
-        self.dtype, self.max_model_len = target.dtype, target.max_len
+        self.dtype, self.max_model_len, self.precision = (
+            target.dtype,
+            target.max_len,
+            target.precision,
+        )
         self.kv_dtype = resolve_kv_dtype(cfg.kv_dtype, self.dtype, self.device)
         num_blocks = pool_blocks(spec, cfg, self.kv_dtype, self.device, self.max_model_len)
         self.pool = allocate_pool(spec, num_blocks, cfg.block_size, self.kv_dtype, self.device)
@@ -121,15 +124,7 @@ class Engine:
         if self.proposer is not None:  # verification steps take the causal-mask trace: made now
             self.runner.warm_up(2)
         self._q: dict[int, torch.Tensor | None] = {}  # draft distributions, _draft to _verify
-        self.requests = Requests(
-            self.tokenizer,
-            self.model_dir,
-            spec,
-            self.max_model_len,
-            self.device,
-            self.scheduler,
-            self.blocks,
-        )
+        self.requests = Requests(target, self.model_dir, self.device, self.scheduler, self.blocks)
         self._steps = 0
 
     def _host_pool(self, cfg: EngineConfig, num_blocks: int) -> HostBlocks | None:
@@ -144,17 +139,6 @@ class Engine:
         """Whether a model's small steps run as traced graphs: unless --eager, on a Python
         torch.jit supports, for layers a trace records faithfully."""
         return self.config.graphs and TRACE_SUPPORTED and quant.traceable
-
-    @property
-    def precision(self) -> str:
-        """The activation dtype, and the weights' quantisation mode if any: 'float32', 'float32 ·
-        bf16-wo'; a GGUF's its most common quantised type: 'bfloat16 · Q4_K'."""
-        dtype = dtype_name(self.dtype)
-        mode = self.quant.mode
-        if mode == "gguf":
-            floats = {t.name for t in FLOATS}
-            mode = next((t for t in self.spec.quantization["types"] if t not in floats), mode)
-        return f"{dtype} · {mode}" if mode else dtype
 
     @property
     def graphs(self) -> bool:
@@ -235,7 +219,10 @@ class Engine:
             for it, lg in plain
             for kid in self.requests.fork(it.seq, it.start)
         ]
+        t0 = time.perf_counter()
         rows = [_row(it.seq, it.seq.token_ids) for it, _ in plain + forks]
+        if any(r.allowed is not None for r in rows):  # the masks' share: the rest is microseconds
+            work.grammar_s += time.perf_counter() - t0
         stacked = torch.cat([lg for _, lg in plain + forks]) if rows else logits[0][:0]
         tokens, work.samples = self.sampler.sample(stacked, rows)
         for (it, _), token in zip(plain + forks, tokens):
@@ -248,7 +235,7 @@ class Engine:
         """Rejection-sample every drafted item against its target logits."""
         for it, lg in zip(items, logits):
             if it.lookahead:
-                record, samples = self._verify(it, lg)
+                record, samples = self._verify(it, lg, work)
                 work.drafts.append(record)
                 work.samples += samples
                 work.emitted[id(it)] = list(record.emitted)
@@ -303,6 +290,7 @@ class Engine:
             seqs=self.sequences(),
             batch=work.ran,
             token_budget=self.scheduler.max_batch_tokens,
+            grammar_s=work.grammar_s,
         )
 
     def sequences(self) -> tuple[SeqRecord, ...]:
@@ -335,10 +323,14 @@ class Engine:
             end = self.requests.through_eos(it.seq, d)  # nothing after a drafted end is kept
             it.draft, self._q[it.seq.seq_id] = d[:end], None if q is None else q[:end]
 
-    def _verify(self, it: ScheduledSeq, logits: torch.Tensor) -> tuple[DraftRecord, list]:
+    def _verify(
+        self, it: ScheduledSeq, logits: torch.Tensor, work: _StepWork
+    ) -> tuple[DraftRecord, list]:
         """Rejection-sample it.draft against the target logits [len(draft) + 1, V]."""
         seq, draft, sampling = it.seq, it.draft, it.seq.sampling
+        t0 = time.perf_counter()
         masks = masks_along(seq.grammar, draft) if seq.grammar else [None] * (len(draft) + 1)
+        work.grammar_s += time.perf_counter() - t0 if seq.grammar else 0.0
         rows = [_row(seq, seq.token_ids + draft[:i], m) for i, m in enumerate(masks)]
         p = target_probs(logits, rows)
         accepted, nxt = verify(

@@ -180,3 +180,4 @@ class StepReport:
     seqs: tuple[SeqRecord, ...] = ()  # every sequence after the step, and those that ended in it
     batch: tuple[BatchItem, ...] = ()  # what the step ran, in the scheduler's order
     token_budget: int = 0  # tokens a step may compute (max_batch_tokens)
+    grammar_s: float = 0.0  # of elapsed_s, computing grammar masks (constrained sequences)

@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 from pagechat.core.beam import BeamSearches
 from pagechat.core.blocks import BlockManager
+from pagechat.core.checkpoint import LoadedModel
 from pagechat.core.detok import update_text
 from pagechat.core.errors import PagechatError, check_text
 from pagechat.core.grammar import Grammars
-from pagechat.core.modelspec import ModelSpec
 from pagechat.core.params import SamplingParams
 from pagechat.core.report import SeqRecord, TokenOutput
 from pagechat.core.sampler import make_generator
@@ -36,16 +36,16 @@ class Requests(Mapping[int, Sequence]):
 
     def __init__(
         self,
-        tokenizer,
+        model: LoadedModel,
         source: Path,
-        spec: ModelSpec,
-        max_model_len: int,
         device: torch.device,
         scheduler: Scheduler,
         blocks: BlockManager,
     ) -> None:
+        """model: the loaded checkpoint whose tokenizer, vocabulary and context it serves."""
+        tokenizer, spec = model.tokenizer, model.spec
         self.tokenizer, self.source, self.vocab_size = tokenizer, source, spec.vocab_size
-        self.max_model_len, self.device = max_model_len, device
+        self.max_model_len, self.device = model.max_len, device
         eos = {*spec.eos_token_ids, tokenizer.eos_token_id} - {None}
         self.eos_ids = frozenset(eos)  # the config's and the tokenizer's
         self.scheduler, self.blocks = scheduler, blocks

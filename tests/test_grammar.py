@@ -302,3 +302,15 @@ def test_a_corpus_of_schemas_on_the_real_model(smollm2):
                 jsonschema.validate(json.loads(seq.text), s)
                 ended += 1
     assert ended >= 3 * len(seqs) // 4, [s.finish_reason for s in seqs]
+
+
+def test_the_step_counts_the_masks_time(tiny_llama):
+    engine = Engine(tiny_llama, F32)
+    reports = []
+    constrained = SamplingParams(max_tokens=6, constraint=Constraint("regex", "[a-z ]+"))
+    engine.generate([[5, 6, 7]], constrained, reports.append)
+    assert all(r.grammar_s > 0 for r in reports if r.samples)
+    assert all(0 < r.grammar_s < r.elapsed_s for r in reports if r.samples)
+    plain = []
+    engine.generate([[5, 6, 7]], SamplingParams(max_tokens=6), plain.append)
+    assert all(r.grammar_s == 0 for r in plain)
