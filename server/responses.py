@@ -67,7 +67,7 @@ def whole(
             if calls:
                 message = {"role": "assistant", "content": rest or None}
                 message["tool_calls"] = [call.as_dict() for call in calls]
-                reason = "tool_calls" if reason == "stop" else reason
+                reason = tools.finish(reason, True)
             out.append({"index": c.index, "message": message, "logprobs": lp})
         else:
             out.append({"index": c.index, "text": c.text, "logprobs": lp})
@@ -118,12 +118,15 @@ class ChunkWriter:
 
     def _tool_chunks(self, d: ChoiceDelta, lp: dict | None) -> str:
         """A chat delta where the model may call tools: its content and the calls it completes
-        (server/tools.py's CallStream), the logprobs on the first chunk, the finish on the last."""
+        (server/tools.py's CallStream), the logprobs on the first chunk, the finish in an empty
+        delta of its own after them, as vLLM streams it."""
         stream = self._calls.setdefault(d.index, CallStream(self.tools))
-        deltas = stream.feed(d.text, d.finished) or [{}]
-        reason = d.finish_reason
-        if reason == "stop" and stream.calls:
-            reason = "tool_calls"
+        deltas = stream.feed(d.text, d.finished)
+        if not deltas and not d.finished:
+            return ""  # held back (a call being decided): vLLM sends nothing for these tokens
+        if d.finished:
+            deltas.append({})
+        reason = self.tools.finish(d.finish_reason, bool(stream.calls))
         chunks = []
         for k, delta in enumerate(deltas):
             last = k == len(deltas) - 1

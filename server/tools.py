@@ -102,6 +102,12 @@ class Tools:
         )
         return Constraint("grammar", grammar)
 
+    def finish(self, reason: str | None, called: bool) -> str | None:
+        """The finish reason of a choice that made calls: tool_calls where the model chose to
+        call (auto, required); stop where the request named the function, as OpenAI says it."""
+        named = self.choice not in ("auto", "required")
+        return "tool_calls" if called and reason == "stop" and not named else reason
+
     def calls(self, text: str) -> tuple[str, list[ToolCall]]:
         """(the text outside any call, the calls) of a finished output."""
         return _PARSERS[self.family](text, {f.name for f in self.functions})
@@ -221,13 +227,16 @@ _STARTS = ("{", "[", "[TOOL_CALLS]", "<|python_tag|>")  # how a llama3 or mistra
 
 
 class CallStream:
-    """One streamed choice's text as chat deltas: content as it comes, and each tool call once
-    its text is whole (an id, the name with empty arguments, then the arguments), as vLLM
-    streams them; text that may be the start of a call is held back until it is decided."""
+    """One streamed choice's text as chat deltas, as vLLM streams them: content as it comes; a
+    call's id, type and name once its name is known, then its arguments as the model writes them
+    (held back only where they may be the call's own end); text that may begin a call is held
+    back until it is decided."""
 
     def __init__(self, tools: Tools) -> None:
         self.tools, self.buf, self.calls = tools, "", 0
         self._whole: bool | None = None  # llama3 / mistral: the output is a call (or is not)
+        self._args_at: int | None = None  # hermes: where the open call's arguments begin in buf
+        self._sent = 0  # of those, the characters streamed
 
     def feed(self, text: str, final: bool) -> list[dict]:
         """The deltas `text` completes; final: the choice ended, nothing is held back."""
@@ -246,39 +255,87 @@ class CallStream:
         out = []
         while True:
             start = self.buf.find(_OPEN)
-            end = self.buf.find(_CLOSE, start) if start >= 0 else -1
-            if start < 0 or end < 0:
-                hold = 0 if final else _held(self.buf, _CLOSE if start >= 0 else _OPEN, start)
-                cut = len(self.buf) - hold
-                if self.calls and not self.buf[:cut].strip():  # between or after calls
-                    self.buf = "" if final else self.buf
-                    return out
-                out += self._content(self.buf[:cut])
-                self.buf = self.buf[cut:]
-                return out
-            whole = self.buf[start : end + len(_CLOSE)]
-            _, calls = self.tools.calls(whole)
-            out += self._content(self.buf[:start].rstrip()) + self._deltas(calls)
-            out += [] if calls else self._content(whole)
-            after = self.buf[end + len(_CLOSE) :]
-            self.buf = after.lstrip() if calls else after
+            if start < 0:
+                return out + self._plain(final)
+            out += self._content(self.buf[:start].rstrip())
+            self.buf = self.buf[start:]
+            end = self.buf.find(_CLOSE)
+            if end < 0 and not final:
+                return out + self._open_call()
+            whole = self.buf if end < 0 else self.buf[: end + len(_CLOSE)]
+            out += self._close_call(whole)
+            after = self.buf[len(whole) :]
+            self.buf = after.lstrip() if self.calls else after
+
+    def _plain(self, final: bool) -> list[dict]:
+        """Text outside calls: all of it but what may begin one (whitespace between calls: none)."""
+        hold = 0 if final else _held(self.buf, _OPEN)
+        cut = len(self.buf) - hold
+        if self.calls and not self.buf[:cut].strip():
+            self.buf = "" if final else self.buf
+            return []
+        text, self.buf = self.buf[:cut], self.buf[cut:]
+        return self._content(text)
+
+    def _open_call(self) -> list[dict]:
+        """A call being written: its head once the name is known, then its arguments so far,
+        less a closing brace that may be the call's own."""
+        out = []
+        if self._args_at is None:
+            head = _HEAD.match(self.buf, len(_OPEN))
+            names = {f.name for f in self.tools.functions}
+            # known once the arguments' first character is in (the spaces before it are not theirs)
+            if head is None or head.end() == len(self.buf) or head.group(1) not in names:
+                return []
+            self._args_at, self._sent = head.end(), 0
+            out.append({"tool_calls": [self._head(ToolCall(head.group(1), ""))]})
+        args = self.buf[self._args_at :]
+        safe = args[: args.rfind("}")] if "}" in args else args
+        return out + self._args(safe.rstrip())
+
+    def _close_call(self, whole: str) -> list[dict]:
+        """A call's text is whole: the rest of its streamed arguments, or the call at once."""
+        _, calls = self.tools.calls(whole)
+        if self._args_at is None:
+            return self._deltas(calls) if calls else self._content(whole)
+        args = whole[self._args_at :].removesuffix(_CLOSE).rstrip().removesuffix("}").rstrip()
+        out = self._args(args)
+        self._args_at = None
+        self.calls += 1
+        return out
+
+    def _args(self, text: str) -> list[dict]:
+        fresh, self._sent = text[self._sent :], max(self._sent, len(text))
+        return (
+            [{"tool_calls": [{"index": self.calls, "function": {"arguments": fresh}}]}]
+            if fresh
+            else []
+        )
+
+    def _head(self, call: ToolCall) -> dict:
+        return {
+            "index": self.calls,
+            "id": call.id,
+            "type": "function",
+            "function": {"name": call.name, "arguments": ""},
+        }
 
     def _content(self, text: str) -> list[dict]:
         return [{"content": text}] if text else []
 
     def _deltas(self, calls: list[ToolCall]) -> list[dict]:
+        """Whole calls at once: each one's head, then its arguments."""
         out = []
         for call in calls:
-            head = {"index": self.calls, "id": call.id, "type": "function"}
-            head["function"] = {"name": call.name, "arguments": ""}
             args = {"index": self.calls, "function": {"arguments": call.arguments}}
-            out += [{"tool_calls": [head]}, {"tool_calls": [args]}]
+            out += [{"tool_calls": [self._head(call)]}, {"tool_calls": [args]}]
             self.calls += 1
         return out
 
 
-def _held(buf: str, marker: str, start: int) -> int:
-    """How much of buf's end to hold back: all of an open call, else what may begin marker."""
-    if start >= 0:
-        return len(buf) - start
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([^"\\]+)"\s*,\s*"arguments"\s*:\s*')
+
+
+def _held(buf: str, marker: str) -> int:
+    """How much of buf's end to hold back: what may begin marker."""
     return next((k for k in range(len(marker) - 1, 0, -1) if buf.endswith(marker[:k])), 0)
