@@ -10,7 +10,7 @@ from pathlib import Path
 from pagechat.core.config import EngineConfig
 from pagechat.core.engine import Engine
 from pagechat.core.errors import PagechatError
-from pagechat.core.grammar import grammar_of
+from pagechat.core.grammar import constraint_file, grammar_of
 from pagechat.core.params import Constraint, SamplingParams
 from pagechat.core.report import StepReport
 from pagechat.core.sequence import Sequence
@@ -32,17 +32,12 @@ def constraint_from(
         raise PagechatError(f"give one constraint, not {' and '.join(given)}")
     if not given:
         return None
+    if json_schema is not None or grammar is not None:
+        return constraint_file(json_schema or grammar, "json_schema" if json_schema else "grammar")
     if regex is not None:
         constraint = Constraint("regex", regex)
-    elif choice is not None:
-        constraint = Constraint("choice", json.dumps([c for c in choice.split(",") if c]))
     else:
-        path = json_schema or grammar
-        try:
-            text = path.read_text()
-        except (OSError, UnicodeDecodeError) as e:
-            raise PagechatError(f"cannot read {path}: {e}") from None
-        constraint = Constraint("json_schema" if json_schema else "grammar", text)
+        constraint = Constraint("choice", json.dumps([c for c in choice.split(",") if c]))
     grammar_of(constraint)
     return constraint
 

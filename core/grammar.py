@@ -10,6 +10,7 @@ decode step (docs/benchmarks.md, "Structured outputs").
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import torch
 from pagechat.core.errors import PagechatError
@@ -47,6 +48,17 @@ def grammar_of(constraint: Constraint) -> str:
     if error:
         raise PagechatError(f"the {constraint.label} constraint: {_first(error)}")
     return grammar
+
+
+def constraint_file(path: Path, kind: str) -> Constraint:
+    """A JSON-schema or grammar file as a checked constraint; one line saying what is wrong."""
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise PagechatError(f"cannot read {path}: {e}") from None
+    constraint = Constraint(kind, text, str(path))
+    grammar_of(constraint)
+    return constraint
 
 
 def _json(text: str, what: str):

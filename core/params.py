@@ -18,6 +18,7 @@ class Constraint:
 
     kind: str
     spec: str = ""
+    source: str = ""  # the file it was read from, if any (the app and the logs name it)
 
     def __post_init__(self) -> None:
         if self.kind not in CONSTRAINTS:
@@ -29,7 +30,8 @@ class Constraint:
     def label(self) -> str:
         """How the app and the logs name it: 'json', 'json schema', 'regex [0-9]+'..."""
         if self.kind in ("json", "json_schema", "grammar"):
-            return self.kind.replace("_", " ")
+            name = self.source.rsplit("/", 1)[-1]
+            return self.kind.replace("_", " ") + (f" {name}" if name else "")
         short = self.spec if len(self.spec) <= 24 else self.spec[:23] + "…"
         return f"{self.kind} {short}"
 

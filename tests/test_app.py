@@ -471,3 +471,43 @@ async def test_a_pool_bigger_than_the_panel_is_folded_and_says_so(model_dir, tmp
             "Inspect reply tokens",
             "Help: keys",
         } <= titles
+
+
+async def test_a_constraint_from_the_controls_holds_the_next_reply(model_dir, tmp_path):
+    """A schema file typed in the Controls panel holds the next reply to it: the sampler's records
+    name the grammar's cuts and the panel says what it allowed, the reply says it was held, the
+    timing panel counts the masks, and the saved chat keeps the schema; a bad file is refused."""
+    import json
+
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    path = tmp_path / "ok.json"
+    path.write_text(json.dumps(schema))
+    app = make_app(model_dir, tmp_path, replace(LONG, max_tokens=40))
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("f4")
+        controls = app.query_one(ControlsPanel)
+        app.query_one("#ctl-constraint").focus()
+        await pilot.press(*str(tmp_path / "nope.json"), "enter")
+        assert controls.error.startswith("refused: cannot read")
+        app.query_one("#ctl-constraint", Input).value = str(path)
+        await pilot.press("enter")
+        assert controls.error == "" and app.session.params.constraint.source == str(path)
+        await type_prompt(pilot, "is it ok?")
+        await wait_reply_done(pilot)
+        reply = app.session.messages[-1]
+        if reply.finish_reason == "stop":
+            jsonschema.validate(json.loads(reply.content), schema)
+        assert reply.content.startswith("{")
+        records = [t.record for t in reply.tokens if t.record is not None]
+        assert records and all(r.allowed is not None for r in records)
+        assert any(c.cut_by == "grammar" for r in records for c in r.candidates)
+        assert "json schema ok.json" in str(app.query_one(ReplyView).meta_text())
+        await pilot.press("ctrl+r")
+        await pilot.pause()
+        shown = str(app.query_one(SamplingPanel).query_one("#sampling-params").render())
+        assert "grammar" in shown and "allowed" in shown
+        assert app.session.grammar[1] > 0
+        saved = app.files.store.load(app.session.record.id).messages[-1]
+        assert saved["produced_by"]["params"]["constraint"]["spec"] == json.dumps(schema)

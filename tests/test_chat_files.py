@@ -56,6 +56,10 @@ DAMAGED = {  # file bytes -> what `history` and `--resume` say is wrong with the
         "written by a newer pagechat (format 9; this one reads 1 to 2)",
     ),
     "deep nesting": (b"[" * 100_000, "not valid JSON (nested too deeply)"),
+    "bad constraint": (
+        b'{"id": "x", "messages": [], "params": {"constraint": {"kind": 3}}}',
+        "not a pagechat chat (params.constraint is not an object of text)",
+    ),
 }
 
 

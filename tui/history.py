@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from pagechat.core.errors import PagechatError
-from pagechat.core.params import SamplingParams
+from pagechat.core.params import CONSTRAINTS, Constraint, SamplingParams
 from pagechat.core.sources import resolve_model
 
 FORMAT_VERSION = 2  # 2: each reply records what produced it ("produced_by"); 1 is read as well
@@ -77,13 +77,23 @@ def printable(text: str) -> str:
 
 
 def params_to_dict(p: SamplingParams) -> dict:
-    """The sampling settings a chat keeps (stop strings and candidate counts are app policy)."""
-    return {k: getattr(p, k) for k in PARAM_FIELDS}
+    """The sampling settings a chat keeps (stop strings and candidate counts are app policy),
+    and a constraint whole (its schema or grammar with it, so a resumed chat has it)."""
+    d = {k: getattr(p, k) for k in PARAM_FIELDS}
+    if p.constraint is not None:
+        c = p.constraint
+        d["constraint"] = {"kind": c.kind, "spec": c.spec, "source": c.source}
+    return d
 
 
 def params_from_dict(d: dict, base: SamplingParams | None = None) -> SamplingParams:
     """SamplingParams from a saved dict, unknown keys ignored, missing keys from base."""
-    return replace(base or SamplingParams(), **{k: d[k] for k in PARAM_FIELDS if k in d})
+    params = replace(base or SamplingParams(), **{k: d[k] for k in PARAM_FIELDS if k in d})
+    c = d.get("constraint")
+    if isinstance(c, dict) and c.get("kind") in CONSTRAINTS:
+        constraint = Constraint(c["kind"], str(c.get("spec", "")), str(c.get("source", "")))
+        params = replace(params, constraint=constraint)
+    return params
 
 
 def model_fingerprint(model_dir: str | Path) -> str:
@@ -201,9 +211,12 @@ def check_shape(d: object) -> None:
             raise bad(f"{key} is not text")
     params = d.get("params", {})
     if not isinstance(params, dict) or not all(
-        v is None or isinstance(v, int | float) for v in params.values()
+        v is None or isinstance(v, int | float) for k, v in params.items() if k != "constraint"
     ):
         raise bad("params is not an object of numbers")
+    constraint = params.get("constraint", {})
+    if not isinstance(constraint, dict) or not all(isinstance(v, str) for v in constraint.values()):
+        raise bad("params.constraint is not an object of text")
     for i, m in enumerate(d["messages"], 1):
         check_message(m, i, bad)
 

@@ -252,6 +252,7 @@ class ChatSession:
         # each sequence's speculation totals after its latest verify step, as the engine summed them
         self.spec_totals: dict[int, SpecTotals] = {}
         self.wall = {"prefill": 0.0, "decode": 0.0, "mixed": 0.0}  # step time by kind, this chat
+        self.grammar = [0.0, 0]  # grammar masks: seconds, and steps that computed any
         self.latest: StepReport | None = None
         self.blocks: BlockSnapshot | None = None  # the newest BlockManager snapshot the engine sent
         self.latest_sample: SampleRecord | None = None  # the newest of the chat's own tokens
@@ -532,6 +533,9 @@ class ChatSession:
             return None
         self.steps.append((r.kind, r.elapsed_s))
         self.wall[r.kind] += r.elapsed_s
+        if r.grammar_s:
+            self.grammar[0] += r.grammar_s
+            self.grammar[1] += 1
         self.drafts.extend(r.drafts)
         for d in r.drafts:
             self.spec_totals[d.seq_id] = d.totals

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+from pagechat.tui.history import params_from_dict
 from pagechat.tui.session import Message
 from pagechat.tui.widgets.blocks import owner_colour
 from pagechat.tui.widgets.panel import Readout
@@ -276,6 +277,9 @@ class ReplyView(Vertical, can_focus=True):
             parts.append(f" · {m.finish_reason}")
         if t is not None and t.decode_tok_s:
             parts.append(f" · {t.decode_tok_s:.1f} tok/s")
+        made = params_from_dict((m.produced_by or {}).get("params") or {})
+        if made.constraint is not None:  # held to a schema or grammar: the chat says which
+            parts.append(f" · {made.constraint.label}")
         if m.error:
             parts.append(f"\n{m.error}", f"bold {colours['pc-bad']}")
         if self.has_class("-inspect") and m.tokens:

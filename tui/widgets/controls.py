@@ -3,10 +3,13 @@ decides what is refused."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from pagechat.core.errors import PagechatError
-from pagechat.core.params import SamplingParams
+from pagechat.core.grammar import constraint_file
+from pagechat.core.params import Constraint, SamplingParams
 from pagechat.tui.widgets.panel import Panel, Readout
 from rich.text import Text
 from textual import on
@@ -22,10 +25,19 @@ class Field:
 
     name: str  # SamplingParams attribute
     label: str
-    kind: type  # float or int
+    kind: type | Callable  # float or int, or a parser of the text
     optional: bool = False  # blank means None (seed: random)
     hint: str = ""
     most: int | None = None  # the app's own limit (answers shown side by side), beyond the engine's
+
+
+def read_constraint(text: str) -> Constraint:
+    """The next reply's constraint: json (any JSON object), a JSON-schema file (.json), or a
+    grammar file (Lark or GBNF)."""
+    if text == "json":
+        return Constraint("json")
+    path = Path(text).expanduser()
+    return constraint_file(path, "json_schema" if path.suffix == ".json" else "grammar")
 
 
 FIELDS = (
@@ -37,6 +49,9 @@ FIELDS = (
     Field("seed", "seed", int, optional=True, hint="blank = random"),
     Field("n", "samples", int, hint="1-8 answers (F9)", most=8),
     Field("beam_width", "beams", int, hint="1 = off (F10)", most=8),
+    Field(
+        "constraint", "constraint", read_constraint, optional=True, hint="json · FILE.json · .gbnf"
+    ),
 )
 
 
@@ -57,6 +72,8 @@ def parse_field(field: Field, text: str, params: SamplingParams) -> SamplingPara
 
 
 def show_value(value) -> str:
+    if isinstance(value, Constraint):
+        return value.source or value.kind
     return "" if value is None else f"{value:g}" if isinstance(value, float) else str(value)
 
 

@@ -30,6 +30,8 @@ def params_line(p: SamplingParams) -> Text:
     if p.repetition_penalty != 1:
         items.append(("rep", f"{p.repetition_penalty:g}"))
     items += [("seed", "rand" if p.seed is None else str(p.seed)), ("max", str(p.max_tokens))]
+    if p.constraint is not None:
+        items.append(("grammar", p.constraint.label))
     for i, (name, value) in enumerate(items):
         t.append(("" if not i else " ") + f"{name}=", "dim").append(value, "bold")
     return t
@@ -88,9 +90,11 @@ class SamplingPanel(Panel):
             )
             self.set_text("#sampling-table", "")
         else:
-            self.set_text(
-                "#sampling-params", Text().append("in force ", "dim") + params_line(record.params)
-            )
+            line = Text().append("in force ", "dim") + params_line(record.params)
+            if record.allowed is not None:  # a constrained token: what its grammar let through
+                line.append("\ngrammar ", "dim").append(f"allowed {record.allowed} tokens", "bold")
+                line.append(f" · {record.where}" if record.where else "", "dim")
+            self.set_text("#sampling-params", line)
             table = Text().append(
                 HEADER + ("bar".ljust(bar) + " " if bar else "") + "filter",
                 f"bold {colours['pc-muted']}",

@@ -130,4 +130,10 @@ class TimingPanel(Panel):
             title.append(" ■", Style(color=colours[colour])).append(kind, "dim")
         self.set_text("#timing-spark-title", title)
         self.set_text("#timing-spark", sparkline(steps, width, colours))
-        self.set_text("#timing-split", split_bar(session.wall, width, colours))
+        split = split_bar(session.wall, width, colours)
+        seconds, steps = session.grammar
+        if steps:  # constrained replies: what their masks cost
+            share = 100 * seconds / (sum(session.wall.values()) or 1)
+            split.append(f"\ngrammar masks {1000 * seconds / steps:.2f} ms a step", "dim")
+            split.append(f" over {steps} steps ({share:.1f}% of step time)", "dim")
+        self.set_text("#timing-split", split)
