@@ -429,6 +429,42 @@ def bench(
     )
 
 
+@app.command("bench-grammar")
+@engine_options(*MODEL)
+def bench_grammar(
+    model_dir: OptionalModelDir = None,
+    streams: Annotated[str, typer.Option(help="comma-separated stream counts")] = "1,16",
+    rounds: Annotated[int, typer.Option(help="repetitions per side (the median counts)")] = 3,
+    max_tokens: Annotated[int, typer.Option(help="tokens each stream generates at most")] = 96,
+    *,
+    config: EngineConfig,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="print one JSON object instead of the table")
+    ] = False,
+) -> None:
+    """What a JSON-schema constraint costs: decode tok/s without and with one, at each stream
+    count, the two sides interleaved, and the grammar masks' time a step."""
+    import json
+
+    from pagechat.core.engine import Engine
+    from pagechat.tools.bench_grammar import grammar_cost
+    from pagechat.tools.demo import model_or_demo
+
+    counts = positive_ints(streams, "--streams")
+    check_at_least_one(rounds=rounds, max_tokens=max_tokens)
+    engine = Engine(model_or_demo(model_dir, config.quant), config)
+    rows = grammar_cost(engine, counts, rounds, max_tokens)
+    if as_json:
+        typer.echo(json.dumps({"precision": engine.precision, "rows": rows}))
+        return
+    typer.echo(f"{'streams':>7} {'tok/s':>8} {'schema':>8} {'ratio':>6} {'mask ms/step':>12}")
+    for r in rows:
+        typer.echo(
+            f"{r['streams']:>7} {r['tok_s']:>8.1f} {r['tok_s_constrained']:>8.1f} "
+            f"{r['ratio']:>6.3f} {r['mask_ms_per_step']:>12.3f}"
+        )
+
+
 @app.command("bench-kv")
 @engine_options(*MODEL)
 def bench_kv(

@@ -96,3 +96,13 @@ def test_generate_takes_the_four_constraints(tiny_llama, capsys, tmp_path):
     ]:
         code, _, err = cli(["generate", str(tiny_llama), "-p", "Hi", *bad], capsys)
         assert code == 2 and says in err and len(err.strip().splitlines()) == 1
+
+
+def test_bench_grammar_compares_a_constraint_with_none(tiny_llama, capsys):
+    args = ["bench-grammar", str(tiny_llama), "--streams", "1,2", "--rounds", "1"]
+    code, out, err = cli([*args, "--max-tokens", "4", "--json"], capsys)
+    assert code == 0, err
+    rows = json.loads(out)["rows"]
+    assert [r["streams"] for r in rows] == [1, 2]
+    assert all(r["tok_s"] > 0 and r["tok_s_constrained"] > 0 and r["ratio"] > 0 for r in rows)
+    assert all(r["mask_ms_per_step"] > 0 for r in rows)
