@@ -223,34 +223,24 @@ def test_greedy_constrained_equals_transformers_with_the_same_mask(tiny_llama):
 
 
 @pytest.mark.parametrize(
-    "config",
+    "extra",
     [
-        F32,
-        EngineConfig(
-            device="cpu", dtype="float32", kv_dtype="float32", threads=2, ngram=True, num_draft=3
-        ),
-        EngineConfig(
-            device="cpu",
-            dtype="float32",
-            kv_dtype="float32",
-            threads=2,
-            kv_blocks=6,
-            preempt="swap",
-        ),
-        EngineConfig(
-            device="cpu",
-            dtype="float32",
-            kv_dtype="float32",
-            threads=2,
-            kv_blocks=6,
-            max_batch_tokens=8,
-        ),
+        {},
+        {"ngram": True, "num_draft": 3},
+        {"draft": "itself", "num_draft": 3},  # the model drafts for itself: a draft-model run
+        {"kv_blocks": 6, "preempt": "swap"},
+        {"kv_blocks": 6, "max_batch_tokens": 8},
     ],
-    ids=["plain", "ngram", "swap", "tight-chunked"],
+    ids=["plain", "ngram", "draft", "swap", "tight-chunked"],
 )
-def test_the_constraint_holds_through_samples_speculation_and_preemption(tiny_llama, config):
+def test_the_constraint_holds_through_samples_speculation_and_preemption(tiny_llama, extra):
     """Greedy outputs equal a roomy plain engine's; every sample's tokens replay through a fresh
     matcher; the tight pools preempt."""
+    from dataclasses import replace
+
+    if extra.get("draft"):
+        extra = {**extra, "draft": str(tiny_llama)}
+    config = replace(F32, **extra)
     constraint = Constraint("regex", "(ab|cd)+ [0-9]{2,4}")
     greedy = SamplingParams(temperature=0, max_tokens=14, constraint=constraint)
     sampled = SamplingParams(temperature=1.0, seed=3, n=3, max_tokens=14, constraint=constraint)
