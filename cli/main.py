@@ -613,6 +613,18 @@ def serve(
     served_model_name: Annotated[
         str | None, typer.Option(help="the model's name in the API (default: the directory's)")
     ] = None,
+    kv_events: Annotated[
+        str | None,
+        typer.Option(
+            help="publish the prefix cache's block events as vLLM does (ZMQ PUB, msgpack) on "
+            "this endpoint, e.g. tcp://127.0.0.1:5557"
+        ),
+    ] = None,
+    kv_events_replay: Annotated[
+        str | None,
+        typer.Option(help="answer requests for missed event batches on this ZMQ endpoint"),
+    ] = None,
+    kv_events_topic: Annotated[str, typer.Option(help="the events' ZMQ topic")] = "",
     *,
     config: EngineConfig,
     watch: Annotated[
@@ -639,7 +651,17 @@ def serve(
         raise typer.Exit(
             serve_and_watch([a for a in args if a != "--watch"], host, port, api_key or None)
         )
-    settings = ServerSettings(host, port, api_key or None, served_model_name)
+    if kv_events_replay and not kv_events:
+        raise PagechatError("--kv-events-replay needs --kv-events")
+    settings = ServerSettings(
+        host,
+        port,
+        api_key or None,
+        served_model_name,
+        kv_events=kv_events,
+        kv_events_replay=kv_events_replay,
+        kv_events_topic=kv_events_topic,
+    )
     serve_model(model_or_demo(model_dir, config.quant), config, settings)
 
 

@@ -32,7 +32,9 @@ class BlockEvent:
     tokens for the prefix cache), "evicted" (a cached block reclaimed), "resized" (seq_id now
     reserves `tokens` slots), "lookup" (an admission looked `queried` tokens up, `tokens` hit),
     "swapped_out" / "swapped_in" (seq_id's `tokens` tokens of KV left for the host pool, before
-    its blocks are dropped / came back, into the blocks allocated next).
+    its blocks are dropped / came back, into the blocks allocated next), "stored" / "removed" (a
+    full block's prefix entered / left the prefix cache: its chained hash `key`, the `parent`
+    block's hash (None for a first block) and its `token_ids`: what vLLM's KV events carry).
     """
 
     kind: str
@@ -41,6 +43,9 @@ class BlockEvent:
     tokens: int = 0
     queried: int = 0
     source: int = -1
+    key: int | None = None
+    parent: int | None = None
+    token_ids: tuple[int, ...] = ()
 
 
 Observer = Callable[[BlockEvent], None]
@@ -370,9 +375,17 @@ class BlockManager:
             self._emit(BlockEvent("freed", seq_id, block))
 
     def _register(self, block: int, key: _Key) -> None:
-        """Let the block answer for the prefix key."""
+        """Let the block answer for the prefix key (a full one is announced as stored)."""
         self._registry[key], self._block_key[block] = block, key
+        if len(key[1]) == self.block_size:
+            parent = None if key[0] == _ROOT else key[0]
+            self._emit(
+                BlockEvent("stored", block=block, key=hash(key), parent=parent, token_ids=key[1])
+            )
 
     def _unregister(self, block: int) -> None:
-        """Forget the prefix a block answered for."""
-        del self._registry[self._block_key.pop(block)]
+        """Forget the prefix a block answered for (a full one is announced as removed)."""
+        key = self._block_key.pop(block)
+        del self._registry[key]
+        if len(key[1]) == self.block_size:
+            self._emit(BlockEvent("removed", block=block, key=hash(key)))

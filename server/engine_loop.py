@@ -24,6 +24,7 @@ from pagechat.core.events import BlocksChanged, Finished
 from pagechat.core.params import SamplingParams
 from pagechat.core.report import SeqRecord, StepReport, TokenOutput
 from pagechat.core.sampler import SampleRecord
+from pagechat.server.kv_events import KVEventPublisher
 from pagechat.server.logprobs import token_logprob
 from pagechat.server.messages import ChoiceDelta, ChoiceUsage, Submission
 from pagechat.server.metrics import ServerMetrics
@@ -65,9 +66,15 @@ WATCHED_CANDIDATES = SamplingParams().num_candidates  # as many as the app's own
 class ServerLoop(EngineLoop):
     """Runs one Engine on a background thread for the server's event loop."""
 
-    def __init__(self, engine: Engine, metrics: ServerMetrics, watchers: Watchers) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        metrics: ServerMetrics,
+        watchers: Watchers,
+        kv_events: KVEventPublisher | None = None,
+    ) -> None:
         super().__init__(engine, self)
-        self.metrics, self.watchers = metrics, watchers
+        self.metrics, self.watchers, self.kv_events = metrics, watchers, kv_events
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._pending: dict[int, _Pending] = {}  # root request id -> its submission
         self._routes: dict[int, _Route] = {}  # sequence id -> where its outputs go
@@ -87,6 +94,8 @@ class ServerLoop(EngineLoop):
             self._inbox.put(_STOP)
             self._thread.join()
             self._thread = None
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     @property
     def alive(self) -> bool:
@@ -137,6 +146,8 @@ class ServerLoop(EngineLoop):
     def emit(self, ev) -> None:
         self.watchers.emit(ev)  # watched or not: a watcher joining later starts from its map
         if isinstance(ev, StepReport):
+            if self.kv_events is not None:  # the prefix cache's changes, as vLLM publishes them
+                self.kv_events.publish(ev.block_events, self.engine.config.block_size)
             self.metrics.observe_step(ev)
             self._observe_load(ev.seqs, ev.blocks.num_used)
             now = time.perf_counter()

@@ -8,12 +8,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import uvicorn
+import zmq
 from pagechat.core.config import EngineConfig
 from pagechat.core.engine import Engine
+from pagechat.core.errors import PagechatError
 from pagechat.core.events import EngineInfo
 from pagechat.core.memory import weight_report
 from pagechat.server.app import ServerState, create_app
 from pagechat.server.engine_loop import ServerLoop
+from pagechat.server.kv_events import KVEventPublisher
 from pagechat.server.metrics import ServerMetrics
 from pagechat.server.prompts import Limits, PromptEncoder
 from pagechat.server.watch import Watchers
@@ -30,6 +33,9 @@ class ServerSettings:
     api_key: str | None = None
     model_name: str | None = None  # default: the model directory's name
     log_level: str = "info"
+    kv_events: str | None = None  # publish prefix-cache events as vLLM does, on this ZMQ endpoint
+    kv_events_replay: str | None = None  # and answer replay requests on this one
+    kv_events_topic: str = ""
 
 
 def is_loopback(host: str) -> bool:
@@ -53,6 +59,19 @@ def exposure_warning(host: str, api_key: str | None) -> str | None:
     )
 
 
+def kv_publisher(settings: ServerSettings) -> KVEventPublisher | None:
+    """The KV-event publisher --kv-events asks for (one line when its endpoint cannot bind)."""
+    if not settings.kv_events:
+        return None
+    try:
+        return KVEventPublisher(
+            settings.kv_events, settings.kv_events_replay, settings.kv_events_topic
+        )
+    except zmq.ZMQError as e:
+        where = f"{settings.kv_events} / {settings.kv_events_replay}"
+        raise PagechatError(f"--kv-events: cannot bind {where}: {e}") from None
+
+
 def build_state(engine: Engine, settings: ServerSettings) -> ServerState:
     """The routes' shared state around a loaded engine."""
     name = settings.model_name or engine.model_dir.resolve().name.removesuffix(".gguf")
@@ -62,7 +81,7 @@ def build_state(engine: Engine, settings: ServerSettings) -> ServerState:
     metrics = ServerMetrics(name, num_blocks)
     watchers = Watchers(info)
     return ServerState(
-        loop=ServerLoop(engine, metrics, watchers),
+        loop=ServerLoop(engine, metrics, watchers, kv_publisher(settings)),
         metrics=metrics,
         watchers=watchers,
         encoder=PromptEncoder(engine.model_dir, limits),

@@ -298,7 +298,8 @@ def test_events_name_each_change():
     bm.free(1)
     bm.commit(2, [5, 6, 7, 9], 4)
     bm.free(2)
-    kinds = [(e.kind, e.seq_id, e.block) for e in events if e.kind not in ("resized", "lookup")]
+    prefix = ("resized", "lookup", "stored", "removed")  # the prefix cache's own: below
+    kinds = [(e.kind, e.seq_id, e.block) for e in events if e.kind not in prefix]
     assert kinds == [
         ("allocated", 1, 0),
         ("allocated", 1, 1),
@@ -314,6 +315,16 @@ def test_events_name_each_change():
     assert next(e for e in events if e.kind == "copied").source == 1
     assert bm.allocate(3, [8, 8, 8, 8, 8]) == 0  # needs 3 blocks: both cached ones are evicted
     assert [e.block for e in events if e.kind == "evicted"] == [2, 0]
+    cache = [e for e in events if e.kind in ("stored", "removed")]
+    assert [(e.kind, e.block) for e in cache] == [
+        ("stored", 0),
+        ("stored", 2),
+        ("removed", 2),
+        ("removed", 0),
+    ]
+    first, second = cache[0], cache[1]
+    assert first.parent is None and first.token_ids == (5, 6) and second.token_ids == (7, 9)
+    assert second.parent == first.key and {e.key for e in cache[2:]} == {first.key, second.key}
 
 
 class BlockMachine(RuleBasedStateMachine):
