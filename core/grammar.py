@@ -136,10 +136,6 @@ class Matcher:
         """Take a token the mask allowed; False (and the matcher unchanged) for one it did not."""
         return self._m.try_consume_tokens([token]) == 1
 
-    def take_prefix(self, tokens: list[int]) -> int:
-        """Take as many of tokens as the grammar allows; how many (rollback(n) gives them back)."""
-        return self._m.try_consume_tokens(tokens)
-
     def rollback(self, count: int) -> None:
         if count:
             self._m.rollback(count)
