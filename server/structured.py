@@ -15,7 +15,6 @@ from pagechat.server.errors import bad_param
 from pagechat.server.schema import SamplingFields
 
 _VLLM = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
-_GUIDED = {f"guided_{k}": v for k, v in _VLLM.items()}  # vLLM before structured_outputs
 
 
 def constraint_of(req: SamplingFields) -> Constraint | None:
@@ -25,7 +24,7 @@ def constraint_of(req: SamplingFields) -> Constraint | None:
         for param, c in (
             ("response_format", _response_format(getattr(req, "response_format", None))),
             *_structured(_extra(req, "structured_outputs")),
-            *_fields(req, _GUIDED),
+            *_guided(req),
             ("json_schema", _llama_schema(_extra(req, "json_schema"))),
             ("grammar", _text(_extra(req, "grammar"), "grammar", "grammar")),
         )
@@ -87,8 +86,9 @@ def _structured(value: Any) -> list[tuple[str, Constraint | None]]:
     return found
 
 
-def _fields(req: SamplingFields, names: dict[str, str]) -> list[tuple[str, Constraint | None]]:
-    return [(p, _field(p, p.removeprefix("guided_"), _extra(req, p))) for p in names]
+def _guided(req: SamplingFields) -> list[tuple[str, Constraint | None]]:
+    """vLLM's fields before structured_outputs: guided_json, guided_regex, ..."""
+    return [(f"guided_{k}", _field(f"guided_{k}", k, _extra(req, f"guided_{k}"))) for k in _VLLM]
 
 
 def _field(param: str, kind: str, value: Any) -> Constraint | None:
