@@ -4,11 +4,13 @@ KV-aware router (llm-d's) or a console reads pagechat's server as it reads vLLM'
 The wire, as vLLM's ZmqEventPublisher writes it: a ZMQ PUB socket sends each batch as three frames,
 the topic, an 8-byte big-endian sequence number and the batch in msgpack: `[ts, [event, ...],
 data_parallel_rank]`, each event a map tagged by `type` with vLLM's fields in vLLM's order
-(BlockStored: block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name;
-BlockRemoved: block_hashes, medium; AllBlocksCleared). A ROUTER replay socket answers a request
-for the batches from a sequence number (8 bytes, big-endian) with each buffered batch, then an
-end marker (sequence -1, empty frames). The events come from the allocator's own BlockEvents
-("stored" and "removed" of full blocks): one source, no second bookkeeping.
+(BlockStored: block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name,
+extra_keys, group_idx, kv_cache_spec_kind; BlockRemoved: block_hashes, medium, group_idx;
+AllBlocksCleared), hashes unsigned 64-bit as a real vLLM 0.32 server sends them. A ROUTER replay
+socket answers a request for the batches from a sequence number (8 bytes, big-endian) with each
+buffered batch, then an end marker (sequence -1, empty frames). The events come from the
+allocator's own BlockEvents ("stored" and "removed" of full blocks): one source, no second
+bookkeeping.
 """
 
 from __future__ import annotations
@@ -26,6 +28,11 @@ MEDIUM = "GPU"  # vLLM's name for the engine's own KV pool (its CPU build says G
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
+def wire_hash(h: int | None) -> int | None:
+    """A chained block hash as vLLM sends one: unsigned 64-bit (Python's hash() is signed)."""
+    return None if h is None else h & 0xFFFF_FFFF_FFFF_FFFF
+
+
 def encode_batch(events: list[BlockEvent], block_size: int, ts: float) -> bytes:
     """A batch of the allocator's stored/removed events in vLLM's msgpack shape."""
     out = []
@@ -34,17 +41,27 @@ def encode_batch(events: list[BlockEvent], block_size: int, ts: float) -> bytes:
             out.append(
                 {
                     "type": "BlockStored",
-                    "block_hashes": [e.key],
-                    "parent_block_hash": e.parent,
+                    "block_hashes": [wire_hash(e.key)],
+                    "parent_block_hash": wire_hash(e.parent),
                     "token_ids": list(e.token_ids),
                     "block_size": block_size,
                     "lora_id": None,
                     "medium": MEDIUM,
                     "lora_name": None,
+                    "extra_keys": [None],  # no LoRA, images or cache salt in a block's hash
+                    "group_idx": 0,  # one KV cache group: every layer full attention
+                    "kv_cache_spec_kind": "full_attention",
                 }
             )
         elif e.kind == "removed":
-            out.append({"type": "BlockRemoved", "block_hashes": [e.key], "medium": MEDIUM})
+            out.append(
+                {
+                    "type": "BlockRemoved",
+                    "block_hashes": [wire_hash(e.key)],
+                    "medium": MEDIUM,
+                    "group_idx": 0,
+                }
+            )
     return msgpack.packb([ts, out, 0])
 
 
