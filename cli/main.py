@@ -667,7 +667,13 @@ def serve(
 
 @app.command()
 def watch(
-    url: Annotated[str, typer.Argument(help="the server, e.g. http://127.0.0.1:8000")],
+    urls: Annotated[
+        list[str],
+        typer.Argument(
+            help="the server, e.g. http://127.0.0.1:8000; several: the fleet view, a row each",
+            show_default=False,
+        ),
+    ],
     api_key: Annotated[
         str | None,
         typer.Option(envvar="PAGECHAT_API_KEY", help="the server's key, if it has one"),
@@ -675,12 +681,31 @@ def watch(
     layout: Annotated[
         str, typer.Option(help="auto | tabs | grid (a pagechat server's console)")
     ] = "auto",
+    kv_events: Annotated[
+        str | None,
+        typer.Option(
+            help="draw the server's prefix cache from its KV events (vLLM's --kv-events-config, "
+            "pagechat serve --kv-events), e.g. tcp://127.0.0.1:5557"
+        ),
+    ] = None,
+    kv_events_replay: Annotated[
+        str | None,
+        typer.Option(help="the server's replay endpoint, to ask for event batches it missed"),
+    ] = None,
+    kv_events_topic: Annotated[str, typer.Option(help="the events' ZMQ topic")] = "",
 ) -> None:
-    """Watch a running server live: a pagechat server in the full app (every client's requests in
-    the panels, a chat through its API); a vLLM or llama.cpp server as gauges of what it exposes."""
+    """Watch running servers live: a pagechat server in the full app (every client's requests in
+    the panels, a chat through its API); a vLLM, llama.cpp, SGLang or Ollama server as gauges of
+    what it exposes; with --kv-events, its prefix cache's blocks; several URLs as one fleet."""
+    from pagechat.cli.watch import Events, watch_fleet
     from pagechat.cli.watch import watch as watch_server
 
-    raise typer.Exit(watch_server(url, api_key or None, layout))
+    events = Events.of(kv_events, kv_events_replay, kv_events_topic)
+    if len(urls) > 1:
+        if events is not None:
+            raise PagechatError("--kv-events reads one server's events: give one URL with it")
+        raise typer.Exit(watch_fleet(urls, api_key or None))
+    raise typer.Exit(watch_server(urls[0], api_key or None, layout, events))
 
 
 def main() -> None:

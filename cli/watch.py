@@ -1,6 +1,7 @@
-"""`pagechat watch URL` and `pagechat serve --watch`: find out which server answers at URL and
-open the console that fits it: the app itself on a pagechat server (RemoteEngine), the gauges of
-peers.py on vLLM or llama.cpp's llama-server."""
+"""`pagechat watch URL [URL ...]` and `pagechat serve --watch`: find out which server answers at
+URL and open the console that fits it: the app itself on a pagechat server (RemoteEngine), the
+gauges of peers.py on vLLM, llama-server, SGLang or Ollama, those gauges and a block map from the
+server's KV events with --kv-events, and with several URLs the fleet view."""
 
 from __future__ import annotations
 
@@ -9,39 +10,68 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import zmq
 from pagechat.core.errors import PagechatError
-from pagechat.tools.http_client import model_card, server_url
-from pagechat.tui.peers import KINDS
+from pagechat.tools.http_client import server_url
+from pagechat.tui.peers import KINDS, detect
 
 READY_S = 600.0  # a served model this slow to load is given up on
 
 
-def detect(url: str, api_key: str | None = None) -> tuple[str, str]:
-    """(kind, model) of the OpenAI-compatible server at url: its /v1/models says who owns the
-    model (pagechat, vllm, llamacpp)."""
-    card = model_card(url, api_key)
-    kind = card.get("owned_by", "")
-    if kind not in KINDS:
+@dataclass(frozen=True, slots=True)
+class Events:
+    """Where a server publishes its KV events (--kv-events and its companions)."""
+
+    endpoint: str
+    replay: str | None
+    topic: str
+
+    @classmethod
+    def of(cls, endpoint: str | None, replay: str | None, topic: str) -> Events | None:
+        if endpoint is None:
+            if replay is not None:
+                raise PagechatError("--kv-events-replay needs --kv-events")
+            return None
+        for flag, value in (("--kv-events", endpoint), ("--kv-events-replay", replay)):
+            if value is not None:
+                _check_endpoint(flag, value)
+        return cls(endpoint, replay, topic)
+
+
+def _check_endpoint(flag: str, endpoint: str) -> None:
+    """A ZMQ endpoint a socket can connect to (tcp://HOST:PORT), or one line saying why not."""
+    sock = zmq.Context.instance().socket(zmq.SUB)
+    try:
+        sock.connect(endpoint)
+    except zmq.ZMQError:
         raise PagechatError(
-            f"{url} serves {card.get('id')!r} owned by {kind!r}; pagechat watches pagechat, vLLM "
-            "and llama.cpp servers"
-        )
-    return kind, str(card.get("id"))
+            f"{flag} {endpoint!r} is not a ZMQ endpoint (e.g. tcp://127.0.0.1:5557)"
+        ) from None
+    finally:
+        sock.close(linger=0)
 
 
-def watch(url: str, api_key: str | None, layout: str = "auto") -> int:
+def watch(url: str, api_key: str | None, layout: str = "auto", events: Events | None = None) -> int:
     """Open the console on the server at url until it quits; returns the exit code."""
     if layout not in ("auto", "tabs", "grid"):
         raise PagechatError(f"--layout must be auto, tabs or grid, got {layout!r}")
     url = server_url(url)
     kind, model = detect(url, api_key)
-    if kind != "pagechat":
+    if events is not None and kind in ("llamacpp", "ollama"):
+        raise PagechatError(
+            f"{url} is {KINDS[kind]}, which publishes no KV events (vLLM does with "
+            "--kv-events-config, pagechat with serve --kv-events)"
+        )
+    if kind != "pagechat" or events is not None:
+        from pagechat.tui.kv_events import EventFeed
         from pagechat.tui.peer_app import PeerApp
 
-        PeerApp(url, kind, model, api_key).run()
+        feed = None if events is None else EventFeed(events.endpoint, events.replay, events.topic)
+        PeerApp(url, kind, model, api_key, feed).run()
         return 0
     from pagechat.cli.launch import DEFAULT_PARAMS, say_where_it_went
     from pagechat.tui.app import PagechatApp
@@ -64,6 +94,21 @@ def watch(url: str, api_key: str | None, layout: str = "auto") -> int:
     finally:
         client.close()
     say_where_it_went(app.session, Path(model))
+    return 0
+
+
+def watch_fleet(urls: list[str], api_key: str | None) -> int:
+    """The fleet view on several servers until it quits (one not answering is shown gone)."""
+    from pagechat.tui.fleet_app import FleetApp
+
+    for u in urls:
+        if not u.startswith(("http://", "https://")):
+            raise PagechatError(f"{u!r} is not a server's URL (http://HOST:PORT)")
+    urls = [server_url(u) for u in urls]
+    twice = {u for u in urls if urls.count(u) > 1}
+    if twice:
+        raise PagechatError(f"{sorted(twice)[0]} is given twice")
+    FleetApp(urls, api_key).run()
     return 0
 
 

@@ -19,7 +19,12 @@ from pagechat.server.metrics import ServerMetrics
 from pagechat.server.prompts import PromptEncoder
 from pagechat.server.responses import DONE, ChunkWriter, Header, sse, whole
 from pagechat.server.sampling import Options, chat_options, completion_options
-from pagechat.server.schema import ChatRequest, CompletionRequest, SamplingFields
+from pagechat.server.schema import (
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    SamplingFields,
+)
 from pagechat.server.watch import Watchers
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -181,6 +186,19 @@ def _v1_routes(state: ServerState) -> APIRouter:
     return v1
 
 
+def _tool_routes(state: ServerState) -> APIRouter:
+    """vLLM's routes beside /v1 that consoles use."""
+    tools = APIRouter(dependencies=[Depends(_authorizer(state))])
+
+    @tools.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> dict:
+        """Token ids as text: a console names the prompt a cached block came from."""
+        state.check_model(req.model)
+        return {"prompt": state.encoder.text(req.tokens)}
+
+    return tools
+
+
 def create_app(state: ServerState) -> FastAPI:
     """The server's application; its lifespan starts and stops the engine's thread."""
 
@@ -196,6 +214,7 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="pagechat", lifespan=lifespan, docs_url=None, redoc_url=None)
     install_error_handlers(app)
     app.include_router(_v1_routes(state))
+    app.include_router(_tool_routes(state))
 
     @app.get("/pagechat/events", dependencies=[Depends(_authorizer(state))])
     async def events() -> Response:

@@ -76,16 +76,21 @@ class PromptEncoder:
             raise bad_param("prompt", "prompt is an empty list")
         return [self.checked(self._ids(p), "prompt") for p in batch]
 
-    def _ids(self, prompt: str | list[int]) -> list[int]:
+    def _ids(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
         if isinstance(prompt, str):
             return self.tokenizer(prompt).input_ids
         bad = [t for t in prompt if not 0 <= t < self.limits.vocab_size]
         if bad:
             raise bad_param(
-                "prompt",
+                param,
                 f"token id {bad[0]} is outside the vocabulary (0..{self.limits.vocab_size - 1})",
             )
         return list(prompt)
+
+    def text(self, ids: list[int]) -> str:
+        """Token ids as text, special tokens included (what a cached block holds)."""
+        self._ids(ids, "tokens")  # each in the vocabulary, or a 400 naming it
+        return self.tokenizer.decode(ids)
 
     def checked(self, ids: list[int], param: str) -> list[int]:
         """ids, unless empty or leaving no room for one new token."""

@@ -83,3 +83,10 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize, as vLLM has it: token ids back to text."""
+
+    model: str | None = None
+    tokens: list[int]

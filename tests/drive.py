@@ -1,10 +1,13 @@
 """Driving the app headless (Pilot): waits on engine work, sending prompts; a server listening on
-127.0.0.1; used by the tests and the screenshot script."""
+127.0.0.1, in this process or as a real `pagechat serve`; used by the tests and the screenshot
+script."""
 
 from __future__ import annotations
 
 import functools
 import socket
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -140,6 +143,33 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+MAIN = "from pagechat.cli.main import main; main()"
+
+
+@contextmanager
+def serve_process(model_dir: Path, port: int, *args: str) -> Iterator[subprocess.Popen]:
+    """`pagechat serve MODEL --port PORT ARGS` as a real process, once it answers /health; it is
+    killed on leaving (a test may kill it sooner)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", MAIN, "serve", str(model_dir), "--port", str(port), *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        for _ in range(600):  # bounded: 60 s for torch's import and the model's load
+            if proc.poll() is not None:
+                raise RuntimeError(proc.stderr.read().decode())
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
 
 
 @contextmanager

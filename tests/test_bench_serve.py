@@ -4,41 +4,18 @@ is counted, token counts match what was asked, and a server that is not there is
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import time
 
-import httpx
 import pytest
 from conftest import cli
-from drive import free_port
+from drive import free_port, serve_process
 from pagechat.tools.bench_serve import RequestResult, percentiles, summarise
-
-MAIN = "from pagechat.cli.main import main; main()"
 
 
 @pytest.fixture(scope="module")
 def server(tiny_llama):
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-c", MAIN, "serve", str(tiny_llama), "--port", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(600):  # bounded: 60 s for torch's import and the model's load
-            if proc.poll() is not None:
-                raise RuntimeError(proc.stderr.read().decode())
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    with serve_process(tiny_llama, port):
+        yield f"http://127.0.0.1:{port}"
 
 
 def test_every_request_is_counted(server, tiny_llama, capsys):

@@ -1,5 +1,8 @@
-"""The console on a vLLM or llama.cpp server: what its metrics (and llama.cpp's slots) expose, as
-live gauges and sparklines over the last polls, and for what they do not expose, why."""
+"""The console on a server read as a peer (vLLM, llama.cpp, SGLang, Ollama, or pagechat with
+--kv-events): what its metrics (llama.cpp's slots, Ollama's loaded models) expose, as live gauges
+and sparklines over the last polls, and for what they do not expose, why. Given the server's KV
+events, a block map of its prefix cache heads the panels: each cached prefix a row of blocks, the
+blocks it shares with others marked, and the text its own blocks hold (the server's /detokenize)."""
 
 from __future__ import annotations
 
@@ -9,7 +12,8 @@ import httpx
 from pagechat.core.errors import one_line
 from pagechat.tools.http_client import client, server_url
 from pagechat.tui.app import PALETTE, THEME
-from pagechat.tui.peers import KINDS, NOT_EXPOSED, Figures, Scrape, figures, scrape
+from pagechat.tui.kv_events import CacheView, EventFeed, Hash
+from pagechat.tui.peers import KINDS, NOT_EXPOSED, VLLM_LIKE, Figures, Scrape, figures, scrape
 from pagechat.tui.widgets.timing import sparkline
 from rich.text import Text
 from textual.app import App, ComposeResult
@@ -19,6 +23,8 @@ from textual.widgets import Footer, Static
 POLL_S = 1.0
 HISTORY = 120  # polls the sparklines span
 WIDTH = 40  # cells of a bar or a sparkline
+CHAINS = 12  # cached prefixes the block map draws (the newest)
+CHAIN_CELLS = 48  # blocks drawn of one prefix; longer ones say how many more
 
 
 def _pct(x: float | None) -> str:
@@ -41,10 +47,18 @@ class PeerApp(App):
     #about { height: 2; background: $panel; padding: 0 1; }
     #panels { grid-size: 2; grid-gutter: 0 1; height: 1fr; }
     .peer { border: round $primary 50%; padding: 0 1; height: 100%; }
+    #events { column-span: 2; }
     """
     BINDINGS = [("ctrl+q", "quit", "quit")]
 
-    def __init__(self, url: str, kind: str, model: str, api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        kind: str,
+        model: str,
+        api_key: str | None = None,
+        events: EventFeed | None = None,
+    ) -> None:
         super().__init__()
         self.register_theme(THEME)
         self.theme = THEME.name
@@ -53,6 +67,9 @@ class PeerApp(App):
         self.last: Scrape | None = None
         self.history: deque[Figures] = deque(maxlen=HISTORY)
         self.error: str | None = None  # why the last poll failed
+        self.events = events
+        self.texts: dict[Hash, str | None] = {}  # a prefix's own blocks as text, by its last block
+        self.cache_view: CacheView | None = None
 
     def get_theme_variable_defaults(self) -> dict[str, str]:
         return PALETTE
@@ -60,6 +77,10 @@ class PeerApp(App):
     def compose(self) -> ComposeResult:
         yield Static(id="about")
         with Grid(id="panels"):
+            if self.events is not None:
+                panel = Static(id="events", classes="peer")
+                panel.border_title = f"Prefix cache · KV events from {self.events.endpoint}"
+                yield panel
             for key, title in PANELS:
                 panel = Static(id=key, classes="peer")
                 panel.border_title = title
@@ -68,11 +89,16 @@ class PeerApp(App):
 
     def on_mount(self) -> None:
         self.query_one("#about", Static).update(f"watching {KINDS[self.kind]} at {self.url}")
+        if self.events is not None:
+            self.query_one("#panels").styles.grid_rows = "2fr 1fr 1fr 1fr"
+            self.events.start()
         self.poll()
         self.set_interval(POLL_S, self.poll)
 
     def on_unmount(self) -> None:
         self.http.close()
+        if self.events is not None:
+            self.events.stop()
 
     def about(self) -> Text:
         """Which server, its version and what it holds, from the endpoints that say so."""
@@ -81,7 +107,9 @@ class PeerApp(App):
             if self.kind == "vllm":
                 version = self.http.get("/version").json().get("version", "?")
                 t.append(f" · vLLM {version}")
-            else:
+            elif self.kind == "ollama":
+                t.append(f" · Ollama {self.http.get('/api/version').json().get('version', '?')}")
+            elif self.kind == "llamacpp":
                 props = self.http.get("/props").json()
                 t.append(
                     f" · {props.get('total_slots', '?')} slots · {props.get('model_ftype', '?')}"
@@ -101,15 +129,38 @@ class PeerApp(App):
     def _scrape(self) -> None:
         if self.last is None and not self.history:  # the first poll says which server it is
             self.call_from_thread(self._show_about, self.about())
+        if self.events is not None:
+            view = self.events.view()
+            self._name_prefixes(view)
+            self.call_from_thread(self._show_cache, view)
         try:
             new = scrape(self.http, self.kind)
         except (httpx.HTTPError, ValueError) as e:
-            why = f"{self.url}/metrics: {one_line(e)}"
+            why = f"{self.url}/{'api/ps' if self.kind == 'ollama' else 'metrics'}: {one_line(e)}"
             if self.kind == "llamacpp":
                 why += " (llama-server serves /metrics only when started with --metrics)"
             self.call_from_thread(self.show, None, why)
             return
         self.call_from_thread(self.show, new)
+
+    def _name_prefixes(self, view: CacheView) -> None:
+        """The text of each drawn prefix's own blocks (after those it shares), asked of the
+        server once a prefix (vLLM's and pagechat's /detokenize)."""
+        shown = view.chains[:CHAINS]
+        self.texts = {c.leaf: self.texts[c.leaf] for c in shown if c.leaf in self.texts}
+        for chain in shown:
+            if chain.leaf in self.texts:
+                continue
+            own = list(chain.token_ids[chain.shared * (view.block_size or 0) :])
+            try:
+                r = self.http.post("/detokenize", json={"model": self.model, "tokens": own})
+                self.texts[chain.leaf] = r.raise_for_status().json().get("prompt")
+            except (httpx.HTTPError, ValueError, AttributeError):
+                self.texts[chain.leaf] = None  # the map says how many tokens instead
+
+    def _show_cache(self, view: CacheView) -> None:
+        self.cache_view = view
+        self.query_one("#events", Static).update(self.prefix_map(view))
 
     def show(self, new: Scrape | None, error: str | None = None) -> None:
         """A poll's result (or why it failed) into the history and the panels."""
@@ -134,13 +185,64 @@ class PeerApp(App):
             t.append_text(sparkline(steps, WIDTH, self.theme_variables, 2))
         return t
 
+    def prefix_map(self, view: CacheView) -> Text:
+        """Each cached prefix, newest first: a cell a block (those it shares with other prefixes
+        in the cached colour), then the text of its own blocks."""
+        colours = self.theme_variables
+        size = view.block_size or 0
+        held = self.last.info.get("num_gpu_blocks") if self.last else None
+        t = Text(f"{view.blocks} blocks", "bold")
+        t.append(f" of {held}" if held else "").append(f" of {size} tokens · " if size else " · ")
+        t.append(f"{len(view.chains)} prefixes · batch {_num(view.last_seq)} · ")
+        t.append(f"{view.stored} stored, {view.removed} removed since watching")
+        if view.cleared:
+            t.append(f", cleared {view.cleared}x")
+        if view.elsewhere:
+            t.append(f" · {view.elsewhere} events of offloaded copies not drawn", "dim")
+        shown = view.chains[:CHAINS]
+        width = max((min(len(c.keys), CHAIN_CELLS) for c in shown), default=0)
+        for chain in shown:
+            t.append("\n")
+            t.append("┄" if not chain.rooted else " ", colours["pc-warn"])
+            cells = min(len(chain.keys), CHAIN_CELLS)
+            shared = min(chain.shared, cells)
+            t.append("▓" * shared, colours["pc-cached"]).append("█" * (cells - shared), "bold")
+            more = len(chain.keys) - cells
+            t.append(f"+{more}" if more else " " * (width - cells))
+            t.append(f" {len(chain.keys):>3} blocks ", "dim")
+            own = self.texts.get(chain.leaf)
+            if own is None:
+                t.append(f"{len(chain.token_ids) - chain.shared * size} tokens of its own", "dim")
+            else:
+                t.append(("…" if chain.shared else "") + own.replace("\n", "⏎"))
+        if len(view.chains) > CHAINS:
+            t.append(f"\n… {len(view.chains) - CHAINS} older prefixes", "dim")
+        t.append("\n▓ shared with another prefix  █ its own  ┄ its start is not held", "dim")
+        for line in view.notices[-3:]:
+            t.append(f"\n{line}", colours["pc-warn"])
+        t.no_wrap, t.overflow = True, "ellipsis"  # a row a prefix, however long its text
+        return t
+
     def kv(self, f: Figures) -> Text:
+        if self.kind == "ollama":
+            return self.resident(f)
         t = self.spark(lambda x: x.kv_usage, "KV cache in use", _pct)
         for s in f.slots:
             used = round(WIDTH * s.tokens / s.n_ctx) if s.n_ctx else 0
             t.append(f"\nslot {s.id} ", "bold").append("█" * used + "░" * (WIDTH - used))
             t.append(f" {s.tokens}/{s.n_ctx}" + (f" ({s.cached} cached)" if s.cached else ""))
         return t.append(f"\n{NOT_EXPOSED[self.kind]['blocks']}", "dim")
+
+    def resident(self, f: Figures) -> Text:
+        """Ollama's loaded models: what each takes, in VRAM too, and when Ollama unloads it."""
+        t = Text()
+        gib = 1024**3
+        for m in f.resident:
+            t.append(m.name, "bold").append(f" {m.size / gib:.2f} GiB")
+            t.append(f", {m.size_vram / gib:.2f} in VRAM")
+            t.append(f", context {m.context}" if m.context else "")
+            t.append(f", until {m.expires_at[:19].replace('T', ' ')}\n" if m.expires_at else "\n")
+        return t.append(NOT_EXPOSED["ollama"]["blocks"] if f.resident else "no model loaded", "dim")
 
     def requests(self, f: Figures) -> Text:
         t = self.spark(lambda x: x.running, "running", _num).append("\n")
@@ -161,13 +263,11 @@ class PeerApp(App):
     def latency(self, f: Figures) -> Text:
         t = Text()
         for name, (p50, p90) in f.latency.items():
-            if self.kind == "vllm":
-                t.append(f"{name:<6}", "bold").append(f" p50 {_ms(p50):>10}  p90 {_ms(p90):>10}\n")
-            else:
+            if self.kind == "llamacpp":
                 t.append(f"per {name}", "bold").append(f" {_ms(p50)} (mean)\n")
-        if self.kind == "llamacpp":
-            t.append(NOT_EXPOSED["llamacpp"]["latency"], "dim")
-        return t
+            else:
+                t.append(f"{name:<6}", "bold").append(f" p50 {_ms(p50):>10}  p90 {_ms(p90):>10}\n")
+        return t.append(NOT_EXPOSED[self.kind].get("latency", ""), "dim")
 
     def cache(self, f: Figures) -> Text:
         t = Text("prefix-cache hit rate ", "bold").append(_pct(f.prefix_hit)).append("\n")
@@ -176,8 +276,8 @@ class PeerApp(App):
             n = round(WIDTH * rate)
             t.append(f"\n  position {i} ").append("█" * n + "░" * (WIDTH - n))
             t.append(f" {_pct(rate)}")
-        if self.kind == "llamacpp":
-            t.append(f"\n{NOT_EXPOSED['llamacpp']['spec_positions']}", "dim")
+        if "spec_positions" in NOT_EXPOSED[self.kind]:
+            t.append(f"\n{NOT_EXPOSED[self.kind]['spec_positions']}", "dim")
         elif f.spec_rate is None:
             t.append("\nno speculative decoding on this server", "dim")
         return t.append(f"\n{NOT_EXPOSED[self.kind]['sampling']}", "dim")
@@ -187,13 +287,21 @@ class PeerApp(App):
         s, t = self.last, Text()
         if s is None:
             return t
-        if self.kind == "vllm":
+        if self.kind == "ollama":
+            return t.append("Ollama has no metrics: its loaded models are under KV cache", "dim")
+        if self.kind == "sglang":
+            v = s.values
+            t.append("token pool ", "bold").append(f"{_num(v.get('max_total_num_tokens'))} tokens")
+            t.append(" · in use ", "bold").append(f"{_num(v.get('num_used_tokens'))}")
+            return t
+        if self.kind in VLLM_LIKE:
             i = s.info
-            t.append("KV cache ", "bold").append(
-                f"{i.get('num_gpu_blocks', '?')} blocks of {i.get('block_size', '?')} tokens "
-                f"({i.get('kv_cache_size_tokens', '?')} tokens), prefix caching "
-                f"{'on' if i.get('enable_prefix_caching') == 'True' else 'off'}\n"
-            )
+            if i:  # vLLM's cache_config_info
+                t.append("KV cache ", "bold").append(
+                    f"{i.get('num_gpu_blocks', '?')} blocks of {i.get('block_size', '?')} tokens "
+                    f"({i.get('kv_cache_size_tokens', '?')} tokens), prefix caching "
+                    f"{'on' if i.get('enable_prefix_caching') == 'True' else 'off'}\n"
+                )
             ended = s.per_label.get("request_success_total", {})
             t.append("requests ended ", "bold")
             counts = [f"{why} {n:.0f}" for why, n in sorted(ended.items()) if n]

@@ -1,10 +1,12 @@
-"""What a vLLM server or a llama.cpp llama-server exposes, read and turned into the figures the
-peer console shows: one Scrape per poll (its /metrics, and llama.cpp's /slots), Figures from two
+"""What a server exposes, read and turned into the figures the peer console and the fleet view
+show: one Scrape per poll (its /metrics, llama.cpp's /slots, Ollama's /api/ps), Figures from two
 of them (rates and latency percentiles over the time between), and for each figure a server does
 not expose, the one line that says why.
 
-Names are the servers' own: vLLM's `vllm:` families (its v1 engine), llama.cpp's `llamacpp:`
-families (served with --metrics) and its /slots and /props JSON.
+Names are the servers' own: vLLM's `vllm:` families (its v1 engine) and pagechat's `pagechat:`
+ones, which mean the same; llama.cpp's `llamacpp:` families (served with --metrics) and its /slots
+and /props JSON; SGLang's `sglang:` families (served with --enable-metrics); Ollama's /api/ps (it
+has no /metrics).
 """
 
 from __future__ import annotations
@@ -13,11 +15,20 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
+from pagechat.core.errors import PagechatError
+from pagechat.tools.http_client import bearer, model_card, server_url
 from prometheus_client.parser import text_string_to_metric_families
 
 # the servers pagechat watches, as their /v1/models says who owns a model -> their names
-KINDS = {"pagechat": "pagechat", "vllm": "vLLM", "llamacpp": "llama.cpp"}
-PREFIX = {"vllm": "vllm:", "llamacpp": "llamacpp:"}
+KINDS = {
+    "pagechat": "pagechat",
+    "vllm": "vLLM",
+    "llamacpp": "llama.cpp",
+    "sglang": "SGLang",
+    "ollama": "Ollama",
+}
+PREFIX = {"pagechat": "pagechat:", "vllm": "vllm:", "llamacpp": "llamacpp:", "sglang": "sglang:"}
+VLLM_LIKE = ("vllm", "pagechat")  # the same families under their own prefix
 
 # Figures a server cannot give, and why (shown in the panel in their place)
 NOT_EXPOSED = {
@@ -36,6 +47,23 @@ NOT_EXPOSED = {
         "spec_positions": "llama.cpp counts accepted drafts but not by draft position",
         "sampling": "llama.cpp exposes no sampling candidates (a client sees its own with n_probs)",
     },
+    "sglang": {
+        "blocks": "SGLang exposes its token pool's use as one fraction, not its radix tree",
+        "requests": "SGLang counts requests (running, queued) but lists none of them",
+        "sampling": "SGLang exposes no sampling candidates (a client sees its own with logprobs)",
+    },
+    "ollama": {
+        "blocks": "Ollama has no metrics: it lists the models it holds (/api/ps), not their KV",
+        "requests": "Ollama counts no requests",
+        "latency": "Ollama has no latency histograms (each answer carries its own durations)",
+        "spec_positions": "Ollama does no speculative decoding",
+        "sampling": "Ollama exposes no sampling candidates",
+    },
+}
+NOT_EXPOSED["pagechat"] = {  # read as a peer (the fleet view, the KV-events console)
+    "blocks": "the full console (pagechat watch URL) shows which blocks each request holds",
+    "requests": "the full console lists every client's requests",
+    "sampling": "the full console shows each token's sampling candidates",
 }
 
 
@@ -51,9 +79,23 @@ class Histogram:
 
     def since(self, old: Histogram | None) -> Histogram:
         """The observations made after `old` (the same buckets, counts subtracted)."""
-        if old is None or len(old.buckets) != len(self.buckets):
+        if old is None or [le for le, _ in old.buckets] != [le for le, _ in self.buckets]:
             return self
+        if any(n < m for (_, n), (_, m) in zip(self.buckets, old.buckets)):
+            return self  # counted from zero again: the server restarted
         return Histogram(tuple((le, n - m) for (le, n), (_, m) in zip(self.buckets, old.buckets)))
+
+    @staticmethod
+    def pooled(histograms: list[Histogram]) -> Histogram:
+        """The histogram of every observation the given ones counted: counts added at the bounds
+        all of them have (where their buckets differ, only the shared bounds are exact)."""
+        present = [h for h in histograms if h.buckets]
+        if not present:
+            return Histogram(())
+        bounds = set.intersection(*({le for le, _ in h.buckets} for h in present))
+        return Histogram(
+            tuple((le, sum(dict(h.buckets)[le] for h in present)) for le in sorted(bounds))
+        )
 
     def quantile(self, q: float) -> float | None:
         """The q-quantile, linear within its bucket as Prometheus' histogram_quantile does."""
@@ -83,10 +125,11 @@ class Scrape:
     info: dict[str, str] = field(default_factory=dict)  # the labels of vLLM's *_info gauges
     slots: tuple[dict, ...] | None = None
     slots_why: str | None = None  # why there are no slots
+    resident: tuple[dict, ...] = ()  # Ollama's /api/ps models
 
     @classmethod
     def parse(cls, kind: str, text: str, at: float, slots=None, slots_why=None) -> Scrape:
-        prefix = PREFIX[kind]
+        prefix = PREFIX.get(kind, "-")  # Ollama: nothing to parse
         values: dict[str, float] = {}
         per_label: dict[str, dict[str, float]] = {}
         histograms: dict[str, Histogram] = {}
@@ -145,6 +188,32 @@ def slot_uses(slots: tuple[dict, ...]) -> tuple[SlotUse, ...]:
 
 
 @dataclass(frozen=True, slots=True)
+class Resident:
+    """A model Ollama holds in memory (/api/ps): its name, bytes in all and in VRAM, when Ollama
+    unloads it (ISO time), and the context it was loaded with."""
+
+    name: str
+    size: int
+    size_vram: int
+    expires_at: str
+    context: int | None
+
+
+def residents(models: tuple[dict, ...]) -> tuple[Resident, ...]:
+    return tuple(
+        Resident(
+            str(m.get("name") or m.get("model", "?")),
+            int(m.get("size") or 0),
+            int(m.get("size_vram") or 0),
+            str(m.get("expires_at", "")),
+            m.get("context_length"),
+        )
+        for m in models
+        if isinstance(m, dict)
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class Figures:
     """What the console shows after a poll; None where the server does not say."""
 
@@ -159,14 +228,37 @@ class Figures:
     spec_rate: float | None = None  # accepted over drafted tokens
     spec_positions: tuple[float, ...] = ()  # acceptance at each draft position
     slots: tuple[SlotUse, ...] = ()
+    resident: tuple[Resident, ...] = ()
+    errors: float | None = None  # requests that ended in an error or abort, since it started
 
 
-LATENCIES = {  # vLLM histogram -> the console's name
+LATENCIES = {  # vLLM's (and SGLang's) histograms -> the console's name
     "time_to_first_token_seconds": "TTFT",
     "inter_token_latency_seconds": "ITL",
+    "time_per_output_token_seconds": "ITL",  # SGLang before it had inter_token_latency
     "e2e_request_latency_seconds": "E2E",
     "request_queue_time_seconds": "queue",
 }
+FAILED = ("abort", "error")  # vLLM's finished_reason values of requests that did not end well
+
+
+def windowed(new: Scrape, old: Scrape | None, name: str) -> Histogram | None:
+    """A histogram's observations since the last poll, or all of them when none came since."""
+    h = new.histograms.get(name)
+    if h is None:
+        return None
+    recent = h.since(old.histograms.get(name) if old else None)
+    return recent if recent.count else h
+
+
+def latencies(new: Scrape, old: Scrape | None) -> dict[str, tuple[float | None, float | None]]:
+    """p50 and p90 of each latency histogram the server has, over windowed()."""
+    out = {}
+    for name, label in LATENCIES.items():
+        h = windowed(new, old, name)
+        if h is not None and label not in out:
+            out[label] = (h.quantile(0.5), h.quantile(0.9))
+    return out
 
 
 def _rate(new: Scrape, old: Scrape | None, name: str) -> float | None:
@@ -182,17 +274,25 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 def figures(kind: str, new: Scrape, old: Scrape | None) -> Figures:
     """The console's figures from this poll and the one before (rates need both)."""
     v = new.values
-    if kind == "vllm":
-        latency = {}
-        for name, label in LATENCIES.items():
-            h = new.histograms.get(name)
-            if h is not None:
-                recent = h.since(old.histograms.get(name) if old else None)
-                shown = recent if recent.count else h  # nothing new: the whole run's
-                latency[label] = (shown.quantile(0.5), shown.quantile(0.9))
+    if kind == "ollama":
+        return Figures(None, None, None, None, None, None, None, resident=residents(new.resident))
+    if kind == "sglang":
+        return Figures(
+            v.get("token_usage"),
+            v.get("num_running_reqs"),
+            v.get("num_queue_reqs"),
+            v.get("num_retractions_total"),  # SGLang's word for preemption
+            v.get("cache_hit_rate"),
+            _rate(new, old, "generation_tokens_total"),
+            _rate(new, old, "prompt_tokens_total"),
+            latencies(new, old),
+            v.get("spec_accept_rate"),
+        )
+    if kind in VLLM_LIKE:
         drafts = v.get("spec_decode_num_drafts_total")
         per_pos = new.per_label.get("spec_decode_num_accepted_tokens_per_pos_total", {})
         positions = tuple(per_pos[k] / drafts for k in sorted(per_pos, key=int)) if drafts else ()
+        per_reason = new.per_label.get("request_success_total", {})
         return Figures(
             v.get("kv_cache_usage_perc"),
             v.get("num_requests_running"),
@@ -201,12 +301,13 @@ def figures(kind: str, new: Scrape, old: Scrape | None) -> Figures:
             _ratio(v.get("prefix_cache_hits_total"), v.get("prefix_cache_queries_total")),
             _rate(new, old, "generation_tokens_total"),
             _rate(new, old, "prompt_tokens_total"),
-            latency,
+            latencies(new, old),
             _ratio(
                 v.get("spec_decode_num_accepted_tokens_total"),
                 v.get("spec_decode_num_draft_tokens_total"),
             ),
             positions,
+            errors=sum(n for why, n in per_reason.items() if why in FAILED),
         )
     slots = slot_uses(new.slots) if new.slots is not None else ()
     cached, computed = v.get("prompt_tokens_cached_total"), v.get("prompt_tokens_total")
@@ -238,6 +339,9 @@ def figures(kind: str, new: Scrape, old: Scrape | None) -> Figures:
 def scrape(http: httpx.Client, kind: str) -> Scrape:
     """Poll the server once (raises httpx.HTTPError when it does not answer)."""
     at = time.monotonic()
+    if kind == "ollama":
+        models = http.get("/api/ps").raise_for_status().json().get("models") or ()
+        return Scrape(at, {}, {}, {}, resident=tuple(models))
     text = http.get("/metrics").raise_for_status().text
     slots, why = None, None
     if kind == "llamacpp":
@@ -247,3 +351,24 @@ def scrape(http: httpx.Client, kind: str) -> Scrape:
         else:
             why = f"/slots answered {r.status_code} (llama-server lists slots unless --no-slots)"
     return Scrape.parse(kind, text, at, slots, why)
+
+
+def detect(url: str, api_key: str | None = None) -> tuple[str, str]:
+    """(kind, model) of the server at url: Ollama answers /api/version (its /v1/models names no
+    engine), the others' /v1/models says who owns the model (pagechat, vllm, llamacpp, sglang)."""
+    url = server_url(url)
+    try:
+        r = httpx.get(f"{url}/api/version", headers=bearer(api_key), timeout=5.0)
+        if r.status_code == 200 and set(r.json()) == {"version"}:
+            models = httpx.get(f"{url}/api/ps", timeout=5.0).json().get("models") or ()
+            return "ollama", ", ".join(m.get("name", "?") for m in models) or "no model loaded"
+    except (httpx.HTTPError, ValueError, AttributeError, TypeError):
+        pass  # not Ollama: model_card says what else it is, or why it cannot tell
+    card = model_card(url, api_key)
+    kind = card.get("owned_by", "")
+    if kind not in KINDS:
+        raise PagechatError(
+            f"{url} serves {card.get('id')!r} owned by {kind!r}; pagechat watches pagechat, vLLM, "
+            "llama.cpp, SGLang and Ollama servers"
+        )
+    return kind, str(card.get("id"))

@@ -1,0 +1,280 @@
+"""A server's prefix cache as its KV events tell it (`pagechat watch URL --kv-events ENDPOINT`): the
+stream vLLM publishes with `--kv-events-config` and `pagechat serve --kv-events` publishes the same
+way (server/kv_events.py says the wire). PrefixCache applies the batches in sequence order;
+EventFeed reads them on a thread of its own and, where numbers are missing (it joined late, or the
+socket dropped some), asks the replay socket for them and notes that it had to.
+
+Hashes are what the server sends (vLLM: unsigned 64-bit ints, or bytes); a block's tokens are its
+own block_size tokens, so a chain of blocks from a first one (no parent) spells the start of a
+prompt. A prefix may live in several blocks at once (vLLM recomputes a tail it already holds):
+each copy is stored and removed, and the prefix leaves the map with its last copy.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter, deque
+from dataclasses import dataclass
+
+import msgpack
+import zmq
+
+Hash = int | bytes
+MEDIA = (None, "GPU")  # the engine's own pool (vLLM's CPU build names it GPU too); others offload
+REPLAY_WAIT_S = 2.0  # a replay socket silent this long is taken to have nothing more
+NOTICES = 8  # the latest things the feed had to do, kept for the panel
+
+
+@dataclass(frozen=True, slots=True)
+class CachedBlock:
+    key: Hash
+    parent: Hash | None
+    token_ids: tuple[int, ...]
+    seq: int  # the batch that stored it
+
+
+@dataclass(frozen=True, slots=True)
+class Chain:
+    """A cached prefix: blocks from a first one to one no cached block extends."""
+
+    keys: tuple[Hash, ...]
+    token_ids: tuple[int, ...]
+    shared: int  # leading blocks other chains hold too
+    rooted: bool  # False when its first block's parent is not held (stored unseen, or dropped)
+    seq: int  # the batch of its newest block
+
+    @property
+    def leaf(self) -> Hash:
+        return self.keys[-1]
+
+
+@dataclass(frozen=True, slots=True)
+class CacheView:
+    """What the panel draws, copied out under the feed's lock."""
+
+    chains: tuple[Chain, ...]  # newest first
+    blocks: int
+    block_size: int | None
+    stored: int  # events since the watcher started
+    removed: int
+    cleared: int
+    batches: int
+    last_seq: int | None
+    elsewhere: int  # events for other media (offloaded copies), not drawn
+    notices: tuple[str, ...]
+
+
+class PrefixCache:
+    """The blocks a server holds in its prefix cache, from its events."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[Hash, CachedBlock] = {}
+        self.children: dict[Hash, set[Hash]] = {}
+        # vLLM may hold one prefix in two blocks (a recomputed tail): stored and removed twice
+        self.copies: Counter[Hash] = Counter()
+        self.block_size: int | None = None
+        self.counts: Counter[str] = Counter()
+        self.last_seq: int | None = None
+        self.notices: deque[str] = deque(maxlen=NOTICES)
+
+    def note(self, text: str) -> None:
+        self.notices.append(f"{time.strftime('%H:%M:%S')} {text}")
+
+    def apply(self, seq: int, payload: bytes) -> None:
+        """One batch, `[ts, [event, ...], data_parallel_rank]`, its events in order."""
+        _, events, *_ = msgpack.unpackb(payload, strict_map_key=False)
+        for e in events:
+            kind = e.get("type") if isinstance(e, dict) else None
+            if e.get("medium") not in MEDIA and kind != "AllBlocksCleared":
+                self.counts["elsewhere"] += 1
+            elif kind == "BlockStored":
+                self._store(seq, e)
+            elif kind == "BlockRemoved":
+                for key in e["block_hashes"]:
+                    self._remove(key)
+                self.counts["removed"] += 1
+            elif kind == "AllBlocksCleared":
+                self.clear()
+                self.counts["cleared"] += 1
+        self.counts["batches"] += 1
+        self.last_seq = seq
+
+    def _store(self, seq: int, e: dict) -> None:
+        size = self.block_size = e["block_size"]
+        parent, tokens = e["parent_block_hash"], e["token_ids"]
+        for i, key in enumerate(e["block_hashes"]):
+            self.copies[key] += 1
+            if key not in self.blocks:
+                block = CachedBlock(key, parent, tuple(tokens[i * size : (i + 1) * size]), seq)
+                self.blocks[key] = block
+                if parent is not None:
+                    self.children.setdefault(parent, set()).add(key)
+            parent = key
+        self.counts["stored"] += 1
+
+    def _remove(self, key: Hash) -> None:
+        """One copy of the block gone; the prefix is gone with its last copy."""
+        self.copies[key] -= 1
+        if self.copies[key] > 0:
+            return
+        del self.copies[key]
+        block = self.blocks.pop(key, None)
+        if block is not None and block.parent is not None:
+            siblings = self.children.get(block.parent)
+            if siblings is not None:
+                siblings.discard(key)
+                if not siblings:
+                    del self.children[block.parent]
+
+    def clear(self) -> None:
+        self.blocks.clear()
+        self.children.clear()
+        self.copies.clear()
+
+    def chains(self) -> list[Chain]:
+        """Every cached prefix, newest first: one per block that no held block extends."""
+        paths = []
+        for key, block in self.blocks.items():
+            if self.children.get(key):
+                continue
+            path = [block]
+            while path[-1].parent in self.blocks:
+                path.append(self.blocks[path[-1].parent])
+            paths.append(path[::-1])
+        through: Counter[Hash] = Counter(b.key for path in paths for b in path)
+        out = [
+            Chain(
+                tuple(b.key for b in path),
+                tuple(t for b in path for t in b.token_ids),
+                sum(1 for b in path if through[b.key] > 1),
+                path[0].parent is None,
+                max(b.seq for b in path),
+            )
+            for path in paths
+        ]
+        return sorted(out, key=lambda c: -c.seq)
+
+    def view(self) -> CacheView:
+        c = self.counts
+        return CacheView(
+            tuple(self.chains()),
+            len(self.blocks),
+            self.block_size,
+            c["stored"],
+            c["removed"],
+            c["cleared"],
+            c["batches"],
+            self.last_seq,
+            c["elsewhere"],
+            tuple(self.notices),
+        )
+
+
+class EventFeed:
+    """Subscribes to a server's KV events on a thread of its own (ZMQ sockets stay on the thread
+    that made them) and keeps a PrefixCache of them; view() is safe from any thread."""
+
+    def __init__(self, endpoint: str, replay: str | None = None, topic: str = "") -> None:
+        self.endpoint, self.replay, self.topic = endpoint, replay, topic
+        self.cache = PrefixCache()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pagechat-kv-feed", daemon=True)
+        self._caught_up: set[int] = set()  # batches the joining replay gave, the stream may too
+
+    def start(self) -> EventFeed:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+
+    def view(self) -> CacheView:
+        with self._lock:
+            return self.cache.view()
+
+    def _run(self) -> None:
+        ctx = zmq.Context.instance()
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
+        sub.connect(self.endpoint)
+        replay = None
+        if self.replay is not None:
+            replay = ctx.socket(zmq.DEALER)
+            replay.connect(self.replay)
+            with self._lock:  # what the server did before the watcher came, as far as it keeps
+                self._catch_up(replay)
+        try:
+            while not self._stop.is_set():
+                if not sub.poll(100):
+                    continue
+                frames = sub.recv_multipart()
+                if len(frames) == 3:
+                    with self._lock:
+                        self.take(int.from_bytes(frames[1], "big"), frames[2], replay)
+        finally:
+            sub.close(linger=0)
+            if replay is not None:
+                replay.close(linger=0)
+
+    def take(self, seq: int, payload: bytes, replay) -> None:
+        """A batch from the stream: first what is missing before it, if the replay has it. The
+        stream repeats no number, except those the joining replay gave already: any other number
+        not above the last is a new publisher's (the server restarted)."""
+        cache, last = self.cache, self.cache.last_seq
+        if seq in self._caught_up:
+            self._caught_up.discard(seq)
+            return
+        self._caught_up.clear()  # the stream has passed what the joining replay gave
+        if last is not None and seq <= last:
+            cache.clear()
+            cache.last_seq = last = None
+            cache.note(f"the server's events started again (batch {seq}): the map starts afresh")
+        expected = 0 if last is None else last + 1
+        if seq > expected:
+            self._recover(expected, seq, replay)
+        cache.apply(seq, payload)
+
+    def _catch_up(self, replay) -> None:
+        """On joining: every batch the replay buffer still has."""
+        got = self._ask(replay, 0)
+        for seq, payload in got or ():
+            self.cache.apply(seq, payload)
+            self._caught_up.add(seq)
+        if got:
+            lost = f"; batches 0-{got[0][0] - 1} are gone from it" if got[0][0] else ""
+            self.cache.note(f"joined at batch {got[-1][0] + 1}: replayed {len(got)}{lost}")
+
+    def _ask(self, replay, first: int) -> list[tuple[int, bytes]] | None:
+        """The batches from `first` on that the replay socket answers with, in order; None (and
+        a notice) when it does not answer to the end."""
+        replay.send_multipart((b"", first.to_bytes(8, "big")))
+        got: list[tuple[int, bytes]] = []
+        while replay.poll(int(REPLAY_WAIT_S * 1000)):
+            frames = replay.recv_multipart()
+            seq = int.from_bytes(frames[-2], "big", signed=True)
+            if seq < 0:  # the end marker
+                return sorted(got)
+            got.append((seq, frames[-1]))
+        self.cache.note(f"the replay endpoint {self.replay} did not answer in {REPLAY_WAIT_S} s")
+        return None
+
+    def _recover(self, first: int, upto: int, replay) -> None:
+        """Ask the replay socket for batches first..upto-1 and apply those it still has."""
+        cache = self.cache
+        span = f"batch {first}" if upto - first == 1 else f"batches {first}-{upto - 1}"
+        what = f"joined at batch {upto}" if cache.last_seq is None else f"missed {span}"
+        if replay is None:
+            cache.note(f"{what}; with no replay endpoint, what {span} did is not drawn")
+            return
+        got = [(seq, payload) for seq, payload in self._ask(replay, first) or () if seq < upto]
+        for seq, payload in got:
+            cache.apply(seq, payload)
+        start = got[0][0] if got else upto
+        if start > first:
+            lost = f"batch {first}" if start - first == 1 else f"batches {first}-{start - 1}"
+            cache.note(f"{what}; the replay buffer no longer holds {lost}: not drawn as it was")
+        else:
+            cache.note(f"{what}; replayed {span} from {self.replay}")
