@@ -671,6 +671,7 @@ def watch(
         list[str],
         typer.Argument(
             help="the server, e.g. http://127.0.0.1:8000; several: the fleet view, a row each",
+            metavar="URL",
             show_default=False,
         ),
     ],

@@ -67,7 +67,7 @@ def watch(url: str, api_key: str | None, layout: str = "auto", events: Events | 
             "--kv-events-config, pagechat with serve --kv-events)"
         )
     if kind != "pagechat" or events is not None:
-        from pagechat.tui.kv_events import EventFeed
+        from pagechat.tools.kv_events import EventFeed
         from pagechat.tui.peer_app import PeerApp
 
         feed = None if events is None else EventFeed(events.endpoint, events.replay, events.topic)

@@ -3,8 +3,10 @@
 Drives the real app headless (Textual Pilot) on the demo chat model (speculating with the demo
 draft), or on --model DIR (speculating by n-gram lookup), and writes SVGs here; PNGs too when
 `rsvg-convert` is installed (Debian: librsvg2-bin). The console on a vLLM server is drawn only with
-`--vllm URL` (a running vLLM server, which the script loads with requests while it watches), the
-real model's samples only with `--gguf FILE` (SmolLM2-135M-Instruct's Q4_1 GGUF).
+`--vllm URL` (a running vLLM server, which the script loads with requests while it watches; with
+`--vllm-kv-events ENDPOINT [--vllm-kv-replay ENDPOINT]` its prefix-cache map from its KV events
+too), the real model's samples only with `--gguf FILE` (SmolLM2-135M-Instruct's Q4_1 GGUF); the
+fleet view shows three demo servers, one stopped midway, and the servers `--fleet URL ...` names.
 """
 
 from __future__ import annotations
@@ -24,8 +26,10 @@ from pagechat.core.params import SamplingParams
 from pagechat.server.app import create_app
 from pagechat.server.serve import ServerSettings, build_state
 from pagechat.tools.demo import chat_model_dir, draft_model_dir
+from pagechat.tools.kv_events import EventFeed
 from pagechat.tui.app import PagechatApp
 from pagechat.tui.client import ThreadedEngine
+from pagechat.tui.fleet_app import FleetApp
 from pagechat.tui.history import ChatRecord, ChatStore
 from pagechat.tui.load import load_prompt
 from pagechat.tui.peer_app import PeerApp
@@ -199,16 +203,20 @@ async def load_screen(model: Path, store: Path) -> None:
         save(app, "load")
 
 
-def clients(url: str, model: str, count: int, max_tokens: int) -> threading.Event:
+def clients(
+    url: str, model: str, count: int, max_tokens: int, system: str | None = None
+) -> threading.Event:
     """Other clients of a server: `count` threads sending streamed chat requests of the built-in
-    prompts one after another, until the event returned is set or the server goes."""
+    prompts one after another (under one system prompt, if given), until the event returned is
+    set or the server goes."""
     stop = threading.Event()
+    head = [{"role": "system", "content": system}] if system else []
 
     def client(k: int) -> None:
         while not stop.is_set():
             body = {
                 "model": model,
-                "messages": load_prompt(k),
+                "messages": head + load_prompt(k),
                 "max_tokens": max_tokens,
                 "ignore_eos": True,
                 "stream": True,
@@ -264,11 +272,77 @@ async def vllm_screen(url: str) -> None:
         others.set()
 
 
+SHARED_SYSTEM = (
+    "You are the help desk of a small bookshop by the old port. It opens from nine to six, "
+    "Tuesday to Saturday, and from ten to four on Sundays. Books may be returned within thirty "
+    "days with the receipt. Answer in one or two short sentences."
+)
+
+
+async def vllm_events_screen(url: str, events: str, replay: str | None) -> None:
+    """The console on a running vLLM server with its KV events: four clients under one system
+    prompt, so their prefixes share its blocks."""
+    model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+    app = PeerApp(url, "vllm", model, events=EventFeed(events, replay))
+    async with app.run_test(size=(180, 50)) as pilot:
+        others = clients(url, model, 4, 48, SHARED_SYSTEM)
+
+        def drawn() -> bool:
+            v = app.cache_view
+            return bool(v and len(v.chains) >= 8 and all(c.leaf in app.texts for c in v.chains[:8]))
+
+        await wait_until(pilot, drawn, 120, "eight cached prefixes, named")
+        await wait_until(pilot, lambda: len(app.history) >= 10, 60, "ten polls")
+        save(app, "watch-vllm-events")
+        others.set()
+
+
+async def fleet_screen(model: Path, peers: list[str]) -> None:
+    """The fleet view: three pagechat servers and the given peers under load, one pagechat
+    server stopped midway (it stays in the table as gone)."""
+    servers = []
+    for _ in range(3):
+        engine = Engine(model, EngineConfig(device="cpu", dtype="float32", kv_blocks=256))
+        servers.append(
+            listening(create_app(build_state(engine, ServerSettings(model_name="chat"))))
+        )
+    urls = [s.__enter__() for s in servers]
+    stops = [clients(u, "chat", n, 64) for u, n in zip(urls, (4, 1, 1))]
+    for peer in peers:
+        stops.append(clients(peer, httpx.get(f"{peer}/v1/models").json()["data"][0]["id"], 2, 32))
+    try:
+        app = FleetApp([*urls, *peers])
+        async with app.run_test(size=(200, 16)) as pilot:
+            await wait_until(
+                pilot, lambda: app.view and len(app.view.rows) == len(urls) + len(peers), 30
+            )
+            await pilot.pause(15)
+            stops[2].set()
+            servers[2].__exit__(None, None, None)
+            await wait_until(pilot, lambda: not app.view.rows[2].up, 30, "the third server gone")
+            await pilot.pause(3)
+            save(app, "fleet")
+    finally:
+        for stop in stops:
+            stop.set()
+        for s in servers[:2]:
+            s.__exit__(None, None, None)
+
+
 async def run(
-    model: Path, store: Path, speculation: dict, vllm: str | None, gguf: Path | None
+    model: Path,
+    store: Path,
+    speculation: dict,
+    vllm: str | None,
+    gguf: Path | None,
+    events: tuple[str, str | None] | None,
+    fleet: list[str],
 ) -> None:
     if vllm:
         await vllm_screen(vllm)
+        if events:
+            await vllm_events_screen(vllm, *events)
+    await fleet_screen(model, fleet)
     await watch_screen(model, store)
     await main_screen(model, store)
     await samples_screen(model, store)
@@ -288,10 +362,18 @@ if __name__ == "__main__":
     parser.add_argument(
         "--gguf", type=Path, help="SmolLM2-135M-Instruct's GGUF: the real model's samples too"
     )
+    parser.add_argument(
+        "--vllm-kv-events", help="its KV events' endpoint: the prefix-cache map's screenshot too"
+    )
+    parser.add_argument("--vllm-kv-replay", help="and its replay endpoint")
+    parser.add_argument(
+        "--fleet", nargs="*", default=[], help="more servers' URLs for the fleet view's screenshot"
+    )
     args = parser.parse_args()
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
         speculation = {"ngram": True} if args.model else {"draft": str(draft_model_dir())}
         model = args.model or chat_model_dir()
-        asyncio.run(run(model, Path(tmp), speculation, args.vllm, args.gguf))
+        events = (args.vllm_kv_events, args.vllm_kv_replay) if args.vllm_kv_events else None
+        asyncio.run(run(model, Path(tmp), speculation, args.vllm, args.gguf, events, args.fleet))

@@ -17,7 +17,7 @@ import pytest
 import zmq
 from pagechat.core.blocks import BlockEvent
 from pagechat.server.kv_events import encode_batch
-from pagechat.tui.kv_events import CacheView, EventFeed, PrefixCache
+from pagechat.tools.kv_events import CacheView, EventFeed, PrefixCache
 from test_server import serving, tiny_config
 
 FIXTURE = Path(__file__).parent / "fixtures" / "vllm" / "kv_events_batch.hex"

@@ -11,8 +11,8 @@ from collections import deque
 import httpx
 from pagechat.core.errors import one_line
 from pagechat.tools.http_client import client, server_url
+from pagechat.tools.kv_events import CacheView, EventFeed, Hash
 from pagechat.tui.app import PALETTE, THEME
-from pagechat.tui.kv_events import CacheView, EventFeed, Hash
 from pagechat.tui.peers import KINDS, NOT_EXPOSED, VLLM_LIKE, Figures, Scrape, figures, scrape
 from pagechat.tui.widgets.timing import sparkline
 from rich.text import Text
@@ -47,7 +47,7 @@ class PeerApp(App):
     #about { height: 2; background: $panel; padding: 0 1; }
     #panels { grid-size: 2; grid-gutter: 0 1; height: 1fr; }
     .peer { border: round $primary 50%; padding: 0 1; height: 100%; }
-    #events { column-span: 2; }
+    #events { column-span: 2; text-wrap: nowrap; text-overflow: ellipsis; }
     """
     BINDINGS = [("ctrl+q", "quit", "quit")]
 
@@ -220,8 +220,7 @@ class PeerApp(App):
         t.append("\n▓ shared with another prefix  █ its own  ┄ its start is not held", "dim")
         for line in view.notices[-3:]:
             t.append(f"\n{line}", colours["pc-warn"])
-        t.no_wrap, t.overflow = True, "ellipsis"  # a row a prefix, however long its text
-        return t
+        return t  # a row a prefix, however long its text (#events does not wrap)
 
     def kv(self, f: Figures) -> Text:
         if self.kind == "ollama":

@@ -1,8 +1,9 @@
-"""A server's prefix cache as its KV events tell it (`pagechat watch URL --kv-events ENDPOINT`): the
-stream vLLM publishes with `--kv-events-config` and `pagechat serve --kv-events` publishes the same
-way (server/kv_events.py says the wire). PrefixCache applies the batches in sequence order;
-EventFeed reads them on a thread of its own and, where numbers are missing (it joined late, or the
-socket dropped some), asks the replay socket for them and notes that it had to.
+"""A server's prefix cache as its KV events tell it: the stream vLLM publishes with
+`--kv-events-config`, and `pagechat serve --kv-events` the same way (server/kv_events.py says the
+wire). Read by `pagechat watch URL --kv-events ENDPOINT` and by tools/route_probe.py (a router's
+view of a fleet). PrefixCache applies the batches in sequence order; EventFeed reads them on a
+thread of its own and, where numbers are missing (it joined late, or the socket dropped some),
+asks the replay socket for them and notes that it had to.
 
 Hashes are what the server sends (vLLM: unsigned 64-bit ints, or bytes); a block's tokens are its
 own block_size tokens, so a chain of blocks from a first one (no parent) spells the start of a
@@ -60,6 +61,7 @@ class CacheView:
     removed: int
     cleared: int
     batches: int
+    bytes: int  # of the batches received
     last_seq: int | None
     elsewhere: int  # events for other media (offloaded copies), not drawn
     notices: tuple[str, ...]
@@ -98,6 +100,7 @@ class PrefixCache:
                 self.clear()
                 self.counts["cleared"] += 1
         self.counts["batches"] += 1
+        self.counts["bytes"] += len(payload)
         self.last_seq = seq
 
     def _store(self, seq: int, e: dict) -> None:
@@ -155,6 +158,21 @@ class PrefixCache:
         ]
         return sorted(out, key=lambda c: -c.seq)
 
+    def prefix_of(self, ids: list[int]) -> int:
+        """How many of these tokens' leading full blocks the cache holds, matched by tokens (a
+        router that cannot compute the server's hashes matches so)."""
+        size = self.block_size
+        if not size:
+            return 0
+        by_parent = {(b.parent, b.token_ids): key for key, b in self.blocks.items()}
+        parent, n = None, 0
+        while (n + 1) * size <= len(ids):
+            parent = by_parent.get((parent, tuple(ids[n * size : (n + 1) * size])))
+            if parent is None:
+                break
+            n += 1
+        return n
+
     def view(self) -> CacheView:
         c = self.counts
         return CacheView(
@@ -165,6 +183,7 @@ class PrefixCache:
             c["removed"],
             c["cleared"],
             c["batches"],
+            c["bytes"],
             self.last_seq,
             c["elsewhere"],
             tuple(self.notices),
@@ -194,6 +213,10 @@ class EventFeed:
     def view(self) -> CacheView:
         with self._lock:
             return self.cache.view()
+
+    def prefix_of(self, ids: list[int]) -> int:
+        with self._lock:
+            return self.cache.prefix_of(ids)
 
     def _run(self) -> None:
         ctx = zmq.Context.instance()
