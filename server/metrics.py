@@ -62,7 +62,7 @@ class ServerMetrics:
         self.itl = h("inter_token_latency_seconds", "Time between outputs.", ITL_BUCKETS)
         self.e2e = h("e2e_request_latency_seconds", "Arrival to last token.", REQUEST_BUCKETS)
         self.queue = h("request_queue_time_seconds", "Arrival to first scheduled.", REQUEST_BUCKETS)
-        self.swapped.labels(**self._label).set(0)
+        self.observe_load(0, 0, 0, 0)  # an idle server says 0, as vLLM does, not nothing
 
     def _gauge(self, name: str, doc: str) -> Gauge:
         return Gauge(P + name, doc, ["model_name"], registry=self.registry)

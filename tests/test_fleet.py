@@ -218,3 +218,41 @@ def test_watch_refuses_what_it_cannot_watch_in_one_line(capsys):
         ):
             code, _, err = cli(["watch", *args], capsys)
             assert (code, err) == (2, message), args
+
+
+@pytest.mark.anyio
+async def test_a_fleet_of_sglang_ollama_and_a_server_answering_nonsense(monkeypatch):
+    """SGLang and Ollama each get their row from what they expose; a server whose /metrics is
+    not Prometheus text stays a row, not answering, with why; Enter on a row opens that server's
+    own console (here: the URL it would run `pagechat watch` on)."""
+    from pagechat.tui.fleet_app import FleetApp
+
+    async def models(request):
+        return Response('{"data": [{"id": "m", "owned_by": "vllm"}]}')
+
+    nonsense = Starlette(
+        routes=[
+            Route("/v1/models", models),
+            Route("/metrics", lambda r: Response("{not prometheus")),
+        ]
+    )
+    with (
+        listening(stand_in("sglang")) as sglang,
+        listening(stand_in("ollama")) as ollama,
+        listening(nonsense) as odd,
+    ):
+        app = FleetApp([sglang, ollama, odd])
+        opened = []
+        monkeypatch.setattr(app, "open_console", opened.append)
+        async with app.run_test(size=(200, 20)) as pilot:
+            await wait_until(pilot, lambda: app.view is not None, 10, "a poll")
+            table = app.query_one("DataTable")
+            sg, ol, bad = (table.get_row(u) for u in (sglang, ollama, odd))
+            assert sg[1:6] == ["SGLang", "meta-llama/Llama-3.1-8B-Instruct", "28%", "162", "2826"]
+            assert ol[1:4] == ["Ollama", "mistral:latest", "4.8 GiB VRAM"]
+            assert str(bad[-1]) == "not answering" and app.view.out_of_line[odd].startswith(
+                "gone: "
+            )
+            await pilot.press("down", "enter")
+            await pilot.pause(0.1)
+            assert opened == [ollama]

@@ -14,10 +14,18 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import httpx
 from pagechat.core.errors import PagechatError, one_line
 from pagechat.tools.http_client import client, server_url
-from pagechat.tui.peers import FAILED, Figures, Histogram, Scrape, detect, figures, scrape
+from pagechat.tui.peers import (
+    ANSWER_ERRORS,
+    FAILED,
+    Figures,
+    Histogram,
+    Scrape,
+    detect,
+    figures,
+    scrape,
+)
 
 WINDOW_S = 60.0  # the latency and failures a row shows: over this much of the latest polls
 TIMEOUT_S = 3.0  # a member slower than this to answer a poll is counted as not answering
@@ -65,7 +73,7 @@ class Member:
             if self.kind is None:
                 self.kind, self.model = detect(self.url, self.api_key)
             new = scrape(self.http, self.kind)
-        except (httpx.HTTPError, PagechatError, ValueError) as e:
+        except (*ANSWER_ERRORS, PagechatError) as e:
             self._went(False)
             self.kind = None  # when it answers again, find out what it is
             self.scrapes.clear()

@@ -8,12 +8,20 @@ from __future__ import annotations
 
 from collections import deque
 
-import httpx
 from pagechat.core.errors import one_line
 from pagechat.tools.http_client import client, server_url
 from pagechat.tools.kv_events import CacheView, EventFeed, Hash
 from pagechat.tui.app import PALETTE, THEME
-from pagechat.tui.peers import KINDS, NOT_EXPOSED, VLLM_LIKE, Figures, Scrape, figures, scrape
+from pagechat.tui.peers import (
+    ANSWER_ERRORS,
+    KINDS,
+    NOT_EXPOSED,
+    VLLM_LIKE,
+    Figures,
+    Scrape,
+    figures,
+    scrape,
+)
 from pagechat.tui.widgets.timing import sparkline
 from rich.text import Text
 from textual.app import App, ComposeResult
@@ -115,7 +123,7 @@ class PeerApp(App):
                     f" · {props.get('total_slots', '?')} slots · {props.get('model_ftype', '?')}"
                     f" · build {props.get('build_info', '?')}"
                 )
-        except (httpx.HTTPError, ValueError, AttributeError) as e:
+        except ANSWER_ERRORS as e:
             t.append(f" · ({one_line(e)})", "dim")
         return t.append("\nCtrl+Q quits", "dim")
 
@@ -135,7 +143,7 @@ class PeerApp(App):
             self.call_from_thread(self._show_cache, view)
         try:
             new = scrape(self.http, self.kind)
-        except (httpx.HTTPError, ValueError) as e:
+        except ANSWER_ERRORS as e:
             why = f"{self.url}/{'api/ps' if self.kind == 'ollama' else 'metrics'}: {one_line(e)}"
             if self.kind == "llamacpp":
                 why += " (llama-server serves /metrics only when started with --metrics)"
@@ -155,7 +163,7 @@ class PeerApp(App):
             try:
                 r = self.http.post("/detokenize", json={"model": self.model, "tokens": own})
                 self.texts[chain.leaf] = r.raise_for_status().json().get("prompt")
-            except (httpx.HTTPError, ValueError, AttributeError):
+            except ANSWER_ERRORS:
                 self.texts[chain.leaf] = None  # the map says how many tokens instead
 
     def _show_cache(self, view: CacheView) -> None:

@@ -29,6 +29,8 @@ KINDS = {
 }
 PREFIX = {"pagechat": "pagechat:", "vllm": "vllm:", "llamacpp": "llamacpp:", "sglang": "sglang:"}
 VLLM_LIKE = ("vllm", "pagechat")  # the same families under their own prefix
+# what reading a server's answer raises when it is not there or not what its kind sends
+ANSWER_ERRORS = (httpx.HTTPError, ValueError, TypeError, AttributeError, KeyError)
 
 # Figures a server cannot give, and why (shown in the panel in their place)
 NOT_EXPOSED = {
@@ -362,7 +364,7 @@ def detect(url: str, api_key: str | None = None) -> tuple[str, str]:
         if r.status_code == 200 and set(r.json()) == {"version"}:
             models = httpx.get(f"{url}/api/ps", timeout=5.0).json().get("models") or ()
             return "ollama", ", ".join(m.get("name", "?") for m in models) or "no model loaded"
-    except (httpx.HTTPError, ValueError, AttributeError, TypeError):
+    except ANSWER_ERRORS:
         pass  # not Ollama: model_card says what else it is, or why it cannot tell
     card = model_card(url, api_key)
     kind = card.get("owned_by", "")
