@@ -15,6 +15,7 @@ from pagechat.core.blockmap import BlockSnapshot
 from pagechat.core.engine import Engine
 from pagechat.core.memory import EngineMemory, Readings
 from pagechat.core.report import BeamResult, SeqRecord
+from pagechat.core.roofline import Roofline
 from pagechat.core.sequence import Sequence
 
 
@@ -105,6 +106,7 @@ class EngineInfo:
     proposer: str | None  # the speculation proposer's name, if one was loaded
     speculate: bool
     num_draft: int
+    roofline: Roofline  # this machine's read speed and matmul peak, measured as it loaded
 
     @classmethod
     def of(cls, engine: Engine) -> EngineInfo:
@@ -120,6 +122,7 @@ class EngineInfo:
             proposer,
             engine.speculate,
             engine.num_draft,
+            Roofline.measure(engine.device, engine.dtype),
         )
 
     @property

@@ -38,6 +38,7 @@ from pagechat.core.report import (
     SwapRecord,
     TokenOutput,
 )
+from pagechat.core.roofline import Roofline
 from pagechat.core.sampler import Candidate, SampleRecord
 
 FLUSH_HZ = 20  # batches a second at most while decoding; the UI draws at most this often
@@ -78,6 +79,7 @@ RECORDS = {
         EngineMemory,
         WeightReport,
         WeightRow,
+        Roofline,
     )
 }
 _FIELDS = {cls: tuple(f.name for f in fields(cls)) for cls in RECORDS.values()}

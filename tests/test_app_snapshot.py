@@ -15,6 +15,7 @@ from pagechat.core.config import EngineConfig
 from pagechat.core.engine import Engine
 from pagechat.core.memory import Readings
 from pagechat.core.params import SamplingParams
+from pagechat.core.roofline import Roofline
 from pagechat.tui.app import PagechatApp
 from pagechat.tui.client import ThreadedEngine
 from pagechat.tui.history import ChatRecord, ChatStore
@@ -77,6 +78,9 @@ class EngineClock:
         return self.now
 
 
+ROOFLINE = Roofline(bandwidth=30e9, peak_flops=400e9)  # measured per machine: fixed here
+
+
 @pytest.fixture(autouse=True)
 def _fixed_numbers(monkeypatch):
     """The engine's timestamps and memory readings vary between runs: fixed at their source."""
@@ -84,3 +88,4 @@ def _fixed_numbers(monkeypatch):
     for module in ("engine", "requests", "beam", "events"):  # core's modules that read the time
         monkeypatch.setattr(f"pagechat.core.{module}.time", clock)
     monkeypatch.setattr("pagechat.core.engine_loop.read_memory", lambda device: READINGS)
+    monkeypatch.setattr(Roofline, "measure", classmethod(lambda cls, device, dtype: ROOFLINE))

@@ -20,8 +20,8 @@ from pagechat.core.errors import PagechatError
 from pagechat.core.memory import kv_bytes_per_token, weight_report
 from pagechat.core.modelspec import dtype_name
 from pagechat.core.params import SamplingParams
+from pagechat.core.roofline import read_bandwidth
 from pagechat.core.sources import gguf_file
-from pagechat.quant import kernels
 from pagechat.tools.step_profile import profile_decode
 
 PROMPT_TOKENS, DECODE_TOKENS = 128, 64
@@ -57,30 +57,6 @@ class Workload:
             [draw(TURN_USER) for _ in range(TURNS)],
             [draw(TURN_REPLY) for _ in range(TURNS)],
         )
-
-
-def measure_bandwidth(device: torch.device, mib: int = 256) -> float:
-    """Memory bandwidth (bytes/s) of a plain streaming read of `mib` MiB: on a CPU pagechat's read
-    loop (quant/kernels.cpp) where the kernels build, else (and on a GPU) a float32
-    matrix-vector product, the decode floor's work, which reads about as fast."""
-    n = int((mib * 2**20 / 4) ** 0.5)
-    w = torch.randn(n, n, device=device)
-    x = torch.randn(n, device=device)
-    read = kernels.op("stream_read") if device.type == "cpu" else None
-    times = []
-    for _ in range(7):
-        sync(device)
-        t = time.perf_counter()
-        read(w) if read is not None else torch.mv(w, x)
-        sync(device)
-        times.append(time.perf_counter() - t)
-    return w.numel() * 4 / statistics.median(times[2:])
-
-
-def sync(device: torch.device) -> None:
-    """Wait for a GPU's queued work, so a timer stops when the work is done."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 # no sampling candidates: the app's sampling panel records them (a top-k and a softmax over the
@@ -263,7 +239,7 @@ def run_bench(
         if hf:
             log(f"round {i + 1}/{rounds}: transformers")
             theirs.append(hf_round(hf, w))
-    bandwidth = measure_bandwidth(engine.device)
+    bandwidth = read_bandwidth(engine.device)
     weights = weight_report(engine.model).total
     p = median_of(ours)
     p["weight_bytes"] = weights

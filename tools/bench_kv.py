@@ -17,8 +17,8 @@ from pagechat.core.engine import Engine
 from pagechat.core.kv import block_bytes
 from pagechat.core.memory import read_memory
 from pagechat.core.params import SamplingParams
+from pagechat.core.roofline import sync
 from pagechat.core.swap import copy_between, host_pool
-from pagechat.tools.bench import sync
 
 
 @dataclass(frozen=True, slots=True)

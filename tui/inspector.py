@@ -38,7 +38,7 @@ class Inspector:
         if main.shows("sampling"):
             self.show_sampling()
         if main.shows("timing"):
-            main.query_one(TimingPanel).show(s)
+            main.query_one(TimingPanel).show(s, app.loop.info)
         if main.shows("speculation"):
             on, why, k = self.spec_state()
             main.query_one(SpeculationPanel).show(on, why, s.speculation(), s.drafts, k)

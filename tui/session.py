@@ -23,6 +23,7 @@ from pagechat.tui.history import (
 from pagechat.tui.protocol import Event, Refused, SpeculationSet
 
 STEP_HISTORY = 512  # steps kept for the latency sparkline
+ROOFLINE_STEPS = 64  # the latest steps the Timing panel's bandwidth and FLOP/s are over
 EXPORT_KEY = "Ctrl+O"  # the app's key for writing the chat to a path the user types
 
 
@@ -247,6 +248,8 @@ class ChatSession:
         self.rescued: Path | None = None  # where the chat went when its folder could not take it
         self.messages = [Message.from_dict(m) for m in record.messages]
         self.steps: deque[tuple[str, float]] = deque(maxlen=STEP_HISTORY)  # (kind, elapsed_s)
+        # the latest steps' (kind, elapsed_s, batch): what they read and computed (core/roofline)
+        self.work: deque[tuple[str, float, tuple]] = deque(maxlen=ROOFLINE_STEPS)
         # the engine's DraftRecords (speculation), newest last
         self.drafts: deque[DraftRecord] = deque(maxlen=STEP_HISTORY)
         # each sequence's speculation totals after its latest verify step, as the engine summed them
@@ -532,6 +535,7 @@ class ChatSession:
         if r.kind == "idle":
             return None
         self.steps.append((r.kind, r.elapsed_s))
+        self.work.append((r.kind, r.elapsed_s, r.batch))
         self.wall[r.kind] += r.elapsed_s
         if r.grammar_s:
             self.grammar[0] += r.grammar_s

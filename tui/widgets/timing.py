@@ -1,10 +1,13 @@
-"""Timing panel: per-turn TTFT / prefill / decode figures, a per-step latency sparkline, and
-the wall-time split."""
+"""Timing panel: per-turn TTFT / prefill / decode figures, a per-step latency sparkline, the
+wall-time split, and what bounds the latest steps (core/roofline.py: decode's read speed against
+the memory's, prefill's FLOP/s against the matmul peak)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from pagechat.core.events import EngineInfo
+from pagechat.core.roofline import step_rates
 from pagechat.tui.session import ChatSession, TurnTiming
 from pagechat.tui.widgets.panel import Panel, Readout
 from rich.style import Style
@@ -95,6 +98,27 @@ def turn_row(i: int, t: TurnTiming, live: str | None) -> Text:
     )
 
 
+def roofline_use(session: ChatSession, info: EngineInfo) -> Text:
+    """What bounds the latest steps: decode's bytes a second against the memory's measured read
+    speed (MBU), prefill's FLOP/s against the measured matmul peak."""
+    read, computed = step_rates(session.work, info.memory)
+    roof = info.roofline
+    t = Text("decode reads ", "dim")
+    if read is None:
+        t.append("—", "dim")
+    else:
+        t.append(f"{read / 1e9:.1f} GB/s", "bold").append(f" of {roof.bandwidth / 1e9:.1f}", "dim")
+        t.append(f" ({100 * read / roof.bandwidth:.0f}% MBU)", "bold")
+    t.append(" · prefill ", "dim")
+    if computed is None:
+        t.append("—", "dim")
+    else:
+        t.append(f"{computed / 1e9:.0f} GFLOP/s", "bold")
+        t.append(f" of {roof.peak_flops / 1e9:.0f} peak", "dim")
+        t.append(f" ({100 * computed / roof.peak_flops:.0f}%)", "bold")
+    return t
+
+
 class TimingPanel(Panel):
     """Current and past turns from the engine's StepReports and request timestamps."""
 
@@ -105,8 +129,9 @@ class TimingPanel(Panel):
         yield Readout(id="timing-spark-title")
         yield Readout(id="timing-spark")
         yield Readout(id="timing-split")
+        yield Readout(id="timing-roof")
 
-    def show(self, session: ChatSession) -> None:
+    def show(self, session: ChatSession, info: EngineInfo) -> None:
         """Render the session's turns and step log."""
         width = max(10, self.content_size.width)
         colours = self.app.theme_variables
@@ -115,7 +140,7 @@ class TimingPanel(Panel):
         table = Text().append(
             " ".join(h.rjust(w) for h, w in COLUMNS), f"bold {colours['pc-muted']}"
         )
-        rows = max(1, self.content_size.height - 7)
+        rows = max(1, self.content_size.height - 9)
         for i, m in list(enumerate(turns, 1))[-rows:]:
             table.append("\n").append_text(turn_row(i, m.timing, live if m.streaming else None))
         if not turns:
@@ -137,3 +162,4 @@ class TimingPanel(Panel):
             split.append(f"\ngrammar masks {1000 * seconds / steps:.2f} ms a step", "dim")
             split.append(f" over {steps} steps ({share:.1f}% of step time)", "dim")
         self.set_text("#timing-split", split)
+        self.set_text("#timing-roof", roofline_use(session, info))
