@@ -336,3 +336,71 @@ async def test_the_console_draws_each_cached_prefix_with_its_own_text(tiny_llama
                 own = s.state.encoder.text(list(chain.token_ids[4 * chain.shared :]))
                 assert own and own.replace("\n", "⏎") in shown
             assert "joined at batch" in shown  # it caught up from the replay, and says so
+
+
+@pytest.mark.anyio
+async def test_the_console_draws_a_real_vllms_prefix_cache(monkeypatch):
+    """A server answering as the recorded vLLM did (its models, version and metrics), publishing
+    the recording's first five batches as vLLM published them: the console draws its three
+    cached prefixes (the system prompt's five blocks shared, each question's own after them) of
+    its 80 blocks, and names each from the server's /detokenize."""
+    from drive import listening, wait_until
+    from pagechat.tui import peer_app
+    from starlette.applications import Starlette
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    monkeypatch.setattr(peer_app, "POLL_S", 0.2)
+    asked = []
+
+    async def detokenize(request):
+        asked.append((await request.json())["tokens"])
+        return Response(f'{{"prompt": "question {len(asked)}"}}', media_type="application/json")
+
+    def file(name: str):
+        return lambda request: Response((RECORDED / name).read_text())
+
+    app = Starlette(
+        routes=[
+            Route("/v1/models", file("models.json")),
+            Route("/version", file("version.json")),
+            Route("/metrics", file("metrics_after.txt")),
+            Route("/detokenize", detokenize, methods=["POST"]),
+        ]
+    )
+    ctx = zmq.Context.instance()
+    pub, router = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
+    port, replay_port = (s.bind_to_random_port("tcp://127.0.0.1") for s in (pub, router))
+    stream = [json.loads(line) for line in (RECORDED / "events.jsonl").open()][:5]
+    try:
+        with listening(app) as url:
+            feed = EventFeed(
+                f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay_port}", topic="kv"
+            )
+            console = peer_app.PeerApp(url, "vllm", "smollm2", events=feed)
+            async with console.run_test(size=(180, 50)) as pilot:
+                assert router.poll(5000)  # the feed asks for what it missed: nothing yet
+                client, _, _ = router.recv_multipart()
+                router.send_multipart((client, b"", b"", (-1).to_bytes(8, "big", signed=True), b""))
+                await pilot.pause(0.3)  # the SUB socket joins
+                for e in stream:
+                    pub.send_multipart(
+                        (b"kv", e["seq"].to_bytes(8, "big"), bytes.fromhex(e["payload_hex"]))
+                    )
+                await wait_until(
+                    pilot,
+                    lambda: console.cache_view and len(console.texts) == 3 and console.history,
+                    10,
+                    "three prefixes, named",
+                )
+                await pilot.pause(0.3)
+                shown = str(console.query_one("#events").content)
+    finally:
+        pub.close(linger=0)
+        router.close(linger=0)
+    view = console.cache_view
+    assert [c.shared for c in view.chains] == [5, 5, 5] and view.last_seq == 4
+    assert f"{view.blocks} blocks of 80 of 32 tokens · 3 prefixes · batch 4" in shown
+    assert shown.count("▓" * 5 + "█") == 3 and all(f"…question {i}" in shown for i in (1, 2, 3))
+    own = {tuple(tokens) for tokens in asked}  # each prefix's own blocks, past the shared five
+    assert own == {c.token_ids[5 * 32 :] for c in view.chains}
