@@ -59,7 +59,7 @@ def watch(url: str, api_key: str | None, layout: str = "auto", events: Events | 
     """Open the console on the server at url until it quits; returns the exit code."""
     if layout not in ("auto", "tabs", "grid"):
         raise PagechatError(f"--layout must be auto, tabs or grid, got {layout!r}")
-    url = server_url(url)
+    url = checked_url(url)
     kind, model = detect(url, api_key)
     if events is not None and kind in ("llamacpp", "ollama"):
         raise PagechatError(
@@ -97,14 +97,22 @@ def watch(url: str, api_key: str | None, layout: str = "auto", events: Events | 
     return 0
 
 
+def checked_url(url: str) -> str:
+    """The server's base URL, or one line saying why `url` names no server."""
+    if not url.startswith(("http://", "https://")):
+        raise PagechatError(f"{url!r} is not a server's URL (http://HOST:PORT)")
+    try:
+        httpx.URL(url)
+    except httpx.InvalidURL as e:
+        raise PagechatError(f"{url!r} is not a server's URL: {e}") from None
+    return server_url(url)
+
+
 def watch_fleet(urls: list[str], api_key: str | None) -> int:
     """The fleet view on several servers until it quits (one not answering is shown gone)."""
     from pagechat.tui.fleet_app import FleetApp
 
-    for u in urls:
-        if not u.startswith(("http://", "https://")):
-            raise PagechatError(f"{u!r} is not a server's URL (http://HOST:PORT)")
-    urls = [server_url(u) for u in urls]
+    urls = [checked_url(u) for u in urls]
     twice = {u for u in urls if urls.count(u) > 1}
     if twice:
         raise PagechatError(f"{sorted(twice)[0]} is given twice")

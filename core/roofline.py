@@ -57,12 +57,17 @@ def _stream_read():
         return None
 
 
-def peak_flops(device: torch.device, dtype: torch.dtype, size: int = 1024) -> float:
-    """FLOP/s of a square matmul in the model's compute dtype: about the best a prefill's GEMMs
-    reach here."""
-    a = torch.ones(size, size, device=device, dtype=dtype)
-    b = torch.ones(size, size, device=device, dtype=dtype)
-    return 2 * size**3 / _timed(device, lambda: torch.mm(a, b), 5)
+def peak_flops(device: torch.device, dtype: torch.dtype, budget_s: float = 0.05) -> float:
+    """FLOP/s of a square matmul in the model's compute dtype, about the best a prefill's GEMMs
+    reach here: of 1024 rows, or fewer where a product that size would take longer than budget_s
+    (float16 on a CPU without float16 arithmetic: seconds)."""
+    size = 128
+    while True:
+        a = torch.ones(size, size, device=device, dtype=dtype)
+        seconds = _timed(device, lambda a=a: torch.mm(a, a), 3)
+        if size >= 1024 or 8 * seconds > budget_s:  # the next size: eight times the work
+            return 2 * size**3 / seconds
+        size *= 2
 
 
 @dataclass(frozen=True, slots=True)

@@ -199,6 +199,11 @@ def test_watch_refuses_what_it_cannot_watch_in_one_line(capsys):
                 "error: '127.0.0.1:9' is not a server's URL (http://HOST:PORT)\n",
             ),
             (
+                ["http://127.0.0.1:notaport"],
+                "error: 'http://127.0.0.1:notaport' is not a server's URL: Invalid port: "
+                "'notaport'\n",
+            ),
+            (
                 [llama, llama + "/x", "--kv-events", "tcp://127.0.0.1:5557"],
                 "error: --kv-events reads one server's events: give one URL with it\n",
             ),
@@ -256,3 +261,45 @@ async def test_a_fleet_of_sglang_ollama_and_a_server_answering_nonsense(monkeypa
             await pilot.press("down", "enter")
             await pilot.pause(0.1)
             assert opened == [ollama]
+
+
+def test_a_slow_member_holds_no_other_up_and_an_odd_answer_is_said():
+    """A member whose /metrics takes 10 s: the poll still returns within TIMEOUT_S with the
+    others' rows, the slow one timed out; a vLLM whose speculation counters carry a
+    position that is not a number is a row that says so, not a crash."""
+    import asyncio
+    import time
+
+    from pagechat.tui.fleet import TIMEOUT_S, Fleet
+
+    async def models(request):
+        return Response('{"data": [{"id": "m", "owned_by": "vllm"}]}')
+
+    async def slow_metrics(request):
+        await asyncio.sleep(10)
+        return Response("")
+
+    odd = "vllm:spec_decode_num_drafts_total 4\n"
+    odd += 'vllm:spec_decode_num_accepted_tokens_per_pos_total{position="first"} 2\n'
+    slow = Starlette(routes=[Route("/v1/models", models), Route("/metrics", slow_metrics)])
+    strange = Starlette(
+        routes=[Route("/v1/models", models), Route("/metrics", lambda r: Response(odd))]
+    )
+    with (
+        listening(slow) as slow_url,
+        listening(strange) as odd_url,
+        listening(stand_in("sglang")) as sglang,
+    ):
+        fleet = Fleet([slow_url, odd_url, sglang])
+        try:
+            start = time.monotonic()
+            view = fleet.poll()
+            assert time.monotonic() - start < TIMEOUT_S + 1
+            by_url = {r.url: r for r in view.rows}
+            assert by_url[sglang].up and not by_url[slow_url].up
+            # its own request times out at TIMEOUT_S too: whichever ends first, it is not up
+            assert by_url[slow_url].why in ("not answered yet", "ReadTimeout: timed out")
+            assert not by_url[odd_url].up
+            assert "invalid literal for int() with base 10: 'first'" in by_url[odd_url].why
+        finally:
+            fleet.close()

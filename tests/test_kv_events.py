@@ -239,6 +239,11 @@ def test_a_gap_is_filled_from_the_replay_a_lost_batch_and_a_restart_are_said():
             ((106, 107), False),  # 106's parent was stored by the lost batch
             ((100, 101, 102, 103, 104), True),
         ]
+        pub.send_multipart((b"", (8).to_bytes(8, "big"), b"not a batch"))
+        view = wait_for(8)
+        note = view.notices[-1]  # msgpack's own words in the middle
+        assert "batch 8 is not a KV-event batch (not msgpack: " in note
+        assert note.endswith("): skipped")
         pub.send_multipart((b"", (0).to_bytes(8, "big"), batch(0, None)))  # a new publisher
         view = wait_for(0)
         assert set(feed.cache.blocks) == {100}
@@ -404,3 +409,35 @@ async def test_the_console_draws_a_real_vllms_prefix_cache(monkeypatch):
     assert shown.count("▓" * 5 + "█") == 3 and all(f"…question {i}" in shown for i in (1, 2, 3))
     own = {tuple(tokens) for tokens in asked}  # each prefix's own blocks, past the shared five
     assert own == {c.token_ids[5 * 32 :] for c in view.chains}
+
+
+def test_a_batch_that_is_not_one_changes_nothing_and_the_feed_reads_on():
+    """What a stream may carry that is not a KV-event batch is refused whole (ValueError naming
+    it, the map untouched); events as arrays (vLLM's structs encoded array_like, as its example
+    subscriber's schema has them) are read as maps are; a parent chain that loops ends."""
+    good = msgpack.packb([0.0, [["BlockStored", [1], None, [5, 6], 2, None, "GPU"]], 0])
+    cache = PrefixCache()
+    cache.apply(0, good)
+    assert [c.token_ids for c in cache.chains()] == [(5, 6)]
+    stored = {"type": "BlockStored", "block_hashes": [2], "parent_block_hash": 1}
+    bad = [
+        b"not msgpack",
+        msgpack.packb({"ts": 0}),
+        msgpack.packb([0.0, "events", 0]),
+        msgpack.packb([0.0, ["BlockStored"], 0]),
+        msgpack.packb([0.0, [{"type": "Nothing"}], 0]),
+        msgpack.packb([0.0, [{**stored, "token_ids": [7, 8]}], 0]),  # no block_size
+        msgpack.packb([0.0, [{**stored, "token_ids": [7, 8], "block_size": "2"}], 0]),
+        msgpack.packb([0.0, [{"type": "BlockRemoved", "block_hashes": [[1]]}], 0]),
+        good + b"x",
+    ]
+    for payload in bad:
+        with pytest.raises(ValueError):
+            cache.apply(1, payload)
+    assert cache.last_seq == 0 and list(cache.blocks) == [1]
+    loop = [
+        {"type": "BlockStored", "block_hashes": [h], "parent_block_hash": p, "token_ids": [h, h]}
+        for h, p in ((5, 7), (7, 5), (9, 5))
+    ]
+    cache.apply(1, msgpack.packb([0.0, [{**e, "block_size": 2} for e in loop], 0]))
+    assert {c.keys for c in cache.chains()} >= {(7, 5, 9)}  # ends, each block once

@@ -67,6 +67,55 @@ class CacheView:
     notices: tuple[str, ...]
 
 
+# vLLM's events as maps (0.32 on), or from structs encoded array_like (vLLM's example
+# subscriber's schema) as arrays [tag, field, ...] in the structs' field order
+FIELDS = {
+    "BlockStored": (
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+        "lora_name",
+    ),
+    "BlockRemoved": ("block_hashes", "medium"),
+    "AllBlocksCleared": (),
+}
+
+
+def _is_hash(h) -> bool:
+    return isinstance(h, (int, bytes)) and not isinstance(h, bool)
+
+
+def events_of(payload: bytes) -> list[dict]:
+    """A batch's events as maps, each checked for what applying it reads; ValueError saying what
+    is wrong otherwise."""
+    try:
+        batch = msgpack.unpackb(payload, strict_map_key=False)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"not msgpack: {e}") from None
+    if not isinstance(batch, list) or len(batch) < 2 or not isinstance(batch[1], list):
+        raise ValueError("not [ts, [event, ...], rank]")
+    out = []
+    for e in batch[1]:
+        if isinstance(e, list) and e and e[0] in FIELDS:
+            e = {"type": e[0], **dict(zip(FIELDS[e[0]], e[1:]))}
+        if not isinstance(e, dict) or e.get("type") not in FIELDS:
+            raise ValueError(f"an event that is not {', '.join(FIELDS)}")
+        hashes = e.get("block_hashes", [])
+        if not isinstance(hashes, list) or not all(map(_is_hash, hashes)):
+            raise ValueError(f"{e['type']} whose block_hashes are not ints or bytes")
+        if e["type"] == "BlockStored":
+            size, parent = e.get("block_size"), e.get("parent_block_hash")
+            if not isinstance(size, int) or size < 1 or not isinstance(e.get("token_ids"), list):
+                raise ValueError("BlockStored without a block_size and token_ids")
+            if parent is not None and not _is_hash(parent):
+                raise ValueError("BlockStored whose parent_block_hash is not an int or bytes")
+        out.append(e)
+    return out
+
+
 class PrefixCache:
     """The blocks a server holds in its prefix cache, from its events."""
 
@@ -84,10 +133,11 @@ class PrefixCache:
         self.notices.append(f"{time.strftime('%H:%M:%S')} {text}")
 
     def apply(self, seq: int, payload: bytes) -> None:
-        """One batch, `[ts, [event, ...], data_parallel_rank]`, its events in order."""
-        _, events, *_ = msgpack.unpackb(payload, strict_map_key=False)
+        """One batch, `[ts, [event, ...], data_parallel_rank]`, its events in order; ValueError
+        (and nothing changed) when it is not such a batch."""
+        events = events_of(payload)
         for e in events:
-            kind = e.get("type") if isinstance(e, dict) else None
+            kind = e["type"]
             if e.get("medium") not in MEDIA and kind != "AllBlocksCleared":
                 self.counts["elsewhere"] += 1
             elif kind == "BlockStored":
@@ -96,12 +146,18 @@ class PrefixCache:
                 for key in e["block_hashes"]:
                     self._remove(key)
                 self.counts["removed"] += 1
-            elif kind == "AllBlocksCleared":
+            else:
                 self.clear()
                 self.counts["cleared"] += 1
         self.counts["batches"] += 1
         self.counts["bytes"] += len(payload)
         self.last_seq = seq
+
+    def skip(self, seq: int, why: str) -> None:
+        """A batch that could not be read: passed over, and said."""
+        self.counts["skipped"] += 1
+        self.last_seq = seq
+        self.note(f"batch {seq} is not a KV-event batch ({why}): skipped")
 
     def _store(self, seq: int, e: dict) -> None:
         size = self.block_size = e["block_size"]
@@ -141,8 +197,9 @@ class PrefixCache:
         for key, block in self.blocks.items():
             if self.children.get(key):
                 continue
-            path = [block]
-            while path[-1].parent in self.blocks:
+            path, seen = [block], {key}
+            while path[-1].parent in self.blocks and path[-1].parent not in seen:
+                seen.add(path[-1].parent)  # a parent chain that loops (a bad stream) ends
                 path.append(self.blocks[path[-1].parent])
             paths.append(path[::-1])
         through: Counter[Hash] = Counter(b.key for path in paths for b in path)
@@ -221,15 +278,14 @@ class EventFeed:
     def _run(self) -> None:
         ctx = zmq.Context.instance()
         sub = ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
-        sub.connect(self.endpoint)
-        replay = None
-        if self.replay is not None:
-            replay = ctx.socket(zmq.DEALER)
-            replay.connect(self.replay)
-            with self._lock:  # what the server did before the watcher came, as far as it keeps
-                self._catch_up(replay)
+        replay = ctx.socket(zmq.DEALER) if self.replay is not None else None
         try:
+            sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
+            sub.connect(self.endpoint)
+            if replay is not None:
+                replay.connect(self.replay)
+                with self._lock:  # what the server did before the watcher came, as kept
+                    self._catch_up(replay)
             while not self._stop.is_set():
                 if not sub.poll(100):
                     continue
@@ -258,13 +314,19 @@ class EventFeed:
         expected = 0 if last is None else last + 1
         if seq > expected:
             self._recover(expected, seq, replay)
-        cache.apply(seq, payload)
+        self._apply(seq, payload)
+
+    def _apply(self, seq: int, payload: bytes) -> None:
+        try:
+            self.cache.apply(seq, payload)
+        except ValueError as e:
+            self.cache.skip(seq, str(e))
 
     def _catch_up(self, replay) -> None:
         """On joining: every batch the replay buffer still has."""
         got = self._ask(replay, 0)
         for seq, payload in got or ():
-            self.cache.apply(seq, payload)
+            self._apply(seq, payload)
             self._caught_up.add(seq)
         if got:
             lost = f"; batches 0-{got[0][0] - 1} are gone from it" if got[0][0] else ""
@@ -277,6 +339,8 @@ class EventFeed:
         got: list[tuple[int, bytes]] = []
         while replay.poll(int(REPLAY_WAIT_S * 1000)):
             frames = replay.recv_multipart()
+            if len(frames) < 2:
+                continue  # not a batch, nor the end: not what a replay socket sends
             seq = int.from_bytes(frames[-2], "big", signed=True)
             if seq < 0:  # the end marker
                 return sorted(got)
@@ -294,7 +358,7 @@ class EventFeed:
             return
         got = [(seq, payload) for seq, payload in self._ask(replay, first) or () if seq < upto]
         for seq, payload in got:
-            cache.apply(seq, payload)
+            self._apply(seq, payload)
         start = got[0][0] if got else upto
         if start > first:
             lost = f"batch {first}" if start - first == 1 else f"batches {first}-{start - 1}"

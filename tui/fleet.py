@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from pagechat.core.errors import PagechatError, one_line
@@ -69,10 +69,12 @@ class Member:
         self.http.close()
 
     def poll(self) -> Row:
+        last = self.scrapes[-1] if self.scrapes else None
         try:
             if self.kind is None:
                 self.kind, self.model = detect(self.url, self.api_key)
             new = scrape(self.http, self.kind)
+            read = figures(self.kind, new, last)  # an odd answer fails here too
         except (*ANSWER_ERRORS, PagechatError) as e:
             self._went(False)
             self.kind = None  # when it answers again, find out what it is
@@ -80,23 +82,15 @@ class Member:
             why = one_line(e)
             return Row(self.url, None, self.model, False, None, {}, {}, 0.0, why, self.since)
         self._went(True)
-        last = self.scrapes[-1] if self.scrapes else None
         self.scrapes.append(new)
         while new.at - self.scrapes[0].at > WINDOW_S:
             self.scrapes.popleft()
         first = self.scrapes[0]
         total = {k: h for k, h in ((k, _latency(new, k)) for k in LATENCY) if h is not None}
         window = {k: h.since(_latency(first, k)) for k, h in total.items()}
+        failed = _failed(new) - _failed(first)
         return Row(
-            self.url,
-            self.kind,
-            self.model,
-            True,
-            figures(self.kind, new, last),
-            window,
-            total,
-            _failed(new) - _failed(first),
-            since=self.since,
+            self.url, self.kind, self.model, True, read, window, total, failed, None, self.since
         )
 
     def _went(self, up: bool) -> None:
@@ -173,14 +167,28 @@ def out_of_line(rows: tuple[Row, ...]) -> dict[str, str]:
 
 
 class Fleet:
-    """The members, polled together (one slow or gone member does not hold the others up)."""
+    """The members, polled at once: each poll waits TIMEOUT_S at most, a member still answering
+    then keeps the row its last poll gave (its next poll starts once that one ends), so one slow
+    or gone member holds no other up."""
 
     def __init__(self, urls: list[str], api_key: str | None = None) -> None:
         self.members = [Member(u, api_key) for u in urls]
         self._pool = ThreadPoolExecutor(max_workers=min(16, len(self.members)))
+        self._running: dict[int, Future] = {}  # member index -> its poll under way
+        self._rows = [
+            Row(m.url, None, "", False, None, {}, {}, 0.0, "not answered yet") for m in self.members
+        ]
 
     def poll(self) -> FleetView:
-        rows = tuple(self._pool.map(Member.poll, self.members))
+        for i, member in enumerate(self.members):
+            if i not in self._running:
+                self._running[i] = self._pool.submit(member.poll)
+        wait(self._running.values(), timeout=TIMEOUT_S)
+        for i, future in list(self._running.items()):
+            if future.done():
+                self._rows[i] = future.result()
+                del self._running[i]
+        rows = tuple(self._rows)
         return FleetView(rows, *pooled(rows), out_of_line(rows))
 
     def close(self) -> None:

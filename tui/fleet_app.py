@@ -72,6 +72,7 @@ class FleetApp(App):
         self.api_key = api_key
         self.fleet = Fleet(urls, api_key)
         self.view: FleetView | None = None
+        self.polling = False
 
     def get_theme_variable_defaults(self) -> dict[str, str]:
         return PALETTE
@@ -92,10 +93,15 @@ class FleetApp(App):
         self.fleet.close()
 
     def poll(self) -> None:
-        self.run_worker(self._poll, thread=True, group="poll", exclusive=True)
+        if not self.polling:  # a poll may take TIMEOUT_S: the next starts after it
+            self.polling = True
+            self.run_worker(self._poll, thread=True, group="poll")
 
     def _poll(self) -> None:
-        view = self.fleet.poll()
+        try:
+            view = self.fleet.poll()
+        finally:
+            self.polling = False
         self.call_from_thread(self.show, view)
 
     def show(self, view: FleetView) -> None:

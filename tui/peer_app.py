@@ -143,13 +143,14 @@ class PeerApp(App):
             self.call_from_thread(self._show_cache, view)
         try:
             new = scrape(self.http, self.kind)
+            read = figures(self.kind, new, self.last)  # an odd answer fails here, not on the UI
         except ANSWER_ERRORS as e:
             why = f"{self.url}/{'api/ps' if self.kind == 'ollama' else 'metrics'}: {one_line(e)}"
             if self.kind == "llamacpp":
                 why += " (llama-server serves /metrics only when started with --metrics)"
-            self.call_from_thread(self.show, None, why)
+            self.call_from_thread(self.show, None, None, why)
             return
-        self.call_from_thread(self.show, new)
+        self.call_from_thread(self.show, new, read)
 
     def _name_prefixes(self, view: CacheView) -> None:
         """The text of each drawn prefix's own blocks (after those it shares), asked of the
@@ -162,7 +163,8 @@ class PeerApp(App):
             own = list(chain.token_ids[chain.shared * (view.block_size or 0) :])
             try:
                 r = self.http.post("/detokenize", json={"model": self.model, "tokens": own})
-                self.texts[chain.leaf] = r.raise_for_status().json().get("prompt")
+                text = r.raise_for_status().json().get("prompt")
+                self.texts[chain.leaf] = text if isinstance(text, str) else None
             except ANSWER_ERRORS:
                 self.texts[chain.leaf] = None  # the map says how many tokens instead
 
@@ -170,11 +172,11 @@ class PeerApp(App):
         self.cache_view = view
         self.query_one("#events", Static).update(self.prefix_map(view))
 
-    def show(self, new: Scrape | None, error: str | None = None) -> None:
+    def show(self, new: Scrape | None, read: Figures | None, error: str | None = None) -> None:
         """A poll's result (or why it failed) into the history and the panels."""
         self.error = error
-        if new is not None:
-            self.history.append(figures(self.kind, new, self.last))
+        if new is not None and read is not None:
+            self.history.append(read)
             self.last = new
         self.draw()
 

@@ -368,7 +368,7 @@ def detect(url: str, api_key: str | None = None) -> tuple[str, str]:
         pass  # not Ollama: model_card says what else it is, or why it cannot tell
     card = model_card(url, api_key)
     kind = card.get("owned_by", "")
-    if kind not in KINDS:
+    if not isinstance(kind, str) or kind not in KINDS:
         raise PagechatError(
             f"{url} serves {card.get('id')!r} owned by {kind!r}; pagechat watches pagechat, vLLM, "
             "llama.cpp, SGLang and Ollama servers"
