@@ -441,3 +441,25 @@ def test_a_batch_that_is_not_one_changes_nothing_and_the_feed_reads_on():
     ]
     cache.apply(1, msgpack.packb([0.0, [{**e, "block_size": 2} for e in loop], 0]))
     assert {c.keys for c in cache.chains()} >= {(7, 5, 9)}  # ends, each block once
+
+
+def test_a_stream_that_never_speaks_is_said(monkeypatch):
+    """An endpoint where nothing publishes (a wrong port, a wrong topic): after QUIET_S the map
+    says so, once."""
+    from pagechat.tools import kv_events
+
+    monkeypatch.setattr(kv_events, "QUIET_S", 0.3)
+    pub = zmq.Context.instance().socket(zmq.PUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    feed = EventFeed(f"tcp://127.0.0.1:{port}", topic="kv").start()
+    try:
+        time.sleep(1.0)
+        notices = feed.view().notices
+    finally:
+        feed.stop()
+        pub.close(linger=0)
+    assert len(notices) == 1
+    assert notices[0].endswith(
+        f"no batch from tcp://127.0.0.1:{port} in 0 s: is it the server's KV-events endpoint, "
+        "and its topic 'kv'?"
+    )

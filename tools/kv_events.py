@@ -25,6 +25,7 @@ Hash = int | bytes
 MEDIA = (None, "GPU")  # the engine's own pool (vLLM's CPU build names it GPU too); others offload
 REPLAY_WAIT_S = 2.0  # a replay socket silent this long is taken to have nothing more
 NOTICES = 8  # the latest things the feed had to do, kept for the panel
+QUIET_S = 10.0  # a stream silent this long from the start is said to be (a wrong endpoint?)
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,9 +287,18 @@ class EventFeed:
                 replay.connect(self.replay)
                 with self._lock:  # what the server did before the watcher came, as kept
                     self._catch_up(replay)
+            started, heard = time.monotonic(), False
             while not self._stop.is_set():
                 if not sub.poll(100):
+                    if not heard and time.monotonic() - started > QUIET_S:
+                        heard = True  # said once
+                        with self._lock:
+                            self.cache.note(
+                                f"no batch from {self.endpoint} in {QUIET_S:.0f} s: is it the "
+                                f"server's KV-events endpoint, and its topic {self.topic!r}?"
+                            )
                     continue
+                heard = True
                 frames = sub.recv_multipart()
                 if len(frames) == 3:
                     with self._lock:
