@@ -5,8 +5,8 @@ draft), or on --model DIR (speculating by n-gram lookup), and writes SVGs here; 
 `rsvg-convert` is installed (Debian: librsvg2-bin). The console on a vLLM server is drawn only with
 `--vllm URL` (a running vLLM server, which the script loads with requests while it watches; with
 `--vllm-kv-events ENDPOINT [--vllm-kv-replay ENDPOINT]` its prefix-cache map from its KV events
-too), the real model's samples only with `--gguf FILE` (SmolLM2-135M-Instruct's Q4_1 GGUF); the
-fleet view shows three demo servers, one stopped midway, and the servers `--fleet URL ...` names.
+too), the real model's samples only with `--gguf FILE` (SmolLM2-135M-Instruct's Q4_1 GGUF), the
+fleet view only with `--fleet [URL ...]` (three demo servers, one stopped midway, and those).
 """
 
 from __future__ import annotations
@@ -336,13 +336,14 @@ async def run(
     vllm: str | None,
     gguf: Path | None,
     events: tuple[str, str | None] | None,
-    fleet: list[str],
+    fleet: list[str] | None,
 ) -> None:
     if vllm:
         await vllm_screen(vllm)
         if events:
             await vllm_events_screen(vllm, *events)
-    await fleet_screen(model, fleet)
+    if fleet is not None:
+        await fleet_screen(model, fleet)
     await watch_screen(model, store)
     await main_screen(model, store)
     await samples_screen(model, store)
@@ -367,7 +368,9 @@ if __name__ == "__main__":
     )
     parser.add_argument("--vllm-kv-replay", help="and its replay endpoint")
     parser.add_argument(
-        "--fleet", nargs="*", default=[], help="more servers' URLs for the fleet view's screenshot"
+        "--fleet",
+        nargs="*",
+        help="the fleet view's screenshot, with these servers' URLs beside three demo servers",
     )
     args = parser.parse_args()
     import tempfile
