@@ -123,6 +123,8 @@ class PrefixCache:
     def __init__(self) -> None:
         self.blocks: dict[Hash, CachedBlock] = {}
         self.children: dict[Hash, set[Hash]] = {}
+        # (parent, tokens) -> block: a prompt's blocks found by their tokens (prefix_of)
+        self.by_tokens: dict[tuple[Hash | None, tuple[int, ...]], Hash] = {}
         # vLLM may hold one prefix in two blocks (a recomputed tail): stored and removed twice
         self.copies: Counter[Hash] = Counter()
         self.block_size: int | None = None
@@ -168,6 +170,7 @@ class PrefixCache:
             if key not in self.blocks:
                 block = CachedBlock(key, parent, tuple(tokens[i * size : (i + 1) * size]), seq)
                 self.blocks[key] = block
+                self.by_tokens[(parent, block.token_ids)] = key
                 if parent is not None:
                     self.children.setdefault(parent, set()).add(key)
             parent = key
@@ -180,6 +183,8 @@ class PrefixCache:
             return
         del self.copies[key]
         block = self.blocks.pop(key, None)
+        if block is not None and self.by_tokens.get((block.parent, block.token_ids)) == key:
+            del self.by_tokens[(block.parent, block.token_ids)]
         if block is not None and block.parent is not None:
             siblings = self.children.get(block.parent)
             if siblings is not None:
@@ -190,6 +195,7 @@ class PrefixCache:
     def clear(self) -> None:
         self.blocks.clear()
         self.children.clear()
+        self.by_tokens.clear()
         self.copies.clear()
 
     def chains(self) -> list[Chain]:
@@ -222,14 +228,18 @@ class PrefixCache:
         size = self.block_size
         if not size:
             return 0
-        by_parent = {(b.parent, b.token_ids): key for key, b in self.blocks.items()}
         parent, n = None, 0
         while (n + 1) * size <= len(ids):
-            parent = by_parent.get((parent, tuple(ids[n * size : (n + 1) * size])))
+            parent = self.by_tokens.get((parent, tuple(ids[n * size : (n + 1) * size])))
             if parent is None:
                 break
             n += 1
         return n
+
+    def holds(self, ids: list[int]) -> bool:
+        """Whether every full block of these tokens is held."""
+        size = self.block_size
+        return bool(size) and self.prefix_of(ids) >= len(ids) // size
 
     def view(self) -> CacheView:
         c = self.counts
@@ -246,6 +256,11 @@ class PrefixCache:
             c["elsewhere"],
             tuple(self.notices),
         )
+
+
+def _batches(first: int, end: int) -> str:
+    """Batch numbers first..end-1 as a notice names them."""
+    return f"batch {first}" if end - first == 1 else f"batches {first}-{end - 1}"
 
 
 class EventFeed:
@@ -275,6 +290,10 @@ class EventFeed:
     def prefix_of(self, ids: list[int]) -> int:
         with self._lock:
             return self.cache.prefix_of(ids)
+
+    def holds(self, ids: list[int]) -> bool:
+        with self._lock:
+            return self.cache.holds(ids)
 
     def _run(self) -> None:
         ctx = zmq.Context.instance()
@@ -339,7 +358,7 @@ class EventFeed:
             self._apply(seq, payload)
             self._caught_up.add(seq)
         if got:
-            lost = f"; batches 0-{got[0][0] - 1} are gone from it" if got[0][0] else ""
+            lost = f"; {_batches(0, got[0][0])} are gone from it" if got[0][0] else ""
             self.cache.note(f"joined at batch {got[-1][0] + 1}: replayed {len(got)}{lost}")
 
     def _ask(self, replay, first: int) -> list[tuple[int, bytes]] | None:
@@ -361,7 +380,7 @@ class EventFeed:
     def _recover(self, first: int, upto: int, replay) -> None:
         """Ask the replay socket for batches first..upto-1 and apply those it still has."""
         cache = self.cache
-        span = f"batch {first}" if upto - first == 1 else f"batches {first}-{upto - 1}"
+        span = _batches(first, upto)
         what = f"joined at batch {upto}" if cache.last_seq is None else f"missed {span}"
         if replay is None:
             cache.note(f"{what}; with no replay endpoint, what {span} did is not drawn")
@@ -371,7 +390,7 @@ class EventFeed:
             self._apply(seq, payload)
         start = got[0][0] if got else upto
         if start > first:
-            lost = f"batch {first}" if start - first == 1 else f"batches {first}-{start - 1}"
+            lost = _batches(first, start)
             cache.note(f"{what}; the replay buffer no longer holds {lost}: not drawn as it was")
         else:
             cache.note(f"{what}; replayed {span} from {self.replay}")

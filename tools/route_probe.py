@@ -58,8 +58,7 @@ def announced_after(feed: EventFeed, ids: list[int]) -> float | None:
     ANNOUNCED_WAIT_S)."""
     done = time.perf_counter()
     while time.perf_counter() - done < ANNOUNCED_WAIT_S:
-        size = feed.view().block_size
-        if size and feed.prefix_of(ids) >= len(ids) // size:
+        if feed.holds(ids):
             return time.perf_counter() - done
         time.sleep(0.0005)
     return None
@@ -67,8 +66,7 @@ def announced_after(feed: EventFeed, ids: list[int]) -> float | None:
 
 def run(urls: list[str], feeds: list[EventFeed], prompts: list, policy: str) -> dict:
     before = [hit_counters(u) for u in urls]
-    start_batches = [f.view().batches for f in feeds]
-    start_bytes = [f.view().bytes for f in feeds]
+    start = [f.view() for f in feeds]
     t0 = time.monotonic()
     ttft, announced, turn = [], [], 0
     for t in range(len(prompts[0])):
@@ -93,8 +91,9 @@ def run(urls: list[str], feeds: list[EventFeed], prompts: list, policy: str) -> 
     after = [hit_counters(u) for u in urls]
     hits = sum(a[0] - b[0] for a, b in zip(after, before))
     queried = sum(a[1] - b[1] for a, b in zip(after, before))
-    batches = sum(f.view().batches - b for f, b in zip(feeds, start_batches))
-    sent_bytes = sum(f.view().bytes - b for f, b in zip(feeds, start_bytes))
+    end = [f.view() for f in feeds]
+    batches = sum(e.batches - b.batches for e, b in zip(end, start))
+    sent_bytes = sum(e.bytes - b.bytes for e, b in zip(end, start))
     return {
         "policy": policy,
         "requests": turn,

@@ -19,6 +19,7 @@ from pagechat.tools.http_client import client, server_url
 from pagechat.tui.peers import (
     ANSWER_ERRORS,
     FAILED,
+    LATENCIES,
     Figures,
     Histogram,
     Scrape,
@@ -29,10 +30,7 @@ from pagechat.tui.peers import (
 
 WINDOW_S = 60.0  # the latency and failures a row shows: over this much of the latest polls
 TIMEOUT_S = 3.0  # a member slower than this to answer a poll is counted as not answering
-LATENCY = {  # the fleet's latencies -> the histograms that hold them (SGLang's older ITL name)
-    "TTFT": ("time_to_first_token_seconds",),
-    "ITL": ("inter_token_latency_seconds", "time_per_output_token_seconds"),
-}
+LATENCY = ("TTFT", "ITL")  # the fleet's latencies (peers.LATENCIES names their histograms)
 BUSY_FACTOR, BUSY_MIN = 2.0, 4.0  # out of line: this many times the others' mean load, and more
 FULL_KV, CALM_KV = 0.9, 0.5  # out of line: KV this full where the others average below CALM_KV
 
@@ -100,7 +98,9 @@ class Member:
 
 
 def _latency(s: Scrape, label: str) -> Histogram | None:
-    return next((s.histograms[n] for n in LATENCY[label] if n in s.histograms), None)
+    """The scrape's histogram of a latency, by the first of its names the server has."""
+    names = (n for n, of in LATENCIES.items() if of == label and n in s.histograms)
+    return next((s.histograms[n] for n in names), None)
 
 
 def _failed(s: Scrape) -> float:

@@ -231,7 +231,6 @@ class Figures:
     spec_positions: tuple[float, ...] = ()  # acceptance at each draft position
     slots: tuple[SlotUse, ...] = ()
     resident: tuple[Resident, ...] = ()
-    errors: float | None = None  # requests that ended in an error or abort, since it started
 
 
 LATENCIES = {  # vLLM's (and SGLang's) histograms -> the console's name
@@ -294,7 +293,6 @@ def figures(kind: str, new: Scrape, old: Scrape | None) -> Figures:
         drafts = v.get("spec_decode_num_drafts_total")
         per_pos = new.per_label.get("spec_decode_num_accepted_tokens_per_pos_total", {})
         positions = tuple(per_pos[k] / drafts for k in sorted(per_pos, key=int)) if drafts else ()
-        per_reason = new.per_label.get("request_success_total", {})
         return Figures(
             v.get("kv_cache_usage_perc"),
             v.get("num_requests_running"),
@@ -309,7 +307,6 @@ def figures(kind: str, new: Scrape, old: Scrape | None) -> Figures:
                 v.get("spec_decode_num_draft_tokens_total"),
             ),
             positions,
-            errors=sum(n for why, n in per_reason.items() if why in FAILED),
         )
     slots = slot_uses(new.slots) if new.slots is not None else ()
     cached, computed = v.get("prompt_tokens_cached_total"), v.get("prompt_tokens_total")
