@@ -10,6 +10,7 @@ from datetime import datetime
 
 from pagechat.tui.app import PALETTE, THEME
 from pagechat.tui.fleet import WINDOW_S, Fleet, FleetView, Row
+from pagechat.tui.peer_app import call_unless_closed
 from pagechat.tui.peers import KINDS, Histogram
 from rich.text import Text
 from textual.app import App, ComposeResult
@@ -102,7 +103,7 @@ class FleetApp(App):
             view = self.fleet.poll()
         finally:
             self.polling = False
-        self.call_from_thread(self.show, view)
+        call_unless_closed(self, self.show, view)
 
     def show(self, view: FleetView) -> None:
         self.view = view

@@ -26,6 +26,7 @@ from pagechat.tui.widgets.timing import sparkline
 from rich.text import Text
 from textual.app import App, ComposeResult
 from textual.containers import Grid
+from textual.css.query import NoMatches
 from textual.widgets import Footer, Static
 
 POLL_S = 1.0
@@ -33,6 +34,15 @@ HISTORY = 120  # polls the sparklines span
 WIDTH = 40  # cells of a bar or a sparkline
 CHAINS = 12  # cached prefixes the block map draws (the newest)
 CHAIN_CELLS = 48  # blocks drawn of one prefix; longer ones say how many more
+
+
+def call_unless_closed(app: App, call, *args) -> None:
+    """From a poll's worker thread: `call` on the UI's, unless the app closed meanwhile (its
+    panels gone, a poll in flight finds nothing to draw on)."""
+    try:
+        app.call_from_thread(call, *args)
+    except NoMatches:
+        pass
 
 
 def _pct(x: float | None) -> str:
@@ -136,11 +146,11 @@ class PeerApp(App):
 
     def _scrape(self) -> None:
         if self.last is None and not self.history:  # the first poll says which server it is
-            self.call_from_thread(self._show_about, self.about())
+            call_unless_closed(self, self._show_about, self.about())
         if self.events is not None:
             view = self.events.view()
             self._name_prefixes(view)
-            self.call_from_thread(self._show_cache, view)
+            call_unless_closed(self, self._show_cache, view)
         try:
             new = scrape(self.http, self.kind)
             read = figures(self.kind, new, self.last)  # an odd answer fails here, not on the UI
@@ -148,9 +158,9 @@ class PeerApp(App):
             why = f"{self.url}/{'api/ps' if self.kind == 'ollama' else 'metrics'}: {one_line(e)}"
             if self.kind == "llamacpp":
                 why += " (llama-server serves /metrics only when started with --metrics)"
-            self.call_from_thread(self.show, None, None, why)
+            call_unless_closed(self, self.show, None, None, why)
             return
-        self.call_from_thread(self.show, new, read)
+        call_unless_closed(self, self.show, new, read)
 
     def _name_prefixes(self, view: CacheView) -> None:
         """The text of each drawn prefix's own blocks (after those it shares), asked of the
