@@ -2,6 +2,10 @@
 
 The torch backend pads the step's ragged batch into [seqs, max_query, max_context] once per step
 (the gather index and masks are shared by every layer), then runs scaled_dot_product_attention.
+A step run eagerly whose sequences compute several tokens (prefill chunks, with or without
+decodes beside them) attends each sequence apart instead: padded, eight prompts of 32 to 512
+tokens were one [8, 512, 512] masked attention per layer, a third of their prefill's time, where
+each prompt alone is causal without a mask, which SDPA's flash kernel computes in triangles.
 """
 
 from __future__ import annotations
@@ -22,13 +26,20 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] pool slot of each new token
     # [B * max_ctx] pool slots of each sequence's context, row after row (padded with slot 0)
     gather: torch.Tensor
-    q_rows: torch.Tensor | None  # [T] each token's row in the padded [B * max_q]; None: no padding
     q_pos: torch.Tensor  # [B, max_q] position of each padded query (-1 for padding)
     _masks: dict = field(default_factory=dict)
+    # (start, count) of each sequence where some computes several tokens, for the eager ragged
+    # path; None for decode steps and inside a step graph, which take the padded one
+    spans: tuple[tuple[int, int], ...] | None = None
+
+    @property
+    def uniform(self) -> bool:
+        """Whether every sequence computes as many tokens (the padded path needs no padding)."""
+        return self.spans is None or len({count for _, count in self.spans}) == 1
 
     def mask(self, window: int | None) -> torch.Tensor | None:
-        """[B, 1, max_q, max_ctx] bool: causal, within the context, and within the sliding window if
-        any; None when every query may read every key (one sequence decoding), so attention runs
+        """[B, 1, max_q, max_ctx] bool for a uniform step (the padded path's): causal, within the
+        context, and within the sliding window if any; None when every query may read every key (one sequence decoding), so attention runs
         without a mask."""
         if window not in self._masks:
             if self.q_pos.shape == (1, 1) and (window is None or self.gather.shape[0] <= window):
@@ -42,8 +53,6 @@ class AttentionMetadata:
             allowed = k_pos <= q
             if window is not None:
                 allowed &= q - k_pos < window
-            # padding rows attend to slot 0 only, so softmax never sees an all-masked row (NaN)
-            allowed |= (q < 0) & (k_pos == 0)
             self._masks[window] = None if bool(allowed.all()) else allowed.unsqueeze(1)
         return self._masks[window]
 
@@ -71,19 +80,17 @@ def build_metadata(
         slot_mapping = torch.tensor(
             [t[s // block_size] * block_size + s % block_size for t, s in zip(tables, starts)]
         )
-        q_rows = None
     else:
         i = torch.arange(max_q)
         starts_t, counts_t = torch.tensor(starts).unsqueeze(1), torch.tensor(counts).unsqueeze(1)
         valid = i < counts_t
         q_pos = torch.where(valid, starts_t + i, -1)
         slot_mapping = gather.gather(1, torch.where(valid, starts_t + i, 0))[valid]
-        q_rows = None if bool(valid.all()) else valid.flatten().nonzero().squeeze(1).to(device)
     return AttentionMetadata(
         slot_mapping=slot_mapping.to(device),
         gather=gather.flatten().to(device),
-        q_rows=q_rows,
         q_pos=q_pos.to(device),
+        spans=None if max_q == 1 else tuple(zip(starts, counts)),
     )
 
 
@@ -105,23 +112,57 @@ def paged_attention(
         return torch.ops.pagechat.decode_attention(
             q, k, v, k_cache, v_cache, meta.slot_mapping, meta.gather, meta.q_pos, window or 0
         )
-    return _gathered_attention(q, k, v, k_cache, v_cache, meta, window)
-
-
-def _gathered_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, window: int | None):
-    """paged_attention in torch ops: write k/v, gather every context position, run SDPA."""
     k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
     v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+    if meta.spans is not None:
+        return _ragged_attention(q, k_cache, v_cache, meta, window)
+    return _gathered_attention(q, k_cache, v_cache, meta, window)
+
+
+_GQA = {"enable_gqa": True} if _SDPA_GQA else {}
+
+
+def _ragged_attention(q, k_cache, v_cache, meta: AttentionMetadata, window: int | None):
+    """Each sequence's queries against its own context: causal without a mask where its queries
+    are its whole context (a prompt from its start, within the window), else masked by position."""
+    max_ctx = meta.gather.shape[0] // len(meta.spans)
+    outs, row = [], 0
+    for b, (start, count) in enumerate(meta.spans):
+        ctx = start + count
+        slots = meta.gather[b * max_ctx : b * max_ctx + ctx]
+        keys = k_cache.index_select(0, slots).to(q.dtype).transpose(0, 1)
+        values = v_cache.index_select(0, slots).to(q.dtype).transpose(0, 1)
+        if not _SDPA_GQA and keys.shape[0] != q.shape[1]:
+            keys = keys.repeat_interleave(q.shape[1] // keys.shape[0], dim=0)
+            values = values.repeat_interleave(q.shape[1] // values.shape[0], dim=0)
+        causal = start == 0 and count > 1 and (window is None or ctx <= window)
+        mask = None
+        if not causal and (count > 1 or (window is not None and ctx > window)):
+            q_pos = torch.arange(start, ctx, device=q.device).unsqueeze(1)
+            k_pos = torch.arange(ctx, device=q.device)
+            mask = k_pos <= q_pos
+            if window is not None:
+                mask &= q_pos - k_pos < window
+        # [1, heads, count, D] as the padded path's: SDPA's CPU flash kernel takes 4-d inputs
+        out = F.scaled_dot_product_attention(
+            q[row : row + count].transpose(0, 1).unsqueeze(0),
+            keys.unsqueeze(0),
+            values.unsqueeze(0),
+            mask,
+            is_causal=causal,
+            **_GQA,
+        )
+        outs.append(out[0].transpose(0, 1))
+        row += count
+    return torch.cat(outs)
+
+
+def _gathered_attention(q, k_cache, v_cache, meta: AttentionMetadata, window: int | None):
+    """paged_attention in torch ops over a batch of sequences computing as many tokens each (a
+    decode step, a step graph): gather every context position, run SDPA."""
     # The batch size is read from a tensor, so a traced step follows it; other sizes are -1 or flat.
     b = meta.q_pos.shape[0]
-    if meta.q_rows is None:
-        qp = q.unflatten(0, (b, -1))
-    else:
-        qp = (
-            q.new_zeros(meta.q_pos.numel(), *q.shape[1:])
-            .index_copy_(0, meta.q_rows, q)
-            .unflatten(0, (b, -1))
-        )
+    qp = q.unflatten(0, (b, -1))
     # keys and values [B, KV, ctx, D] by index_select, not k_cache[meta.gather]: on CPU, advanced
     # indexing copies several times slower
     keys = k_cache.index_select(0, meta.gather).to(q.dtype).unflatten(0, (b, -1)).transpose(1, 2)
@@ -129,9 +170,7 @@ def _gathered_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, wind
     if not _SDPA_GQA and keys.shape[1] != q.shape[1]:
         keys = keys.repeat_interleave(q.shape[1] // keys.shape[1], dim=1)
         values = values.repeat_interleave(q.shape[1] // values.shape[1], dim=1)
-    extra = {"enable_gqa": True} if _SDPA_GQA else {}
     out = F.scaled_dot_product_attention(
-        qp.transpose(1, 2), keys, values, attn_mask=meta.mask(window), **extra
+        qp.transpose(1, 2), keys, values, attn_mask=meta.mask(window), **_GQA
     )
-    out = out.transpose(1, 2).flatten(0, 1)
-    return out if meta.q_rows is None else out[meta.q_rows]
+    return out.transpose(1, 2).flatten(0, 1)

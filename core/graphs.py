@@ -42,7 +42,7 @@ def _step(model: DecoderModel, windows: tuple[int | None, ...], masked: tuple[in
 
     def step(ids, positions, pool, slot_mapping, gather, q_pos, *masks):
         masks_by_window = dict.fromkeys(windows) | dict(zip(masked, masks))
-        meta = AttentionMetadata(slot_mapping, gather, None, q_pos, masks_by_window)
+        meta = AttentionMetadata(slot_mapping, gather, q_pos, masks_by_window)
         return model.logits(model(ids, positions, pool, meta))
 
     return step
@@ -61,7 +61,7 @@ class StepGraphs:
     @staticmethod
     def fits(num_tokens: int, meta: AttentionMetadata) -> bool:
         """Whether a step can run as a graph (see the module's docstring)."""
-        return num_tokens <= MAX_GRAPH_TOKENS and meta.q_rows is None
+        return num_tokens <= MAX_GRAPH_TOKENS and meta.uniform
 
     def run(
         self,
