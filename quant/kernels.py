@@ -18,11 +18,19 @@ PANEL = 16  # int4 and int8 rows per panel (kernels.cpp's Panels)
 PANELS = not native.avx2_only() and {"avx512f", "avx512bw", "avx512_vnni", "avx512vbmi"} <= (
     native.cpu_flags() or frozenset()
 )
+# bf16 weights times bf16 activations by AVX512-BF16's vdpbf16ps (not where PAGECHAT_KERNELS=avx2)
+BF16_DOT = not native.avx2_only() and {"avx512f", "avx512bw", "avx512_bf16"} <= (
+    native.cpu_flags() or frozenset()
+)
 # the paths layers report when they run these kernels
 _ISA = "avx512vnni" if PANELS else "avx2"
-INT8_PATH, INT4_PATH, FLOAT_PATH = f"int8-{_ISA}", f"int4-{_ISA}", "avx2"
+INT8_PATH, INT4_PATH = f"int8-{_ISA}", f"int4-{_ISA}"
+FLOAT_PATH = "avx512bf16" if BF16_DOT else "avx2"
 # decode and small batches, as measured (1-16 rows); prefill's many rows are a GEMM, torch's part
 MAX_ROWS = 16
+# bf16 rows on vdpbf16ps beat oneDNN's bf16 GEMM up to about 96 (the 135M shape's layers, 2
+# threads, no AMX: 8 rows 0.32 vs 0.47-0.62 ms, 64 rows 1.5 vs 1.7; docs/benchmarks.md)
+DOT_ROWS = 64
 BLOCK = 32  # activations are quantised per block of 32: K must be a multiple
 
 
@@ -35,12 +43,25 @@ def op(name: str):
     """torch.ops.pagechat.<name>, or None where pagechat's kernels cannot run:
       int8_linear(x [M, K], weight int8 [N, K] (or int8_pack's panels), scales [N] or [N, G])
       int4_linear(x [M, K], packed, scales, offsets, g) (int4_pack's, either layout)
-      float_linear(x [M, K], weight float32 or bf16 [N, K])
+      float_linear(x [M, K], weight float32 or bf16 [N, K], dot=False) (dot: BF16_DOT's
+        vdpbf16ps where x and the weight are bf16)
     x float32, bf16 or fp16, each -> [M, N] in x's dtype;
     int4_dequantize(packed, scales, offsets, g, rows=None, dtype=None) -> [N or T, K] float32/bf16;
     int8_unpanel(weight in panels, dtype, scales=None) -> [N, K] float32 or bf16;
     stream_read(t) -> int (reads every byte of t once)."""
     return getattr(torch.ops.pagechat, name) if loaded() else None
+
+
+def float_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T on the float kernel, by vdpbf16ps where BF16_DOT and both are
+    bf16."""
+    return torch.ops.pagechat.float_linear(x, weight, BF16_DOT)
+
+
+def float_rows(x_dtype: torch.dtype, weight_dtype: torch.dtype) -> int:
+    """The most activation rows the float kernel takes for these dtypes; more go to torch's GEMM."""
+    dot = BF16_DOT and x_dtype == weight_dtype == torch.bfloat16
+    return DOT_ROWS if dot else MAX_ROWS
 
 
 def int4_pack(

@@ -122,14 +122,15 @@ def bf16_wo_path(k: int, device_type: str) -> str:
 
 class FloatLinear(nn.Linear):
     """A float32 or bf16 model's dense linear on a CPU where pagechat's kernels run: up to
-    kernels.MAX_ROWS rows (decode) run its float kernel, which reads the weights faster than
-    torch's matmuls (bf16's and MKL's float32 one; docs/benchmarks.md); more rows (prefill) stay
-    torch's. Reported as a dense layer."""
+    kernels.float_rows rows (decode, batched decode) run its float kernel, which reads the weights
+    faster than torch's matmuls (bf16's and MKL's float32 one; docs/benchmarks.md) and multiplies
+    bf16 faster where the CPU has AVX512-BF16; more rows (prefill) stay torch's. Reported as a
+    dense layer."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 2 or x.shape[0] > kernels.MAX_ROWS:
+        if x.dim() != 2 or x.shape[0] > kernels.float_rows(x.dtype, self.weight.dtype):
             return F.linear(x, self.weight, self.bias)
-        y = torch.ops.pagechat.float_linear(x, self.weight)
+        y = kernels.float_linear(x, self.weight)
         return y if self.bias is None else y + self.bias
 
 
@@ -353,7 +354,7 @@ class Bf16WOLinear(_WeightOnlyLinear):
         if x2.shape[0] > self.max_rows:
             return F.linear(x2, self.weight.to(x2.dtype))
         if self.path == BF16_KERNEL_PATH:
-            return torch.ops.pagechat.float_linear(x2, self.weight)
+            return kernels.float_linear(x2, self.weight)
         return F.linear(x2.to(_BF16), self.weight).to(x2.dtype)
 
     def extra_repr(self) -> str:

@@ -153,6 +153,30 @@ def test_kernel_refuses_shapes_it_cannot_take(kernel):
 
 
 @needs_kernel
+@pytest.mark.skipif(not kernels.BF16_DOT, reason="needs AVX512-BF16")
+@pytest.mark.parametrize("n,k", [(1, 8), (7, 40), (13, 200), (257, 576), (1000, 296), (64, 1536)])
+def test_bf16_dot_kernel_matches_matmul_at_every_batch_size(kernel, n, k):
+    """vdpbf16ps's products of bf16 values are exact and its sums float32: each output is the
+    exact dot product rounded once to bf16, give or take the float32 sums' error, at every row
+    count up to the rows it takes (a tile of 4, 3, 2 or 1 rows, a K tail of 8, 16 or 24)."""
+    g = torch.Generator().manual_seed(n)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    x = torch.randn(kernels.DOT_ROWS, k, generator=g).bfloat16()
+    exact = x.double() @ w.double().t()
+    for m in [*range(1, 18), 31, 32, 33, kernels.DOT_ROWS]:
+        y = kernels.float_linear(x[:m], w)
+        assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+        # one bf16 rounding of the exact value: within half a bf16 step (2^-8 relative), plus the
+        # float32 sums' error
+        bound = exact[:m].abs() * 2**-8 + 1e-5 * (x[:m].double().abs() @ w.double().abs().t())
+        assert ((y.double() - exact[:m]).abs() <= bound).all(), (m, n, k)
+        assert torch.equal(y, torch.ops.pagechat.float_linear(x[:m], w, True))
+    # float32 activations (a bf16-wo layer of a float32 model) keep the exact AVX2 tile
+    x32 = x[:5].float()
+    assert rel(kernels.float_linear(x32, w), x32.double() @ w.double().t()) <= 1e-6
+
+
+@needs_kernel
 @pytest.mark.parametrize("panels", LAYOUTS)
 @pytest.mark.parametrize("n", [96, 37])  # 37: panels padded to 48 rows, cut off again
 def test_layer_runs_the_kernel_for_up_to_16_rows_and_a_float32_matmul_beyond(kernel, panels, n):
@@ -427,12 +451,16 @@ def test_a_float_models_dense_layers_run_the_float_kernel_for_decode_rows(kernel
     assert isinstance(layer, FloatLinear) and layer.weight is not None
     assert type(on_kernel(linear(w.half()))) is torch.nn.Linear  # float16 stays torch's
     assert type(on_kernel(linear(torch.randn(96, 60)))) is torch.nn.Linear  # K not in 8s
-    x = torch.randn(17, 64).bfloat16()
+    # bf16 activations: up to DOT_ROWS where the CPU has AVX512-BF16, else MAX_ROWS
+    rows = kernels.float_rows(torch.bfloat16, torch.bfloat16)
+    assert rows == (kernels.DOT_ROWS if kernels.BF16_DOT else kernels.MAX_ROWS)
+    x = torch.randn(rows + 1, 64).bfloat16()
     exact = x.double() @ w.double().t() + b.double()
-    # 16 rows: float32 sums of the same products, rounded to bf16 once, then the bias added
-    assert rel(layer(x[:16]), exact[:16]) <= 1e-2 and layer(x[:16]).dtype == torch.bfloat16
-    assert torch.equal(layer(x), torch.nn.functional.linear(x, w, b))  # 17 rows: torch's matmul
-    w32, b32, x32 = w.float(), b.float(), x.float()
+    # the kernel's rows: float32 sums of the same products, rounded to bf16 once, then the bias
+    assert rel(layer(x[:rows]), exact[:rows]) <= 1e-2 and layer(x[:rows]).dtype == torch.bfloat16
+    assert torch.equal(layer(x[:rows]), kernels.float_linear(x[:rows], w) + b)
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, w, b))  # one more: torch's matmul
+    w32, b32, x32 = w.float(), b.float(), x[:17].float()
     layer = on_kernel(linear(w32, b32))  # float32: the same kernel, in place of MKL's matmul
     assert isinstance(layer, FloatLinear)
     kernel_rows = torch.ops.pagechat.float_linear(x32[:16], w32) + b32
