@@ -39,8 +39,8 @@ class AttentionMetadata:
 
     def mask(self, window: int | None) -> torch.Tensor | None:
         """[B, 1, max_q, max_ctx] bool for a uniform step (the padded path's): causal, within the
-        context, and within the sliding window if any; None when every query may read every key (one sequence decoding), so attention runs
-        without a mask."""
+        context, and within the sliding window if any; None when every query may read every key
+        (one sequence decoding), so attention runs without a mask."""
         if window not in self._masks:
             if self.q_pos.shape == (1, 1) and (window is None or self.gather.shape[0] <= window):
                 # one sequence decoding its newest token: it reads the whole context

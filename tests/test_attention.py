@@ -24,10 +24,7 @@ def reference(starts, counts, tables, bs, window):
     ]
     q_pos = [[s + i if i < c else -1 for i in range(max_q)] for s, c in zip(starts, counts)]
     allowed = [
-        [
-            [k <= q and (window is None or q - k < window) for k in range(max_ctx)]
-            for q in row
-        ]
+        [[k <= q and (window is None or q - k < window) for k in range(max_ctx)] for q in row]
         for row in q_pos
     ]
     return slots, gather, q_pos, allowed
