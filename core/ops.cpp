@@ -28,6 +28,11 @@ namespace {
 
 constexpr int64_t kGrainElems = 1 << 16;  // below this a thread split costs more than it saves
 
+using pagechat::load8;
+using pagechat::round8;
+using pagechat::store8;
+using pagechat::sum8;
+
 template <class T>
 inline float f32(T v) {
   return static_cast<float>(v);
@@ -52,6 +57,14 @@ void check_weight(const at::Tensor& weight, const at::Tensor& x, const char* op)
               op, ": a weight [H] in x's dtype");
 }
 
+// Calls f with a null pointer of x's element type: float or bf16, the types the ops check for (the
+// vector loads have no double form).
+template <class F>
+void with_type(const at::Tensor& x, F&& f) {
+  if (x.scalar_type() == at::kFloat) return f(static_cast<float*>(nullptr));
+  f(static_cast<at::BFloat16*>(nullptr));
+}
+
 template <class F>
 void for_rows(int64_t rows, int64_t width, const F& body) {
   at::parallel_for(0, rows, std::max<int64_t>(1, kGrainElems / std::max<int64_t>(width, 1)),
@@ -64,12 +77,17 @@ void for_rows(int64_t rows, int64_t width, const F& body) {
 // math; in bf16 the normalised row is rounded to bf16 before the weight multiplies it.
 template <class T>
 void rms_norm_row(const T* x, const T* w, float eps, int64_t h, T* y) {
-  float ss = 0.0f;
-  for (int64_t i = 0; i < h; ++i) ss += f32(x[i]) * f32(x[i]);
+  __m256 squares = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= h; i += 8) squares = _mm256_fmadd_ps(load8(x + i), load8(x + i), squares);
+  float ss = sum8(squares);
+  for (; i < h; ++i) ss += f32(x[i]) * f32(x[i]);
   const float r = 1.0f / std::sqrt(ss / static_cast<float>(h) + eps);
-  for (int64_t i = 0; i < h; ++i) {
-    y[i] = static_cast<T>(f32(w[i]) * round_to<T>(f32(x[i]) * r));
+  for (i = 0; i + 8 <= h; i += 8) {
+    const __m256 normed = round8<T>(_mm256_mul_ps(load8(x + i), _mm256_set1_ps(r)));
+    store8(y + i, _mm256_mul_ps(load8(w + i), normed));
   }
+  for (; i < h; ++i) y[i] = static_cast<T>(f32(w[i]) * round_to<T>(f32(x[i]) * r));
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
@@ -77,7 +95,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_weight(weight, x, "rms_norm");
   const int64_t h = x.size(-1), rows = x.numel() / h;
   at::Tensor y = at::empty_like(x);
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rms_norm", [&] {
+  with_type(x, [&](auto* type) {
+    using scalar_t = std::remove_pointer_t<decltype(type)>;
     const scalar_t *xp = x.data_ptr<scalar_t>(), *wp = weight.data_ptr<scalar_t>();
     scalar_t* yp = y.data_ptr<scalar_t>();
     for_rows(rows, h, [&](int64_t r) {
@@ -98,14 +117,18 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   check_weight(weight, x, "add_rms_norm");
   const int64_t h = x.size(-1), rows = x.numel() / h;
   at::Tensor sum = at::empty_like(x), y = at::empty_like(x);
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "add_rms_norm", [&] {
+  with_type(x, [&](auto* type) {
+    using scalar_t = std::remove_pointer_t<decltype(type)>;
     const scalar_t *xp = x.data_ptr<scalar_t>(), *rp = residual.data_ptr<scalar_t>();
     const scalar_t* wp = weight.data_ptr<scalar_t>();
     scalar_t *sp = sum.data_ptr<scalar_t>(), *yp = y.data_ptr<scalar_t>();
     for_rows(rows, h, [&](int64_t r) {
-      for (int64_t i = 0; i < h; ++i) {
-        sp[r * h + i] = static_cast<scalar_t>(f32(xp[r * h + i]) + f32(rp[r * h + i]));
+      const int64_t at = r * h;
+      int64_t i = 0;
+      for (; i + 8 <= h; i += 8) {
+        store8(sp + at + i, _mm256_add_ps(load8(xp + at + i), load8(rp + at + i)));
       }
+      for (; i < h; ++i) sp[at + i] = static_cast<scalar_t>(f32(xp[at + i]) + f32(rp[at + i]));
       rms_norm_row(sp + r * h, wp, static_cast<float>(eps), h, yp + r * h);
     });
   });
@@ -156,13 +179,18 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
       std::vector<float> silu(inter);
       int64_t i = 0;
       for (; i + 8 <= inter; i += 8) {
-        const __m256 v = pagechat::load8(g + i);
+        const __m256 v = load8(g + i);
         const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), v));
         _mm256_storeu_ps(&silu[i], _mm256_div_ps(v, _mm256_add_ps(_mm256_set1_ps(1.0f), e)));
       }
       for (; i < inter; ++i) silu[i] = f32(g[i]) / (1.0f + std::exp(-f32(g[i])));
-      for (i = 0; i < inter; ++i) {
-        yp[r * inter + i] = static_cast<scalar_t>(round_to<scalar_t>(silu[i]) * f32(g[inter + i]));
+      scalar_t* y = yp + r * inter;
+      for (i = 0; i + 8 <= inter; i += 8) {
+        const __m256 rounded = round8<scalar_t>(_mm256_loadu_ps(&silu[i]));
+        store8(y + i, _mm256_mul_ps(rounded, load8(g + inter + i)));
+      }
+      for (; i < inter; ++i) {
+        y[i] = static_cast<scalar_t>(round_to<scalar_t>(silu[i]) * f32(g[inter + i]));
       }
     });
   };
@@ -189,25 +217,37 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
               "rope: cos and sin [T, 1, D] in x's dtype");
   at::Tensor y = at::empty({t, heads, d}, x.options());
   const int64_t row_stride = x.stride(0), head_stride = x.stride(1);
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rope", [&] {
+  with_type(x, [&](auto* type) {
+    using scalar_t = std::remove_pointer_t<decltype(type)>;
     const scalar_t *xp = x.data_ptr<scalar_t>(), *cp = cos.data_ptr<scalar_t>();
     const scalar_t* sp = sin.data_ptr<scalar_t>();
     scalar_t* yp = y.data_ptr<scalar_t>();
     for_rows(t * heads, d, [&](int64_t row) {
       const scalar_t* xr = xp + (row / heads) * row_stride + (row % heads) * head_stride;
       const scalar_t *c = cp + (row / heads) * d, *s = sp + (row / heads) * d;
-      for (int64_t i = 0; i < d; ++i) {
-        const float a = round_to<scalar_t>(f32(xr[i]) * f32(c[i]));
-        const float b = round_to<scalar_t>(f32(xr[(i + half) % d]) * f32(s[i]));
-        yp[row * d + i] = static_cast<scalar_t>(a + b);
+      scalar_t* y = yp + row * d;
+      int64_t i = 0;
+      // 8 of each half at a time: y = x * cos + (the other half of x) * sin, each product rounded
+      for (; i + 8 <= half; i += 8) {
+        const __m256 lo = load8(xr + i), hi = load8(xr + half + i);
+        const auto rotate = [&](__m256 x, __m256 other, int64_t at) {
+          return _mm256_add_ps(round8<scalar_t>(_mm256_mul_ps(x, load8(c + at))),
+                               round8<scalar_t>(_mm256_mul_ps(other, load8(s + at))));
+        };
+        store8(y + i, rotate(lo, hi, i));
+        store8(y + half + i, rotate(hi, lo, half + i));
+      }
+      for (; i < half; ++i) {
+        for (const int64_t at : {i, half + i}) {
+          const float a = round_to<scalar_t>(f32(xr[at]) * f32(c[at]));
+          const float b = round_to<scalar_t>(f32(xr[(at + half) % d]) * f32(s[at]));
+          y[at] = static_cast<scalar_t>(a + b);
+        }
       }
     });
   });
   return y;
 }
-
-using pagechat::load8;
-using pagechat::sum8;
 
 // Scores of H query heads (qf: [H, d], scaled) against one key row: each 8 of the key's values
 // widened once for all H heads.
@@ -360,7 +400,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const auto cache = k_cache.scalar_type();
   TORCH_CHECK(cache == at::kFloat || cache == at::kHalf || cache == at::kBFloat16,
               "decode_attention: a float32, float16 or bf16 cache");
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "decode_attention", [&] {
+  with_type(q, [&](auto* type) {
+    using scalar_t = std::remove_pointer_t<decltype(type)>;
     // the cache's element type, given as a null pointer of it
     auto attend = [&](auto* cache_type) {
       using C = std::remove_pointer_t<decltype(cache_type)>;
