@@ -263,6 +263,43 @@ inline void score_row(const float* qf, int64_t d, const C* kr, float* out, int64
   for (int h = 0; h < H; ++h) out[h * stride] = sum8(acc[h]);
 }
 
+// The context is read through the gather slots, so a head's key (or value) rows lie kv_heads rows
+// apart within a block and blocks anywhere in the pool: each row's lines are asked for kAhead rows
+// before they are read (the hardware prefetcher does not follow the slots).
+constexpr int64_t kAhead = 16;
+template <class C>
+inline void prefetch_row(const C* row, int64_t d) {
+  const char* p = reinterpret_cast<const char*>(row);
+  const int64_t bytes = d * static_cast<int64_t>(sizeof(C));
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+}
+
+// The sums of 8 vectors' lanes, as one vector: lane u holds the sum of a[u]'s 8 lanes.
+inline __m256 sum8x8(const __m256 (&a)[8]) {
+  const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
+                       _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+// Scores of `heads` query heads (qf: [heads, d], scaled) against 8 key rows already in float (kf:
+// [8, d]): per head, 8 sums over d at once, their lanes added in one tree (a row's sum on its own
+// took as many operations as its products at d = 64).
+inline void score_8_rows(const float* qf, int64_t heads, int64_t d, const float* kf, float* out,
+                         int64_t stride) {
+  for (int64_t h = 0; h < heads; ++h) {
+    __m256 acc[8];
+    for (int u = 0; u < 8; ++u) acc[u] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < d; j += 8) {
+      const __m256 qv = _mm256_loadu_ps(qf + h * d + j);
+      for (int u = 0; u < 8; ++u) {
+        acc[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kf + u * d + j), acc[u]);
+      }
+    }
+    _mm256_storeu_ps(out + h * stride, sum8x8(acc));
+  }
+}
+
 // acc[h][j0 .. j0 + 8 NV) = sum over the context of weight[h][t] * value row t, for H heads: the
 // H x NV sums stay in registers over the whole context, each 8 values widened once.
 template <int H, int NV, class C>
@@ -272,12 +309,15 @@ inline void weigh_values(const float* weight, int64_t n, const C* vc, const int6
   for (int h = 0; h < H; ++h)
     for (int u = 0; u < NV; ++u) a[h][u] = _mm256_setzero_ps();
   for (int64_t t = 0; t < n; ++t) {
+    if (j0 == 0 && t + kAhead < n) prefetch_row(vc + rows[t + kAhead] * row_stride, d);
     const C* vr = vc + rows[t] * row_stride + j0;
-    __m256 vv[NV];
-    for (int u = 0; u < NV; ++u) vv[u] = load8(vr + 8 * u);
-    for (int h = 0; h < H; ++h) {
-      const __m256 w = _mm256_set1_ps(weight[h * n + t]);
-      for (int u = 0; u < NV; ++u) a[h][u] = _mm256_fmadd_ps(w, vv[u], a[h][u]);
+    // the H weights held and one chunk of 8 values at a time: H x NV + H + 1 registers, where
+    // holding the NV chunks instead spilled a sum at every row (H = 3, NV = 4: 17 of 16)
+    __m256 w[H];
+    for (int h = 0; h < H; ++h) w[h] = _mm256_set1_ps(weight[h * n + t]);
+    for (int u = 0; u < NV; ++u) {
+      const __m256 vv = load8(vr + 8 * u);
+      for (int h = 0; h < H; ++h) a[h][u] = _mm256_fmadd_ps(w[h], vv, a[h][u]);
     }
   }
   for (int h = 0; h < H; ++h)
@@ -315,7 +355,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
   constexpr int64_t kScoreHeads = 8;
   T* op = out.data_ptr<T>();
   at::parallel_for(0, b * kv_heads, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> qf(group * d), acc(group * d), total(group), scores;
+    std::vector<float> qf(group * d), acc(group * d), total(group), scores, kf(8 * d);
     for (int64_t task = t0; task < t1; ++task) {
       const int64_t i = task / kv_heads, g = task % kv_heads;
       const int64_t ctx = q_pos[i] + 1, lo = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
@@ -326,9 +366,19 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
         for (int64_t j = 0; j < d; ++j) qf[h * d + j] = f32(qs[j]) * scale;
       }
       scores.resize(group * n);
-      for (int64_t h0 = 0; h0 < group; h0 += kScoreHeads) {  // up to 8 heads share a key row
+      int64_t t8 = 0;
+      for (; t8 + 8 <= n; t8 += 8) {  // 8 key rows in float, once for every head of the group
+        for (int u = 0; u < 8; ++u) {
+          const int64_t ahead = t8 + u + kAhead;
+          if (ahead < n) prefetch_row(kc + (rows[ahead] * kv_heads + g) * d, d);
+          const C* kr = kc + (rows[t8 + u] * kv_heads + g) * d;
+          for (int64_t j = 0; j < d; j += 8) _mm256_storeu_ps(&kf[u * d + j], load8(kr + j));
+        }
+        score_8_rows(qf.data(), group, d, kf.data(), &scores[t8], n);
+      }
+      for (int64_t h0 = 0; h0 < group; h0 += kScoreHeads) {  // the rest: up to 8 heads a row
         pagechat::with_count<kScoreHeads>(std::min(group - h0, kScoreHeads), [&](auto heads) {
-          for (int64_t t = 0; t < n; ++t) {
+          for (int64_t t = t8; t < n; ++t) {
             const C* kr = kc + (rows[t] * kv_heads + g) * d;
             score_row<heads()>(&qf[h0 * d], d, kr, &scores[h0 * n + t], n);
           }
@@ -352,7 +402,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
       const C* vg = vc + g * d;
       for (int64_t h0 = 0; h0 < group; h0 += 4) {
         pagechat::with_count<4>(std::min<int64_t>(group - h0, 4), [&](auto heads) {
-          constexpr int H = heads(), NV = H == 4 ? 3 : 4;
+          constexpr int H = heads(), NV = H == 4 ? 2 : 4;  // registers: see weigh_values
           const float* w = &scores[h0 * n];
           int64_t j0 = 0;
           for (; j0 + 8 * NV <= d; j0 += 8 * NV) {

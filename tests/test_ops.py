@@ -111,12 +111,13 @@ def test_model_uses_them_only_where_they_run(tiny_llama, monkeypatch):
     "dtype,cache",
     [(torch.float32, torch.float32), (torch.float32, torch.float16), (torch.bfloat16,) * 2],
 )
-@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("window", [None, 5, 20])
 # query heads per kv head 2, 4, 10 (the kernel's chunks of 8 scored and 4 weighed heads and their
-# tails) and head sizes 16, 40 and 96 (chunks of 32 and 24 values and their tails)
+# tails) and head sizes 16, 40 and 96 (chunks of 32 and 16 values and their tails); contexts of 3
+# to 38 keys (scored 8 rows at a time, then one by one)
 @pytest.mark.parametrize("heads,kv_heads,d", [(4, 2, 16), (8, 2, 96), (10, 1, 40)])
 def test_decode_attention_matches_the_gathering_path(dtype, cache, window, heads, kv_heads, d):
-    """Three sequences of different contexts decode one token each, query heads sharing kv heads,
+    """Four sequences of different contexts decode one token each, query heads sharing kv heads,
     with the qkv rows strided as the model's are: the cache written as paged_attention's torch path
     writes it (gather, then scaled_dot_product_attention), and the output as close to the same
     attention in float64 as that path's (float32: equal to rounding; bf16 rounds the output)."""
@@ -124,14 +125,15 @@ def test_decode_attention_matches_the_gathering_path(dtype, cache, window, heads
 
     g = torch.Generator().manual_seed(0)
     block = 4
-    meta = build_metadata([6, 13, 2], [1, 1, 1], [[3, 0], [1, 5, 6, 7], [2]], block, CPU)
-    qkv = torch.randn(3, (heads + 2 * kv_heads) * d, generator=g)
-    pool = torch.randn(2, 8 * block, kv_heads, d, generator=g).to(cache)
+    tables = [[3, 0], [1, 5, 6, 7], [2], list(range(8, 18))]
+    meta = build_metadata([6, 13, 2, 37], [1] * 4, tables, block, CPU)
+    qkv = torch.randn(4, (heads + 2 * kv_heads) * d, generator=g)
+    pool = torch.randn(2, 18 * block, kv_heads, d, generator=g).to(cache)
 
     def attend(rows: torch.Tensor, kv: torch.Tensor, fused: bool = False) -> torch.Tensor:
-        q = rows[:, : heads * d].view(3, heads, d)
-        k = rows[:, heads * d : (heads + kv_heads) * d].view(3, kv_heads, d)
-        v = rows[:, (heads + kv_heads) * d :].view(3, kv_heads, d)
+        q = rows[:, : heads * d].view(4, heads, d)
+        k = rows[:, heads * d : (heads + kv_heads) * d].view(4, kv_heads, d)
+        v = rows[:, (heads + kv_heads) * d :].view(4, kv_heads, d)
         return paged_attention(q, k, v, kv[0], kv[1], meta, window, fused)
 
     fused_pool, torch_pool = pool.clone(), pool.clone()
@@ -141,6 +143,6 @@ def test_decode_attention_matches_the_gathering_path(dtype, cache, window, heads
     rows[:, heads * d :] = qkv[:, heads * d :].to(dtype).to(cache).double()  # K, V as cached
     exact = attend(rows, pool.double())
     assert torch.equal(fused_pool, torch_pool)  # the new tokens' K and V written alike
-    assert out.dtype == dtype and out.shape == (3, heads, d)
+    assert out.dtype == dtype and out.shape == (4, heads, d)
     err, torch_err = ((t.double() - exact).abs().max().item() for t in (out, plain))
     assert err <= max(torch_err, 1e-6)
