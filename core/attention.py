@@ -106,8 +106,9 @@ def paged_attention(
 ) -> torch.Tensor:
     """Write k/v [T, KV, D] into the caches [slots, KV, D], then attend q [T, H, D] -> [T, H, D].
     A cache kept in another dtype than q's (16 bits under a float32 model) is cast both ways.
-    fused: a step where every sequence computes one token runs core/ops.py's decode_attention,
-    which reads the context in place instead of gathering it (the trace's key says which)."""
+    fused: the sequences computing one token (all of a decode step's, the decodes beside a prompt
+    chunk) run core/ops.py's decode_attention, which reads the context in place instead of
+    gathering it (the trace's key says which)."""
     if fused and meta.q_pos.shape[1] == 1:
         return torch.ops.pagechat.decode_attention(
             q, k, v, k_cache, v_cache, meta.slot_mapping, meta.gather, meta.q_pos, window or 0
@@ -115,20 +116,45 @@ def paged_attention(
     k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
     v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
     if meta.spans is not None:
-        return _ragged_attention(q, k_cache, v_cache, meta, window)
+        return _ragged_attention(q, k, v, k_cache, v_cache, meta, window, fused)
     return _gathered_attention(q, k_cache, v_cache, meta, window)
 
 
 _GQA = {"enable_gqa": True} if _SDPA_GQA else {}
 
 
-def _ragged_attention(q, k_cache, v_cache, meta: AttentionMetadata, window: int | None):
+def _ragged_attention(q, k, v, k_cache, v_cache, meta, window: int | None, fused: bool):
     """Each sequence's queries against its own context: causal without a mask where its queries
-    are its whole context (a prompt from its start, within the window), else masked by position."""
+    are its whole context (a prompt from its start, within the window), else masked by position.
+    fused: the one-token sequences in one decode_attention call (a call per sequence, 30 layers
+    a step, cost a serving step beside a prompt chunk far more than its decodes)."""
     max_ctx = meta.gather.shape[0] // len(meta.spans)
-    outs, row = [], 0
+    firsts = [0]
+    for _, count in meta.spans:
+        firsts.append(firsts[-1] + count)
+    out = torch.empty_like(q)
+    decodes = [b for b, (_, count) in enumerate(meta.spans) if count == 1] if fused else []
+    if decodes:
+        rows = torch.tensor([firsts[b] for b in decodes], device=q.device)
+        seqs = torch.tensor(decodes, device=q.device)
+        q_pos = torch.tensor([[meta.spans[b][0]] for b in decodes], device=q.device)
+        gather = meta.gather.view(len(meta.spans), max_ctx).index_select(0, seqs).flatten()
+        # it writes the rows' K and V again, the same values
+        out[rows] = torch.ops.pagechat.decode_attention(
+            q[rows],
+            k[rows],
+            v[rows],
+            k_cache,
+            v_cache,
+            meta.slot_mapping[rows],
+            gather,
+            q_pos,
+            window or 0,
+        )
     for b, (start, count) in enumerate(meta.spans):
-        ctx = start + count
+        if fused and count == 1:
+            continue
+        row, ctx = firsts[b], start + count
         slots = meta.gather[b * max_ctx : b * max_ctx + ctx]
         keys = k_cache.index_select(0, slots).to(q.dtype).transpose(0, 1)
         values = v_cache.index_select(0, slots).to(q.dtype).transpose(0, 1)
@@ -144,7 +170,7 @@ def _ragged_attention(q, k_cache, v_cache, meta: AttentionMetadata, window: int 
             if window is not None:
                 mask &= q_pos - k_pos < window
         # [1, heads, count, D] as the padded path's: SDPA's CPU flash kernel takes 4-d inputs
-        out = F.scaled_dot_product_attention(
+        attended = F.scaled_dot_product_attention(
             q[row : row + count].transpose(0, 1).unsqueeze(0),
             keys.unsqueeze(0),
             values.unsqueeze(0),
@@ -152,9 +178,8 @@ def _ragged_attention(q, k_cache, v_cache, meta: AttentionMetadata, window: int 
             is_causal=causal,
             **_GQA,
         )
-        outs.append(out[0].transpose(0, 1))
-        row += count
-    return torch.cat(outs)
+        out[row : row + count] = attended[0].transpose(0, 1)
+    return out
 
 
 def _gathered_attention(q, k_cache, v_cache, meta: AttentionMetadata, window: int | None):

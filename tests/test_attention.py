@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+from pagechat.core import ops
 from pagechat.core.attention import build_metadata, paged_attention
 
 
@@ -59,10 +60,23 @@ def test_metadata_matches_the_block_tables(decode):
 
 
 @pytest.mark.parametrize("window", [None, 5])
-def test_ragged_steps_attend_each_sequence_to_its_own_context(window):
+@pytest.mark.parametrize(
+    "fused",
+    [
+        False,
+        pytest.param(
+            True,
+            marks=pytest.mark.skipif(
+                not ops.fused(torch.device("cpu"), torch.float32), reason="needs the fused ops"
+            ),
+        ),
+    ],
+)
+def test_ragged_steps_attend_each_sequence_to_its_own_context(window, fused):
     """Prompts from their start, chunks after cached tokens and decodes in one step, GQA (6 query
     heads on 2 KV heads): each query's output is its own sequence's keys up to its position (within
-    the window) weighed by softmax, as the definition computes it in float64."""
+    the window) weighed by softmax, as the definition computes it in float64; fused: the decodes
+    beside the chunks in one decode_attention call."""
     rng = random.Random(7)
     torch.manual_seed(7)
     heads, kv_heads, d, bs = 6, 2, 16, 4
@@ -80,7 +94,7 @@ def test_ragged_steps_attend_each_sequence_to_its_own_context(window):
         v_cache = torch.randn(64 * bs, kv_heads, d)
         t = sum(counts)
         q, k, v = torch.randn(t, heads, d), torch.randn(t, kv_heads, d), torch.randn(t, kv_heads, d)
-        out = paged_attention(q, k, v, k_cache, v_cache, meta, window)
+        out = paged_attention(q, k, v, k_cache, v_cache, meta, window, fused)
         row = 0
         for s, c, table in zip(starts, counts, tables):
             slots = [table[p // bs] * bs + p % bs for p in range(s + c)]
