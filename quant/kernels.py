@@ -28,9 +28,9 @@ INT8_PATH, INT4_PATH = f"int8-{_ISA}", f"int4-{_ISA}"
 FLOAT_PATH = "avx512bf16" if BF16_DOT else "avx2"
 # decode and small batches, as measured (1-16 rows); prefill's many rows are a GEMM, torch's part
 MAX_ROWS = 16
-# bf16 rows on vdpbf16ps beat oneDNN's bf16 GEMM up to about 96 (the 135M shape's layers, 2
-# threads, no AMX: 8 rows 0.32 vs 0.47-0.62 ms, 64 rows 1.5 vs 1.7; docs/benchmarks.md)
-DOT_ROWS = 64
+# bf16 rows on vdpbf16ps beat oneDNN's bf16 GEMM up to 32-48 (the 135M shape's layers, 2 threads,
+# no AMX, interleaved: 8 rows 0.56x its time, 32 rows 0.89x, 48 rows 1.09x; docs/benchmarks.md)
+DOT_ROWS = 32
 BLOCK = 32  # activations are quantised per block of 32: K must be a multiple
 
 
