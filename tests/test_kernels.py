@@ -158,12 +158,14 @@ def test_kernel_refuses_shapes_it_cannot_take(kernel):
 def test_bf16_dot_kernel_matches_matmul_at_every_batch_size(kernel, n, k):
     """vdpbf16ps's products of bf16 values are exact and its sums float32: each output is the
     exact dot product rounded once to bf16, give or take the float32 sums' error, at every row
-    count up to the rows it takes (a tile of 4, 3, 2 or 1 rows, a K tail of 8, 16 or 24)."""
+    count up to the rows the layers give it and past (a tile of 4, 3, 2 or 1 rows, a K tail of 8,
+    16 or 24)."""
     g = torch.Generator().manual_seed(n)
     w = torch.randn(n, k, generator=g).bfloat16()
-    x = torch.randn(kernels.DOT_ROWS, k, generator=g).bfloat16()
+    rows = [*range(1, 18), 31, 32, 33, kernels.DOT_ROWS]
+    x = torch.randn(max(rows), k, generator=g).bfloat16()
     exact = x.double() @ w.double().t()
-    for m in [*range(1, 18), 31, 32, 33, kernels.DOT_ROWS]:
+    for m in rows:
         y = kernels.float_linear(x[:m], w)
         assert y.dtype == torch.bfloat16 and y.shape == (m, n)
         # one bf16 rounding of the exact value: within half a bf16 step (2^-8 relative), plus the
