@@ -156,7 +156,10 @@ async def run_level(
     a watcher reading a pagechat server's /pagechat/events all the while (what watching costs)."""
     rng = random.Random(spec.seed + 1)
     gate = asyncio.Semaphore(concurrency)
-    limits = httpx.Limits(max_connections=concurrency + 4)
+    # a connection per request, as vLLM's benchmark opens one: llama-server (cpp-httplib) closes a
+    # kept-alive connection after a few requests, and a request sent on it just then failed with
+    # "Server disconnected without sending a response" (2 of 40 at one stream)
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=0)
     timeout = httpx.Timeout(600.0, connect=10.0)
     async with httpx.AsyncClient(base_url=spec.url, limits=limits, timeout=timeout) as client:
         read = [0]
