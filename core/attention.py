@@ -124,10 +124,9 @@ _GQA = {"enable_gqa": True} if _SDPA_GQA else {}
 
 
 def _ragged_attention(q, k, v, k_cache, v_cache, meta, window: int | None, fused: bool):
-    """Each sequence's queries against its own context: causal without a mask where its queries
-    are its whole context (a prompt from its start, within the window), else masked by position.
-    fused: the one-token sequences in one decode_attention call (a call per sequence, 30 layers
-    a step, cost a serving step beside a prompt chunk far more than its decodes)."""
+    """Each sequence's queries against its own context (_attend_one). fused: the one-token
+    sequences in one decode_attention call (a call per sequence, 30 layers a step, cost a serving
+    step beside a prompt chunk far more than its decodes)."""
     max_ctx = meta.gather.shape[0] // len(meta.spans)
     firsts = [0]
     for _, count in meta.spans:
@@ -141,45 +140,45 @@ def _ragged_attention(q, k, v, k_cache, v_cache, meta, window: int | None, fused
         gather = meta.gather.view(len(meta.spans), max_ctx).index_select(0, seqs).flatten()
         # it writes the rows' K and V again, the same values
         out[rows] = torch.ops.pagechat.decode_attention(
-            q[rows],
-            k[rows],
-            v[rows],
-            k_cache,
-            v_cache,
-            meta.slot_mapping[rows],
-            gather,
-            q_pos,
+            q[rows], k[rows], v[rows], k_cache, v_cache, meta.slot_mapping[rows], gather, q_pos,
             window or 0,
-        )
+        )  # fmt: skip
     for b, (start, count) in enumerate(meta.spans):
-        if fused and count == 1:
-            continue
-        row, ctx = firsts[b], start + count
-        slots = meta.gather[b * max_ctx : b * max_ctx + ctx]
-        keys = k_cache.index_select(0, slots).to(q.dtype).transpose(0, 1)
-        values = v_cache.index_select(0, slots).to(q.dtype).transpose(0, 1)
-        if not _SDPA_GQA and keys.shape[0] != q.shape[1]:
-            keys = keys.repeat_interleave(q.shape[1] // keys.shape[0], dim=0)
-            values = values.repeat_interleave(q.shape[1] // values.shape[0], dim=0)
-        causal = start == 0 and count > 1 and (window is None or ctx <= window)
-        mask = None
-        if not causal and (count > 1 or (window is not None and ctx > window)):
-            q_pos = torch.arange(start, ctx, device=q.device).unsqueeze(1)
-            k_pos = torch.arange(ctx, device=q.device)
-            mask = k_pos <= q_pos
-            if window is not None:
-                mask &= q_pos - k_pos < window
-        # [1, heads, count, D] as the padded path's: SDPA's CPU flash kernel takes 4-d inputs
-        attended = F.scaled_dot_product_attention(
-            q[row : row + count].transpose(0, 1).unsqueeze(0),
-            keys.unsqueeze(0),
-            values.unsqueeze(0),
-            mask,
-            is_causal=causal,
-            **_GQA,
-        )
-        out[row : row + count] = attended[0].transpose(0, 1)
+        if not (fused and count == 1):
+            slots = meta.gather[b * max_ctx : b * max_ctx + start + count]
+            rows = slice(firsts[b], firsts[b] + count)
+            out[rows] = _attend_one(q[rows], k_cache, v_cache, slots, start, window)
     return out
+
+
+def _attend_one(q, k_cache, v_cache, slots, start: int, window: int | None) -> torch.Tensor:
+    """One sequence's queries q [count, H, D], at positions start.., against its context (the
+    cache's `slots`): causal without a mask where its queries are its whole context (a prompt from
+    its start, within the window), else masked by position."""
+    count, ctx = q.shape[0], slots.shape[0]
+    keys = k_cache.index_select(0, slots).to(q.dtype).transpose(0, 1)
+    values = v_cache.index_select(0, slots).to(q.dtype).transpose(0, 1)
+    if not _SDPA_GQA and keys.shape[0] != q.shape[1]:
+        keys = keys.repeat_interleave(q.shape[1] // keys.shape[0], dim=0)
+        values = values.repeat_interleave(q.shape[1] // values.shape[0], dim=0)
+    causal = start == 0 and count > 1 and (window is None or ctx <= window)
+    mask = None
+    if not causal and (count > 1 or (window is not None and ctx > window)):
+        q_pos = torch.arange(start, ctx, device=q.device).unsqueeze(1)
+        k_pos = torch.arange(ctx, device=q.device)
+        mask = k_pos <= q_pos
+        if window is not None:
+            mask &= q_pos - k_pos < window
+    # [1, heads, count, D] as the padded path's: SDPA's CPU flash kernel takes 4-d inputs
+    attended = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),
+        keys.unsqueeze(0),
+        values.unsqueeze(0),
+        mask,
+        is_causal=causal,
+        **_GQA,
+    )
+    return attended[0].transpose(0, 1)
 
 
 def _gathered_attention(q, k_cache, v_cache, meta: AttentionMetadata, window: int | None):
