@@ -476,3 +476,14 @@ def test_pagechat_kernels_avx2_keeps_the_int_weights_in_rows():
     env = {**os.environ, "PAGECHAT_KERNELS": "avx2"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.split() == ["False", "int4-avx2"], out.stderr
+
+
+def test_a_step_graph_records_every_kernel_layers_few_rows_side():
+    """Step graphs take up to MAX_GRAPH_TOKENS rows and record one side of each layer's row
+    branch: every kernel layer must take at least that many rows on its kernel."""
+    from pagechat.core.graphs import MAX_GRAPH_TOKENS
+
+    assert MAX_GRAPH_TOKENS <= kernels.MAX_ROWS
+    for x_dtype in (torch.float32, torch.bfloat16):
+        for w_dtype in (torch.float32, torch.bfloat16):
+            assert MAX_GRAPH_TOKENS <= kernels.float_rows(x_dtype, w_dtype)
