@@ -22,10 +22,10 @@ PANELS = not native.avx2_only() and {"avx512f", "avx512bw", "avx512_vnni", "avx5
 BF16_DOT = not native.avx2_only() and {"avx512f", "avx512bw", "avx512_bf16"} <= (
     native.cpu_flags() or frozenset()
 )
-# the paths layers report when they run these kernels
+# the paths layers report when they run these kernels (the float one is bf16-wo's, whose float32
+# activations take the AVX2 tile; a bf16 model's dense layers are reported as dense)
 _ISA = "avx512vnni" if PANELS else "avx2"
-INT8_PATH, INT4_PATH = f"int8-{_ISA}", f"int4-{_ISA}"
-FLOAT_PATH = "avx512bf16" if BF16_DOT else "avx2"
+INT8_PATH, INT4_PATH, FLOAT_PATH = f"int8-{_ISA}", f"int4-{_ISA}", "avx2"
 # decode and small batches, as measured (1-16 rows); prefill's many rows are a GEMM, torch's part
 MAX_ROWS = 16
 # bf16 rows on vdpbf16ps beat oneDNN's bf16 GEMM up to 32-48 (the 135M shape's layers, 2 threads,
