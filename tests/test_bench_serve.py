@@ -8,7 +8,7 @@ import json
 import pytest
 from conftest import cli
 from drive import free_port, serve_process
-from pagechat.tools.bench_serve import RequestResult, percentiles, summarise
+from pagechat.tools.bench_serve import LoadSpec, RequestResult, percentiles, prompts, summarise
 
 
 @pytest.fixture(scope="module")
@@ -91,3 +91,16 @@ def test_failed_requests_are_counted_not_timed():
     assert (report.completed, report.failed, report.first_error) == (1, 1, "HTTP 400: nope")
     assert report.output_tok_s == 2.0 and report.total_tok_s == 3.5
     assert report.tpot_ms["p50"] == pytest.approx(100.0)
+
+
+def test_each_run_sends_new_prompts():
+    """Levels (and a level's watched run) draw their own prompts, seeded: each starts with its run
+    and its number, so no run finds the prompts of one before it in a prefix cache."""
+    spec = LoadSpec(url="u", model="m", requests=8, prompt_words=16, output_tokens=4, seed=0)
+    names = ("1", "16", "16 watched")
+    runs = [prompts(spec, run) for run in names]
+    assert runs[0] == prompts(spec, "1")  # seeded: runs of the command compare
+    assert all(
+        p.startswith(f"{run}.{i}: ") for run, ps in zip(names, runs) for i, p in enumerate(ps)
+    )
+    assert len({p.split(": ", 1)[1] for ps in runs for p in ps}) == 3 * 8  # new words too
