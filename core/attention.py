@@ -1,11 +1,12 @@
 """Paged attention: K/V are written through a slot mapping and read back only through block tables.
 
-The torch backend pads the step's ragged batch into [seqs, max_query, max_context] once per step
-(the gather index and masks are shared by every layer), then runs scaled_dot_product_attention.
-A step run eagerly whose sequences compute several tokens (prefill chunks, with or without
-decodes beside them) attends each sequence apart instead: padded, eight prompts of 32 to 512
-tokens were one [8, 512, 512] masked attention per layer, a third of their prefill's time, where
-each prompt alone is causal without a mask, which SDPA's flash kernel computes in triangles.
+A step whose sequences compute as many tokens each (decode, a step graph) gathers its contexts
+into [seqs, query, max_context] once per step (the gather index and masks are shared by every
+layer), then runs scaled_dot_product_attention. A step whose sequences compute several tokens
+(prefill chunks, with or without decodes beside them) attends each sequence apart: padded, eight
+prompts of 32 to 512 tokens were one [8, 512, 512] masked attention per layer, a third of their
+prefill's time, where each prompt alone is causal without a mask, which SDPA's flash kernel
+computes in triangles.
 """
 
 from __future__ import annotations
