@@ -1,14 +1,22 @@
 """How many CPU threads torch runs the engine on: --threads, or a default from the cores the
-machine's other processes leave free when the engine starts (docs/benchmarks.md, "Threads")."""
+machine's other processes leave free when the engine starts (docs/benchmarks.md, "Threads"); and
+the one thread an engine that does not run on the main thread loads and steps on."""
 
 from __future__ import annotations
 
 import math
 import os
+import queue
+import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import TypeVar
 
 import torch
 from pagechat.core.errors import PagechatError
+
+T = TypeVar("T")
 
 # How long the machine's CPU use is watched to pick the default: long enough to see a process
 # that keeps a core busy, short next to loading a model.
@@ -74,3 +82,37 @@ def apply_threads(threads: int | None) -> int:
     count = threads or env_threads() or default_threads(usable_cores(), others_busy())
     torch.set_num_threads(count)
     return count
+
+
+class EngineThread:
+    """A daemon thread that runs the calls handed to it, in order: an engine's load, then its loop.
+
+    Every torch op of an engine must run on one thread. libgomp (torch's OpenMP) keeps a pool of
+    workers for each thread that ever ran a parallel op; once the process holds more of them than
+    it has cores, an idle worker spins ~100 times instead of ~300,000 before it sleeps, so each of
+    a step's hundreds of parallel ops waits for its workers to wake. Loaded on the main thread and
+    stepped on another, a 135M model decoded at 18-22 ms a token instead of 10-13
+    (docs/benchmarks.md, "Serving")."""
+
+    def __init__(self, name: str = "pagechat-engine") -> None:
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self.thread.start()
+
+    def submit(self, fn: Callable[[], T]) -> Future[T]:
+        """Run fn() on the thread after what was handed to it before; its future."""
+        future: Future[T] = Future()
+        self._calls.put((future, fn))
+        return future
+
+    def close(self) -> None:
+        """End the thread once what was handed to it has run."""
+        self._calls.put(None)
+
+    def _serve(self) -> None:
+        while (call := self._calls.get()) is not None:
+            future, fn = call
+            try:
+                future.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - raised again by the caller's future
+                future.set_exception(e)

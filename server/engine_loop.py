@@ -12,9 +12,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
-import threading
 import time
 from collections import defaultdict
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
 from pagechat.core.engine import Engine
@@ -24,6 +24,7 @@ from pagechat.core.events import BlocksChanged, Finished
 from pagechat.core.params import SamplingParams
 from pagechat.core.report import SeqRecord, StepReport, TokenOutput
 from pagechat.core.sampler import SampleRecord
+from pagechat.core.threads import EngineThread
 from pagechat.server.kv_events import KVEventPublisher
 from pagechat.server.logprobs import token_logprob
 from pagechat.server.messages import ChoiceDelta, ChoiceUsage, Submission
@@ -72,7 +73,10 @@ class ServerLoop(EngineLoop):
         metrics: ServerMetrics,
         watchers: Watchers,
         kv_events: KVEventPublisher | None = None,
+        thread: EngineThread | None = None,
     ) -> None:
+        """thread: the one the engine was loaded on, where its loop must run too (EngineThread);
+        None: a thread of its own."""
         super().__init__(engine, self)
         self.metrics, self.watchers, self.kv_events = metrics, watchers, kv_events
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -80,26 +84,29 @@ class ServerLoop(EngineLoop):
         self._routes: dict[int, _Route] = {}  # sequence id -> where its outputs go
         self._out: dict[int, tuple[Submission, list[ChoiceDelta]]] = {}  # to deliver this turn
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._thread = thread
+        self._running: Future | None = None  # the loop, while it runs on the thread
         self.error: str | None = None  # why the thread stopped, if it failed
 
     # -- the event loop's side -------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self._thread = threading.Thread(target=self._run, name="pagechat-engine", daemon=True)
-        self._thread.start()
+        self._thread = self._thread or EngineThread()
+        self._running = self._thread.submit(self._run)
 
     def stop(self) -> None:
-        if self._thread is not None:
+        if self._running is not None:
             self._inbox.put(_STOP)
-            self._thread.join()
+            self._running.result()
+            self._running = None
+            self._thread.close()
             self._thread = None
         if self.kv_events is not None:
             self.kv_events.close()
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._running is not None and not self._running.done()
 
     def submit(self, sub: Submission) -> None:
         self._inbox.put(sub)

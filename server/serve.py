@@ -14,6 +14,7 @@ from pagechat.core.engine import Engine
 from pagechat.core.errors import PagechatError
 from pagechat.core.events import EngineInfo
 from pagechat.core.memory import weight_report
+from pagechat.core.threads import EngineThread
 from pagechat.server.app import ServerState, create_app
 from pagechat.server.engine_loop import ServerLoop
 from pagechat.server.kv_events import KVEventPublisher
@@ -72,8 +73,10 @@ def kv_publisher(settings: ServerSettings) -> KVEventPublisher | None:
         raise PagechatError(f"--kv-events: cannot bind {where}: {e}") from None
 
 
-def build_state(engine: Engine, settings: ServerSettings) -> ServerState:
-    """The routes' shared state around a loaded engine."""
+def build_state(
+    engine: Engine, settings: ServerSettings, thread: EngineThread | None = None
+) -> ServerState:
+    """The routes' shared state around a loaded engine (thread: the one it was loaded on)."""
     name = settings.model_name or engine.model_dir.resolve().name.removesuffix(".gguf")
     info = EngineInfo.of(engine)
     num_blocks, block_size = len(info.blocks.blocks), info.blocks.block_size
@@ -81,7 +84,7 @@ def build_state(engine: Engine, settings: ServerSettings) -> ServerState:
     metrics = ServerMetrics(name, num_blocks)
     watchers = Watchers(info)
     return ServerState(
-        loop=ServerLoop(engine, metrics, watchers, kv_publisher(settings)),
+        loop=ServerLoop(engine, metrics, watchers, kv_publisher(settings), thread),
         metrics=metrics,
         watchers=watchers,
         encoder=PromptEncoder(engine.model_dir, limits),
@@ -91,10 +94,17 @@ def build_state(engine: Engine, settings: ServerSettings) -> ServerState:
     )
 
 
+def load_state(model_dir: Path, config: EngineConfig, settings: ServerSettings) -> ServerState:
+    """Load the engine and build the state on the thread its loop will run on (EngineThread):
+    every torch op of the server's engine runs there, EngineInfo's roofline measure too."""
+    thread = EngineThread()
+    return thread.submit(lambda: build_state(Engine(model_dir, config), settings, thread)).result()
+
+
 def serve(model_dir: Path, config: EngineConfig, settings: ServerSettings) -> None:
     """Load the model and serve it until interrupted."""
-    engine = Engine(model_dir, config)
-    state = build_state(engine, settings)
+    state = load_state(model_dir, config, settings)
+    engine = state.loop.engine
     print(
         f"pagechat serve: {model_dir} as {state.model_name!r} ({engine.precision}, "
         f"{state.metrics.num_blocks} KV blocks of {engine.config.block_size} tokens) on "

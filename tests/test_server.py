@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import random
 import re
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,8 +21,9 @@ from drive import Watcher, listening
 from pagechat.core.config import EngineConfig
 from pagechat.core.engine import Engine
 from pagechat.core.params import SamplingParams
+from pagechat.core.roofline import Roofline
 from pagechat.server.app import ServerState, create_app
-from pagechat.server.serve import ServerSettings, build_state
+from pagechat.server.serve import ServerSettings, build_state, load_state
 
 MODEL = "tiny"
 HELLO = [{"role": "user", "content": "Hello, who are you?"}]
@@ -85,6 +87,32 @@ def served(tiny_llama):
 def oracle(tiny_llama) -> Engine:
     """An engine of the test's own, for the server's answers to be compared with."""
     return Engine(tiny_llama, tiny_config())
+
+
+def test_serve_loads_and_steps_its_engine_on_one_thread(tiny_llama, monkeypatch):
+    """libgomp keeps a worker pool for each thread that ran a parallel op, and with more pool
+    threads than cores its workers sleep between ops: an engine loaded on the main thread and
+    stepped on another decoded 1.7x slower (core/threads.py). So `pagechat serve` loads, measures
+    the roofline and steps on the loop's own thread, never the main one."""
+    seen: dict[str, set[int]] = {}
+
+    def on_thread(name, fn):
+        def wrapped(*args, **kw):
+            seen.setdefault(name, set()).add(threading.get_ident())
+            return fn(*args, **kw)
+
+        return wrapped
+
+    monkeypatch.setattr(Engine, "__init__", on_thread("load", Engine.__init__))
+    monkeypatch.setattr(Engine, "step", on_thread("step", Engine.step))
+    monkeypatch.setattr(Roofline, "measure", on_thread("roofline", Roofline.measure))
+    state = load_state(tiny_llama, tiny_config(), ServerSettings(model_name=MODEL))
+    with listening(create_app(state)) as url:
+        body = {"model": MODEL, "prompt": "Hello", "max_tokens": 3}
+        assert httpx.post(f"{url}/v1/completions", json=body, timeout=30).status_code == 200
+    assert seen.keys() == {"load", "roofline", "step"}
+    used = set().union(*seen.values())
+    assert len(used) == 1 and threading.get_ident() not in used
 
 
 def test_models_and_health(served):

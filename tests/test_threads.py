@@ -4,6 +4,7 @@ and the default follows the rule in core/threads.py (no timing here: docs/benchm
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 import torch
@@ -118,3 +119,21 @@ def test_bad_thread_counts(command, bad, tiny_llama, tmp_path, capsys):
     code, _, err = cli([*args, "--threads", bad], capsys)
     assert_one_line_error(code, err, f"--threads must be >= 1, got {bad}")
     assert not (tmp_path / "out").exists()
+
+
+def test_an_engine_thread_runs_its_calls_in_order_on_one_thread():
+    """Each call's result or exception comes back through its future; close ends the thread."""
+    thread = threads_mod.EngineThread()
+    ran: list[tuple[int, int]] = []
+    futures = [
+        thread.submit(lambda i=i: ran.append((i, threading.get_ident())) or i) for i in range(5)
+    ]
+    failed = thread.submit(lambda: 1 / 0)
+    assert [f.result(timeout=5) for f in futures] == list(range(5))
+    with pytest.raises(ZeroDivisionError):
+        failed.result(timeout=5)
+    assert [i for i, _ in ran] == list(range(5))
+    assert {t for _, t in ran} == {thread.thread.ident} != {threading.get_ident()}
+    thread.close()
+    thread.thread.join(timeout=5)
+    assert not thread.thread.is_alive()
