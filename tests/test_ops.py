@@ -77,11 +77,34 @@ def test_silu_mul_matches_torch(dtype):
 
 
 @needs_ops
+@needs_ops
+@pytest.mark.parametrize("vocab", [1, 5, 8, 9, 23, 49152 + 3])
+def test_row_max_is_torchs_max_and_first_argmax(vocab):
+    """Values as torch's max; the index torch's argmax gives (the first of tied maxima), with
+    ties inside a lane, across lanes and in the tail; a row all -inf gives index 0, a NaN the
+    value NaN."""
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randint(-4, 5, (7, vocab), generator=g).float()  # few values: many ties
+    x[1] = torch.randn(vocab, generator=g)
+    x[2] = float("-inf")
+    x[3, -1] = 100.0  # the maximum in the last (tail) column
+    x[4, vocab // 2] = float("nan")
+    x[5] = torch.where(torch.arange(vocab) % 3 == 0, 7.0, -1.0)  # tied maxima in every lane
+    values, indices = torch.ops.pagechat.row_max(x)
+    assert values.shape == (7, 1) and indices.dtype == torch.long
+    assert torch.equal(indices[[0, 1, 2, 3, 5, 6]], x.argmax(dim=-1)[[0, 1, 2, 3, 5, 6]])
+    torch.testing.assert_close(values, x.amax(dim=-1, keepdim=True), equal_nan=True)
+    assert indices[2] == 0 and values[4].isnan()
+    assert ops.row_max(x[:0])[0].shape == (0, 1)
+
+
 def test_ops_refuse_what_they_cannot_take():
     with pytest.raises(RuntimeError, match="float32 or bf16"):
         torch.ops.pagechat.rms_norm(torch.randn(2, 8).half(), torch.ones(8).half(), 1e-5)
     with pytest.raises(RuntimeError, match="weight"):
         torch.ops.pagechat.rms_norm(torch.randn(2, 8), torch.ones(4), 1e-5)
+    with pytest.raises(RuntimeError, match="row_max: float32"):
+        torch.ops.pagechat.row_max(torch.randn(2, 8).bfloat16())
 
 
 def test_model_uses_them_only_where_they_run(tiny_llama, monkeypatch):
