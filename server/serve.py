@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,7 +104,13 @@ def load_state(model_dir: Path, config: EngineConfig, settings: ServerSettings) 
 
 def serve(model_dir: Path, config: EngineConfig, settings: ServerSettings) -> None:
     """Load the model and serve it until interrupted."""
-    state = load_state(model_dir, config, settings)
+    try:
+        state = load_state(model_dir, config, settings)
+    except KeyboardInterrupt:
+        # Ctrl+C while the engine thread is inside torch's C++: the interpreter's exit under it
+        # aborts the process ("terminate called without an active exception"); nothing is held
+        sys.stderr.flush()
+        os._exit(130)
     engine = state.loop.engine
     print(
         f"pagechat serve: {model_dir} as {state.model_name!r} ({engine.precision}, "

@@ -303,3 +303,37 @@ def test_pagechat_serve_runs(tiny_llama):
         _, err = proc.communicate(timeout=30)
     assert "WARNING: serving on 0.0.0.0 without --api-key" in err
     assert "as 'mine'" in err and proc.returncode == 0
+
+
+# `pagechat serve` with an engine that loads forever in torch's C++ (a matmul loop): what a
+# large model's load looks like to Ctrl+C
+SLOW_LOAD = """
+import sys, torch
+import pagechat.server.serve as serve_mod
+from pagechat.cli.main import main
+
+def engine(*args, **kw):
+    print("loading", flush=True)
+    x = torch.randn(256, 256)
+    while True:
+        x = (x @ x).tanh()
+
+serve_mod.Engine = engine
+sys.argv = ["pagechat", "serve", *sys.argv[1:]]
+main()
+"""
+
+
+def test_ctrl_c_during_the_load_exits_130(tiny_llama):
+    """Ctrl+C while the engine loads on its thread ends the command at once with 130, as anywhere
+    else; the interpreter's exit under a thread inside torch aborted it (SIGABRT) before."""
+    cmd = [sys.executable, "-c", SLOW_LOAD, str(tiny_llama), "--port", str(_free_port())]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "loading\n"
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and "terminate" not in err and "Traceback" not in err
