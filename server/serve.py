@@ -70,7 +70,8 @@ def kv_publisher(settings: ServerSettings) -> KVEventPublisher | None:
             settings.kv_events, settings.kv_events_replay, settings.kv_events_topic
         )
     except zmq.ZMQError as e:
-        where = f"{settings.kv_events} / {settings.kv_events_replay}"
+        replay = settings.kv_events_replay
+        where = settings.kv_events + (f" / {replay}" if replay else "")
         raise PagechatError(f"--kv-events: cannot bind {where}: {e}") from None
 
 

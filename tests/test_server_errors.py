@@ -337,3 +337,18 @@ def test_ctrl_c_during_the_load_exits_130(tiny_llama):
     finally:
         proc.kill()
     assert proc.returncode == 130 and "terminate" not in err and "Traceback" not in err
+
+
+def test_serve_refuses_a_kv_events_endpoint_in_use(tiny_llama, capsys):
+    """One line naming the endpoint (and no replay endpoint where none was asked for), exit 2."""
+    import zmq
+
+    taken = zmq.Context.instance().socket(zmq.PUB)
+    port = taken.bind_to_random_port("tcp://127.0.0.1")
+    endpoint = f"tcp://127.0.0.1:{port}"
+    try:
+        code, _, err = cli(["serve", str(tiny_llama), "--kv-events", endpoint], capsys)
+    finally:
+        taken.close(linger=0)
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert err.startswith(f"error: --kv-events: cannot bind {endpoint}: ") and "None" not in err
