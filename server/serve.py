@@ -100,7 +100,13 @@ def load_state(model_dir: Path, config: EngineConfig, settings: ServerSettings) 
     """Load the engine and build the state on the thread its loop will run on (EngineThread):
     every torch op of the server's engine runs there, EngineInfo's roofline measure too."""
     thread = EngineThread()
-    return thread.submit(lambda: build_state(Engine(model_dir, config), settings, thread)).result()
+    try:
+        return thread.submit(
+            lambda: build_state(Engine(model_dir, config), settings, thread)
+        ).result()
+    except BaseException:  # a model that does not load, or Ctrl+C: no loop will run there
+        thread.close()
+        raise
 
 
 def serve(model_dir: Path, config: EngineConfig, settings: ServerSettings) -> None:
