@@ -236,20 +236,17 @@ def processed_logits(logits: Tensor, rows: Sequence[SampleRow]) -> Tensor:
     return _process(logits, rows)[1]
 
 
-def _probs(x: Tensor, rows: Sequence[SampleRow]) -> Tensor:
+def target_probs(logits: Tensor, rows: Sequence[SampleRow]) -> Tensor:
+    """The exact distribution each row samples from ([n, V], rows sum to 1); greedy rows one-hot
+    on the first argmax of their processed logits, which are their (masked) penalised ones."""
+    _, x, _, best = _process(logits, rows)
     probs = x.softmax(dim=-1)
     greedy = [i for i, r in enumerate(rows) if r.params.greedy]
-    if greedy:  # a greedy row's processed logits are its (masked) penalised ones
+    if greedy:
         g = torch.tensor(greedy, device=x.device)
         probs[g] = 0.0
-        probs[g, x[g].argmax(dim=-1)] = 1.0
+        probs[g, best[g]] = 1.0
     return probs
-
-
-def target_probs(logits: Tensor, rows: Sequence[SampleRow]) -> Tensor:
-    """The exact distribution each row samples from ([n, V], rows sum to 1); greedy rows one-hot."""
-    x = _process(logits, rows)[1]
-    return _probs(x, rows)
 
 
 def draw_from(probs: Tensor, generators: Sequence[torch.Generator | None]) -> Tensor:
