@@ -102,6 +102,7 @@ def load_checkpoint(model_dir: Path, cfg: EngineConfig, device: torch.device) ->
             weights,
             dtype,
             max_len,
+            device,
             load=quant.loader(device),
             head=quant.head(device, dtype),
             embed=quant.embedding(device, dtype),

@@ -5,7 +5,6 @@ q/k/v and gate/up are fused into one matmul each at load time; weights come from
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Callable
 
@@ -292,6 +291,7 @@ class DecoderModel(nn.Module):
         w: WeightReader,
         dtype: torch.dtype,
         max_len: int,
+        device: torch.device,
         load: LinearLoader = dense_linear,
         head: TableLoader | None = None,
         embed: TableLoader | None = None,
@@ -312,10 +312,9 @@ class DecoderModel(nn.Module):
             self.embed_tokens = embed(w, EMBED, vh)
             lm_head = head(w, HEAD, vh)
         self.lm_head = lm_head
-        # where the table was loaded: the CPU for a dense one (moved with the model later), the
-        # target device for a quantised one
-        table = next(itertools.chain(self.embed_tokens.parameters(), self.embed_tokens.buffers()))
-        fused = ops.fused(table.device, dtype)
+        # the device the model will run on, not where its tensors are now: a dense model loads on
+        # the CPU and moves to a GPU later, where ops.cpp's CPU ops cannot run
+        fused = ops.fused(device, dtype)
         self.layers = nn.ModuleList(
             DecoderLayer(spec, w, i, dtype, load, fused) for i in range(spec.num_layers)
         )

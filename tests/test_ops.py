@@ -129,6 +129,22 @@ def test_model_uses_them_only_where_they_run(tiny_llama, monkeypatch):
         native.library.cache_clear()
 
 
+def test_a_model_for_a_gpu_is_built_without_them(tiny_llama):
+    """A dense checkpoint loads on the CPU and moves to its device after: whether its layers run
+    ops.cpp's CPU ops follows the device it will run on (a GPU engine ran them on CUDA tensors)."""
+    from pagechat.core.loader import open_weights, read_spec
+    from pagechat.core.model import DecoderModel
+
+    spec = read_spec(tiny_llama)
+    weights = open_weights(tiny_llama, spec)
+    try:
+        model = DecoderModel(spec, weights, torch.float32, 64, torch.device("cuda"))
+    finally:
+        weights.close()
+    assert not any(m.fused for m in model.modules() if hasattr(m, "fused"))
+    assert next(model.parameters()).device == CPU  # built where it loads; moved later
+
+
 @needs_ops
 @pytest.mark.parametrize(
     "dtype,cache",
