@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from pagechat.core import paged_triton
 
 # enable_gqa arrived in torch 2.5; older torch repeats the K/V heads instead
 _SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
@@ -32,6 +33,10 @@ class AttentionMetadata:
     # (start, count) of each sequence where some computes several tokens, for the eager ragged
     # path; None for decode steps and inside a step graph, which take the padded one
     spans: tuple[tuple[int, int], ...] | None = None
+    # [B, blocks] int32 block table, for the decode rows on a GPU (core/paged_triton.py), which
+    # read their contexts through it in place; None where decodes gather (or use ops.cpp's)
+    block_table: torch.Tensor | None = None
+    block_size: int = 0
 
     @property
     def uniform(self) -> bool:
@@ -64,8 +69,10 @@ def build_metadata(
     tables: list[list[int]],
     block_size: int,
     device: torch.device,
+    paged: bool = False,
 ) -> AttentionMetadata:
-    """Metadata for sequences computing `counts[i]` tokens after `starts[i]` already cached ones."""
+    """Metadata for sequences computing `counts[i]` tokens after `starts[i]` already cached ones;
+    paged: with the block table that core/paged_triton.py's decode attention reads."""
     max_q = max(counts)
     ctx = [s + c for s, c in zip(starts, counts)]
     max_ctx = max(ctx)
@@ -92,6 +99,8 @@ def build_metadata(
         gather=gather.flatten().to(device),
         q_pos=q_pos.to(device),
         spans=None if max_q == 1 else tuple(zip(starts, counts)),
+        block_table=table.to(device, torch.int32) if paged else None,
+        block_size=block_size,
     )
 
 
@@ -109,7 +118,12 @@ def paged_attention(
     A cache kept in another dtype than q's (16 bits under a float32 model) is cast both ways.
     fused: the sequences computing one token (all of a decode step's, the decodes beside a prompt
     chunk) run core/ops.py's decode_attention, which reads the context in place instead of
-    gathering it (the trace's key says which)."""
+    gathering it (the trace's key says which); with a block table, core/paged_triton.py's does."""
+    if meta.block_table is not None and meta.q_pos.shape[1] == 1:
+        return paged_triton.decode_attention(
+            q, k, v, k_cache, v_cache, meta.slot_mapping, meta.block_table, meta.q_pos,
+            meta.block_size, window or 0,
+        )  # fmt: skip
     if fused and meta.q_pos.shape[1] == 1:
         return torch.ops.pagechat.decode_attention(
             q, k, v, k_cache, v_cache, meta.slot_mapping, meta.gather, meta.q_pos, window or 0
@@ -125,27 +139,35 @@ _GQA = {"enable_gqa": True} if _SDPA_GQA else {}
 
 
 def _ragged_attention(q, k, v, k_cache, v_cache, meta, window: int | None, fused: bool):
-    """Each sequence's queries against its own context (_attend_one). fused: the one-token
-    sequences in one decode_attention call (a call per sequence, 30 layers a step, cost a serving
-    step beside a prompt chunk far more than its decodes)."""
+    """Each sequence's queries against its own context (_attend_one). fused or paged (a block
+    table): the one-token sequences in one decode attention call (a call per sequence, 30 layers a
+    step, cost a serving step beside a prompt chunk far more than its decodes)."""
     max_ctx = meta.gather.shape[0] // len(meta.spans)
     firsts = [0]
     for _, count in meta.spans:
         firsts.append(firsts[-1] + count)
     out = torch.empty_like(q)
-    decodes = [b for b, (_, count) in enumerate(meta.spans) if count == 1] if fused else []
+    paged = meta.block_table is not None
+    one = fused or paged  # the one-token sequences attend in one call
+    decodes = [b for b, (_, count) in enumerate(meta.spans) if count == 1] if one else []
     if decodes:
         rows = torch.tensor([firsts[b] for b in decodes], device=q.device)
         seqs = torch.tensor(decodes, device=q.device)
         q_pos = torch.tensor([[meta.spans[b][0]] for b in decodes], device=q.device)
-        gather = meta.gather.view(len(meta.spans), max_ctx).index_select(0, seqs).flatten()
-        # it writes the rows' K and V again, the same values
-        out[rows] = torch.ops.pagechat.decode_attention(
-            q[rows], k[rows], v[rows], k_cache, v_cache, meta.slot_mapping[rows], gather, q_pos,
-            window or 0,
-        )  # fmt: skip
+        # each writes the rows' K and V again, the same values
+        if paged:
+            out[rows] = paged_triton.decode_attention(
+                q[rows], k[rows], v[rows], k_cache, v_cache, meta.slot_mapping[rows],
+                meta.block_table.index_select(0, seqs), q_pos, meta.block_size, window or 0,
+            )  # fmt: skip
+        else:
+            gather = meta.gather.view(len(meta.spans), max_ctx).index_select(0, seqs).flatten()
+            out[rows] = torch.ops.pagechat.decode_attention(
+                q[rows], k[rows], v[rows], k_cache, v_cache, meta.slot_mapping[rows], gather,
+                q_pos, window or 0,
+            )  # fmt: skip
     for b, (start, count) in enumerate(meta.spans):
-        if not (fused and count == 1):
+        if not (one and count == 1):
             slots = meta.gather[b * max_ctx : b * max_ctx + start + count]
             rows = slice(firsts[b], firsts[b] + count)
             out[rows] = _attend_one(q[rows], k_cache, v_cache, slots, start, window)
