@@ -53,7 +53,8 @@ Eager = Annotated[
     typer.Option(
         "--eager",
         help="run every op from Python; default: decode steps replay a "
-        "traced graph (TorchScript), traced while the model loads",
+        "traced graph (TorchScript; on a GPU, CUDA graphs per batch size), made while the model "
+        "loads",
     ),
 ]
 Ngram = Annotated[

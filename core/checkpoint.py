@@ -138,4 +138,6 @@ def load_proposer(
             f"({source}); a draft must share the target's vocabulary"
         )
     vocab = target.spec.vocab_size
-    return DraftModelProposer(draft, num_blocks, cfg.block_size, device, vocab, graphs(draft.quant))
+    return DraftModelProposer(
+        draft, num_blocks, cfg.block_size, device, vocab, graphs(draft.quant), cfg.max_seqs
+    )

@@ -52,7 +52,8 @@ class EngineConfig:
     # auto | float, and with pagechat.quant int8 | int4: the LM head's format (quant/head.py)
     lm_head: str = "auto"
     graphs: bool = (
-        True  # run small unpadded steps as traced graphs (core/graphs.py); False: --eager
+        True  # small unpadded steps as traced graphs (core/graphs.py), on a GPU decode steps as
+        # CUDA graphs (core/cuda_graphs.py); False: --eager
     )
     threads: int | None = None  # torch CPU threads; None: core/threads.py's default
 

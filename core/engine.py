@@ -114,7 +114,7 @@ class Engine:
         host = self._host_pool(cfg, num_blocks)
         self.scheduler = Scheduler(self.blocks, cfg.max_batch_tokens, cfg.max_seqs, host)
         self.runner = ModelRunner(
-            self.model, self.pool, self.blocks, self.device, self._graphs(self.quant)
+            self.model, self.pool, self.blocks, self.device, self._graphs(self.quant), cfg.max_seqs
         )
         self.sampler = Sampler(lambda i: self.tokenizer.decode([i]))
         self.proposer = load_proposer(

@@ -99,7 +99,7 @@ class EngineInfo:
     model_dir: str
     precision: str
     device: torch.device
-    graphs: bool  # decode steps replayed from traced graphs
+    graphs: bool  # decode steps replayed from traced graphs (CUDA graphs on a GPU)
     threads: int  # torch's CPU threads where the engine runs
     memory: EngineMemory
     blocks: BlockSnapshot  # the pool as the first event finds it (a watcher: as it joins)

@@ -25,7 +25,8 @@ import sys
 import warnings
 
 import torch
-from pagechat.core.attention import AttentionMetadata
+from pagechat.core.attention import AttentionMetadata, build_metadata
+from pagechat.core.blocks import BlockManager
 from pagechat.core.model import DecoderModel
 
 # a decode step of up to 16 sequences (eager beyond 8 before: 12 rows of the 135M shape, bf16, 26.4
@@ -56,10 +57,19 @@ class StepGraphs:
     ModelRunner.warm_up (the unmasked one always, the causal-mask one when a proposer will verify
     or draft)."""
 
-    def __init__(self, model: DecoderModel) -> None:
-        self.model = model
+    def __init__(self, model: DecoderModel, pool: torch.Tensor, blocks: BlockManager) -> None:
+        self.model, self.pool, self.blocks = model, pool, blocks
         self.windows = tuple(dict.fromkeys(model.spec.sliding_windows))
         self.traces: dict[tuple, torch.jit.ScriptFunction] = {}
+
+    def warm_up(self, count: int) -> None:
+        """Trace a one-sequence step of `count` <= MAX_GRAPH_TOKENS tokens now (see
+        ModelRunner.warm_up). It writes K/V into the pool's first slots, which no sequence holds
+        yet."""
+        table = list(range(self.blocks.blocks_needed(count)))
+        meta = build_metadata([0], [count], [table], self.blocks.block_size, self.pool.device)
+        positions = torch.arange(count, device=self.pool.device)
+        self.run(torch.zeros_like(positions), positions, meta)
 
     @staticmethod
     def fits(num_tokens: int, meta: AttentionMetadata) -> bool:
@@ -70,13 +80,21 @@ class StepGraphs:
         self,
         ids: torch.Tensor,
         positions: torch.Tensor,
-        pool: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """float32 logits [T, vocab] of every token; the step's K/V go into pool as when eager."""
+        """float32 logits [T, vocab] of every token; the step's K/V go into the pool as when
+        eager."""
         masks = {w: m for w in self.windows if (m := meta.mask(w)) is not None}
         key = (meta.q_pos.shape[1] == 1, *masks)
-        args = (ids, positions, pool, meta.slot_mapping, meta.gather, meta.q_pos, *masks.values())
+        args = (
+            ids,
+            positions,
+            self.pool,
+            meta.slot_mapping,
+            meta.gather,
+            meta.q_pos,
+            *masks.values(),
+        )
         # the executor's optimising passes stall the first two calls and gained nothing measurable
         with torch.jit.optimized_execution(False):
             if key not in self.traces:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import torch
+from pagechat.core import paged_triton
 from pagechat.core.attention import build_metadata
 from pagechat.core.blocks import BlockManager
+from pagechat.core.cuda_graphs import CudaGraphs
 from pagechat.core.errors import PagechatError
 from pagechat.core.graphs import StepGraphs
 from pagechat.core.model import DecoderModel
@@ -23,24 +25,28 @@ class ModelRunner:
         blocks: BlockManager,
         device: torch.device,
         graphs: bool,
+        max_seqs: int,
     ) -> None:
+        """graphs: decode steps (and on a CPU other small steps) as graphs: on a GPU with the
+        paged kernel, CUDA graphs of up to max_seqs sequences (core/cuda_graphs.py), else traces
+        (core/graphs.py)."""
         self.model, self.pool, self.blocks, self.device = model, pool, blocks, device
-        self.graphs = StepGraphs(model) if graphs else None
+        # decode rows read the pool through block tables (core/paged_triton.py) on a GPU
+        self.paged = device.type == "cuda" and paged_triton.available()
+        self.graphs: StepGraphs | CudaGraphs | None = None
+        if graphs and self.paged:
+            self.graphs = CudaGraphs(model, pool, blocks.block_size, max_seqs)
+        elif graphs:
+            self.graphs = StepGraphs(model, pool, blocks)
         self.warm_up(1)
 
     @torch.inference_mode()
     def warm_up(self, count: int) -> None:
-        """Trace a one-sequence step of `count` <= MAX_GRAPH_TOKENS tokens now, while the model
-        loads, not in the first reply (as GPU engines capture their graphs at start-up): 1 token is
-        a decode step; more take the causal-mask trace that verification and a draft's catch-up use.
-        It writes K/V into the pool's first slots, which no sequence holds yet. Without graphs, a
-        no-op."""
-        if self.graphs is None:
-            return
-        table = list(range(self.blocks.blocks_needed(count)))
-        meta = build_metadata([0], [count], [table], self.blocks.block_size, self.device)
-        positions = torch.arange(count, device=self.device)
-        self.graphs.run(torch.zeros_like(positions), positions, self.pool, meta)
+        """Make the graphs of `count`-token steps now, while the model loads, not in the first
+        reply (as GPU engines capture theirs at start-up): 1 token is a decode step; more take the
+        causal-mask trace that verification and a draft's catch-up use. Without graphs, a no-op."""
+        if self.graphs is not None:
+            self.graphs.warm_up(count)
 
     def score(self, ids: list[int]) -> torch.Tensor:
         """float32 logits [len(ids), vocab] at each position of ids: one prefill outside the
@@ -73,13 +79,14 @@ class ModelRunner:
             [self.blocks.table(it.seq.seq_id) for it in items],
             self.blocks.block_size,
             self.device,
+            self.paged,
         )
         ids_t, positions_t = (
             torch.tensor(ids, device=self.device),
             torch.tensor(positions, device=self.device),
         )
         if self.graphs is not None and self.graphs.fits(len(ids), meta):
-            logits = self.graphs.run(ids_t, positions_t, self.pool, meta)
+            logits = self.graphs.run(ids_t, positions_t, meta)
             return logits if len(rows) == len(ids) else logits[self._index(rows)]
         hidden = self.model(ids_t, positions_t, self.pool, meta)
         if not rows:

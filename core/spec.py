@@ -101,12 +101,13 @@ class DraftModelProposer:
         device: torch.device,
         vocab_size: int,
         graphs: bool,
+        max_seqs: int,
     ) -> None:
         self.loaded, self.device, self.vocab_size = loaded, device, vocab_size
         self.max_len = loaded.max_len
         self.pool = allocate_pool(loaded.spec, num_blocks, block_size, loaded.dtype, device)
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_cache=False)
-        self.runner = ModelRunner(loaded.model, self.pool, self.blocks, device, graphs)
+        self.runner = ModelRunner(loaded.model, self.pool, self.blocks, device, graphs, max_seqs)
         self.runner.warm_up(
             2
         )  # its catch-up steps (2 tokens after a verification) take the causal-mask trace
