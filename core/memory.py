@@ -173,6 +173,8 @@ class Readings:
     allocated: int | None = None
     reserved: int | None = None
     peak: int | None = None
+    # free memory in blocks the allocator split and cannot release (inactive_split_bytes)
+    fragmented: int | None = None
     device_free: int | None = None
     device_total: int | None = None
 
@@ -193,10 +195,12 @@ def read_memory(device: torch.device) -> Readings:
     """Read the allocator (CUDA) or this process's RSS (CPU): call it where the engine runs."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
+        stats = torch.cuda.memory_stats(device)
         return Readings(
-            allocated=torch.cuda.memory_allocated(device),
-            reserved=torch.cuda.memory_reserved(device),
-            peak=torch.cuda.max_memory_allocated(device),
+            allocated=stats["allocated_bytes.all.current"],
+            reserved=stats["reserved_bytes.all.current"],
+            peak=stats["allocated_bytes.all.peak"],
+            fragmented=stats["inactive_split_bytes.all.current"],
             device_free=free,
             device_total=total,
         )

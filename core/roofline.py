@@ -17,6 +17,7 @@ from pagechat.core.memory import EngineMemory
 from pagechat.core.report import BatchItem
 
 READ_MIB = 256  # more than any CPU's last-level cache: the read comes from memory
+GPU_READ_MIB = 2048  # ~0.5 ms at an H200's 4.8 TB/s: long beside a launch, 30x its L2
 LINEAR_KINDS = ("attention", "mlp")  # their weights multiply every token a step computes
 
 
@@ -28,6 +29,8 @@ def sync(device: torch.device) -> None:
 
 def _timed(device: torch.device, work, repeats: int) -> float:
     """Median seconds of `work` over the repeats after two warm-up runs."""
+    if device.type == "cuda":
+        return gpu_seconds(work, repeats)
     times = []
     for _ in range(repeats + 2):
         sync(device)
@@ -38,10 +41,31 @@ def _timed(device: torch.device, work, repeats: int) -> float:
     return statistics.median(times[2:])
 
 
-def read_bandwidth(device: torch.device, mib: int = READ_MIB) -> float:
-    """Bytes a second of a plain streaming read of `mib` MiB: on a CPU pagechat's read loop
-    (quant/kernels.cpp's stream_read, once quant has loaded it), else (and on a GPU) a float32
-    matrix-vector product, the decode floor's work, which reads about as fast."""
+def gpu_seconds(work, repeats: int) -> float:
+    """Median seconds of one call of `work` by CUDA events around ten calls, after one: a GPU
+    ends a product in microseconds, less than a host timer's synchronisation costs."""
+    work()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(10):
+            work()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 10e3)
+    return statistics.median(times)
+
+
+def read_bandwidth(device: torch.device, mib: int | None = None) -> float:
+    """Bytes a second of a plain streaming read of `mib` MiB (READ_MIB on a CPU, GPU_READ_MIB or
+    a quarter of the free memory on a GPU): on a CPU pagechat's read loop (quant/kernels.cpp's
+    stream_read, once quant has loaded it), else (and on a GPU) a float32 matrix-vector product,
+    the decode floor's work, which reads about as fast."""
+    if mib is None:
+        mib = READ_MIB
+        if device.type == "cuda":
+            mib = min(GPU_READ_MIB, torch.cuda.mem_get_info(device)[0] // 4 // 2**20)
     n = int((mib * 2**20 / 4) ** 0.5)
     w = torch.ones(n, n, device=device)  # what is read does not matter; that it is in memory does
     x = torch.ones(n, device=device)
@@ -59,13 +83,15 @@ def _stream_read():
 
 def peak_flops(device: torch.device, dtype: torch.dtype, budget_s: float = 0.05) -> float:
     """FLOP/s of a square matmul in the model's compute dtype, about the best a prefill's GEMMs
-    reach here: of 1024 rows, or fewer where a product that size would take longer than budget_s
-    (float16 on a CPU without float16 arithmetic: seconds)."""
-    size = 128
+    reach here: of 1024 rows (8192 on a GPU, which a smaller product leaves half idle), or fewer
+    where a product that size would take longer than budget_s (float16 on a CPU without float16
+    arithmetic: seconds)."""
+    size, largest = 128, 8192 if device.type == "cuda" else 1024
     while True:
-        a = torch.ones(size, size, device=device, dtype=dtype)
+        # random, not constant: a GPU multiplies zeros and repeated values faster
+        a = torch.randn(size, size, device=device).to(dtype)
         seconds = _timed(device, lambda a=a: torch.mm(a, a), 3)
-        if size >= 1024 or 8 * seconds > budget_s:  # the next size: eight times the work
+        if size >= largest or 8 * seconds > budget_s:  # the next size: eight times the work
             return 2 * size**3 / seconds
         size *= 2
 

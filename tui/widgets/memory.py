@@ -104,7 +104,8 @@ class MemoryPanel(Panel):
             t.append("\ntorch ", "dim").append(fmt_bytes(r.allocated), "bold").append(
                 " allocated · ", "dim"
             )
-            t.append(fmt_bytes(r.reserved), "bold").append(" reserved", "dim")
+            t.append(fmt_bytes(r.reserved), "bold").append(" reserved · ", "dim")
+            t.append(fmt_bytes(r.fragmented), "bold").append(" fragmented", "dim")
             t.append("\nother ", "dim").append(
                 fmt_bytes(max(0, r.reserved - w - i.pool_bytes)), "bold"
             )
