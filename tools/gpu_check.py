@@ -1,0 +1,287 @@
+"""Every GPU check of pagechat in one call, for a lent GPU (CI has none):
+
+    python -m pagechat.tools.gpu_check OUT_DIR [--quick] [--device cuda]
+
+1. the card's ceilings: read bandwidth and bf16 matmul peak as the Timing panel measures them
+   (core/roofline.py), and a device-to-device copy beside them;
+2. paged decode attention (core/paged_triton.py) against the float64 definition (the gathered
+   path on upcast inputs) on random pools, GQA groups, head sizes, windows, 16-bit caches and
+   contexts up to 4,096 tokens; its K/V writes; its time against the gathered path's;
+3. the engine on random models of the 135M and 0.5B shapes: greedy tokens and logits in float32
+   against transformers on the same GPU, eager and with CUDA graphs;
+4. decode speed in bf16 at 1 to 64 sequences, eager against CUDA graphs, and its memory-bandwidth
+   use (decode's bytes a token x tok/s over the measured bandwidth, as the Timing panel shows it);
+5. the Memory panel's CUDA readings (core/memory.py) against torch.cuda.memory_stats, and the
+   weights and KV pool against what torch has allocated.
+
+Writes OUT_DIR/gpu_check.json and prints a table; exits 1 when a correctness check fails.
+--device cpu with --quick runs the same code on a CPU (the kernels under TRITON_INTERPRET=1), to
+try the script before a lease.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+from pagechat.core import paged_triton
+from pagechat.core.attention import build_metadata, paged_attention
+from pagechat.core.config import EngineConfig
+from pagechat.core.engine import Engine
+from pagechat.core.events import EngineInfo
+from pagechat.core.memory import read_memory
+from pagechat.core.params import SamplingParams
+from pagechat.core.roofline import Roofline, gpu_seconds, step_rates, sync
+from pagechat.tools.make_model import make_model
+
+# (query heads, KV heads, head size, block size, cache dtype, window): SmolLM2's grouping, Llama
+# 3 8B's, one KV head, a head size that is no power of two, a sliding window
+KERNEL_CASES = (
+    (9, 3, 64, 16, torch.bfloat16, None),
+    (32, 8, 128, 16, torch.bfloat16, None),
+    (8, 1, 80, 32, torch.float16, None),
+    (14, 2, 64, 16, torch.bfloat16, 1000),
+    (4, 4, 64, 16, torch.float32, None),
+)
+BATCHES = (1, 8, 32, 64)
+MODELS = Path(tempfile.gettempdir()) / "pagechat-gpu-check"  # not in OUT_DIR: 1.3 GB
+
+
+def _seconds(device: torch.device, work) -> float:
+    if device.type == "cuda":
+        return gpu_seconds(work, 20)
+    sync(device)
+    t = time.perf_counter()
+    work()
+    return time.perf_counter() - t
+
+
+def ceilings(device: torch.device) -> dict:
+    roof = Roofline.measure(device, torch.bfloat16)
+    src = torch.randn(2**28 if device.type == "cuda" else 2**22, device=device)
+    dst = torch.empty_like(src)
+    copy = 2 * src.numel() * 4 / _seconds(device, lambda: dst.copy_(src))
+    return {"read_GBs": roof.bandwidth / 1e9, "bf16_TFLOPs": roof.peak_flops / 1e12,
+            "copy_GBs": copy / 1e9}  # fmt: skip
+
+
+def kernel_check(device: torch.device, case: tuple, contexts: list[int]) -> dict:
+    """One case over a batch of the given contexts: relative error against float64, whether the
+    K/V writes landed (and nothing else moved), and both paths' time."""
+    heads, kv_heads, d, bs, cache_dtype, window = case
+    rng = random.Random(heads * d)
+    num_blocks = 2 * sum(c // bs + 1 for c in contexts)
+    free = rng.sample(range(num_blocks), num_blocks)
+    tables = [[free.pop() for _ in range(c // bs + 1)] for c in contexts]
+    k_cache = torch.randn(num_blocks * bs, kv_heads, d, device=device).to(cache_dtype)
+    v_cache = torch.randn(num_blocks * bs, kv_heads, d, device=device).to(cache_dtype)
+    dtype = torch.float32 if cache_dtype == torch.float32 else cache_dtype
+    b = len(contexts)
+    q = torch.randn(b, heads, d, device=device).to(dtype)
+    k = torch.randn(b, kv_heads, d, device=device).to(dtype)
+    v = torch.randn(b, kv_heads, d, device=device).to(dtype)
+    ones = [1] * b
+    paged = build_metadata(contexts, ones, tables, bs, device, paged=True)
+    gathered = build_metadata(contexts, ones, tables, bs, device)
+    want = paged_attention(
+        q.double(), k.to(cache_dtype).double(), v.to(cache_dtype).double(),
+        k_cache.double(), v_cache.double(), gathered, window,
+    )  # fmt: skip
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    got = paged_attention(q, k, v, k_cache, v_cache, paged, window)
+    before_k[paged.slot_mapping], before_v[paged.slot_mapping] = (
+        k.to(cache_dtype),
+        v.to(cache_dtype),
+    )
+    err = ((got.double() - want).norm() / want.norm()).item()
+    out = {
+        "case": f"{heads}/{kv_heads}x{d} bs{bs} {str(cache_dtype)[6:]} window {window}",
+        "batch": b,
+        "longest": max(contexts) + 1,
+        "rel_err": err,
+        "writes_ok": torch.equal(k_cache, before_k) and torch.equal(v_cache, before_v),
+        "finite": bool(got.isfinite().all()),
+    }
+    if device.type == "cuda":
+        out["paged_us"] = 1e6 * _seconds(
+            device, lambda: paged_attention(q, k, v, k_cache, v_cache, paged, window)
+        )
+        out["gathered_us"] = 1e6 * _seconds(
+            device, lambda: paged_attention(q, k, v, k_cache, v_cache, gathered, window)
+        )
+    # bf16 and fp16 queries round their outputs; float32 sums in another order
+    out["ok"] = (
+        out["writes_ok"] and out["finite"] and err < (1e-5 if dtype == torch.float32 else 1e-2)
+    )
+    return out
+
+
+def kernel_checks(device: torch.device, quick: bool) -> list[dict]:
+    rng = random.Random(0)
+    rows = []
+    for case in KERNEL_CASES[:2] if quick else KERNEL_CASES:
+        longest = 300 if quick else 4096
+        mixed = [0, 1, 15, 16, rng.randint(17, longest), longest - 1]
+        rows.append(kernel_check(device, case, mixed))
+        if not quick:
+            for b, ctx in ((1, 4096), (64, 1024)):
+                rows.append(kernel_check(device, case, [ctx - 1] * b))
+    return rows
+
+
+def _prompts(engine: Engine, count: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    special = set(engine.tokenizer.all_special_ids)
+    ids = [i for i in range(min(engine.spec.vocab_size, 32000)) if i not in special]
+    return [[rng.choice(ids) for _ in range(length)] for _ in range(count)]
+
+
+def oracle_check(model_dir: Path, device: torch.device, quick: bool) -> list[dict]:
+    """float32 greedy tokens and every step's logits, eager and with graphs, against
+    transformers' greedy generation on the same device."""
+    from transformers import AutoModelForCausalLM
+
+    new = 8 if quick else 32
+    rows = []
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    for graphs in (False, True):
+        cfg = EngineConfig(
+            device=device.type, dtype="float32", kv_dtype="float32", graphs=graphs, kv_blocks=512
+        )
+        engine = Engine(model_dir, cfg)
+        prompts = _prompts(engine, 4, 24, 1)
+        params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+        got = [s.output_ids for s in engine.generate(prompts, params)]
+        equal, worst = 0, 0.0
+        for prompt, tokens in zip(prompts, got):
+            ids = torch.tensor([prompt], device=device)
+            with torch.no_grad():
+                out = hf.generate(ids, max_new_tokens=new, do_sample=False, min_new_tokens=new,
+                                  output_logits=True, return_dict_in_generate=True)  # fmt: skip
+            want = out.sequences[0, len(prompt) :].tolist()
+            equal += want == tokens
+            # the engine's logits for the same continuation: one scoring pass over it
+            mine = engine.runner.score(prompt + want)[len(prompt) - 1 : -1]
+            theirs = torch.cat(out.logits).float()
+            worst = max(worst, (mine - theirs).abs().max().item())
+        rows.append({"model": model_dir.name, "graphs": engine.graphs, "prompts": len(prompts),
+                     "tokens_equal": equal, "logits_max_abs_err": worst,
+                     "ok": equal == len(prompts) and worst < 1e-3})  # fmt: skip
+        del engine
+    return rows
+
+
+def speed_check(model_dir: Path, device: torch.device, quick: bool) -> list[dict]:
+    """bf16 decode tok/s at each batch and its MBU, three ways interleaved batch by batch: eager
+    with the decode rows gathered (the GPU's path before the paged kernel), eager through the
+    paged kernel, and CUDA graphs (which need it)."""
+    engines = {
+        g: Engine(
+            model_dir,
+            EngineConfig(device=device.type, dtype="bfloat16", graphs=g, kv_blocks=2048),
+        )
+        for g in (False, True)
+    }
+    infos = {g: EngineInfo.of(e) for g, e in engines.items()}
+    rows = []
+    for b in BATCHES[:2] if quick else BATCHES:
+        for mode in ("gathered", "paged", "graphs"):
+            graphs = mode == "graphs"
+            engine = engines[graphs]
+            if not graphs:
+                engine.runner.paged = mode == "paged" and device.type == "cuda"
+            reports = []
+            params = SamplingParams(
+                temperature=0.0, max_tokens=16 if quick else 128, ignore_eos=True
+            )
+            engine.generate(_prompts(engine, b, 64, b), params, on_report=reports.append)
+            decode = [r for r in reports if r.kind == "decode"]
+            seconds = sum(r.elapsed_s for r in decode)
+            read, _ = step_rates(
+                [(r.kind, r.elapsed_s, r.batch) for r in decode], infos[graphs].memory
+            )
+            rows.append({
+                "model": model_dir.name, "batch": b, "mode": mode,
+                "graphs": type(engine.runner.graphs).__name__,
+                "decode_tok_s": sum(r.decode_tokens for r in decode) / seconds,
+                "step_ms": 1e3 * seconds / len(decode),
+                "mbu": read / infos[graphs].roofline.bandwidth,
+            })  # fmt: skip
+    rows.append(memory_check(engines[True], infos[True]))
+    return rows
+
+
+def memory_check(engine: Engine, info: EngineInfo) -> dict:
+    """What the Memory panel reads against the allocator's own statistics, read together."""
+    sync(engine.device)
+    readings = read_memory(engine.device)
+    if engine.device.type != "cuda":
+        return {"memory": "cpu", "rss": readings.rss, "ok": readings.rss is not None}
+    stats = torch.cuda.memory_stats(engine.device)
+    held = info.memory.weights.total + info.memory.pool_bytes
+    return {
+        "memory": "cuda",
+        "allocated": readings.allocated,
+        "stats_allocated": stats["allocated_bytes.all.current"],
+        "reserved": readings.reserved,
+        "stats_reserved": torch.cuda.memory_reserved(engine.device),
+        "fragmented": readings.fragmented,
+        "stats_inactive_split": stats["inactive_split_bytes.all.current"],
+        "weights_and_kv": held,
+        "ok": readings.allocated == torch.cuda.memory_allocated(engine.device)
+        and readings.reserved == torch.cuda.memory_reserved(engine.device)
+        and readings.fragmented == stats["inactive_split_bytes.all.current"]
+        and held <= readings.allocated <= readings.reserved,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--quick", action="store_true", help="small sizes: a trial of the script")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = {"torch": torch.__version__, "triton": paged_triton.available()}
+    if device.type == "cuda":
+        result["gpu"] = torch.cuda.get_device_name(device)
+        _part(result, "ceilings", lambda: [ceilings(device)])
+    _part(result, "kernel", lambda: kernel_checks(device, args.quick))
+    for size in ["tiny"] if args.quick else ["small", "0.5b"]:
+        arch = "qwen2" if size == "0.5b" else "llama"
+        model_dir = MODELS / f"{arch}-{size}"
+        if not (model_dir / "config.json").exists():  # made by an earlier run
+            make_model(model_dir, arch, size, seed=1)
+        _part(result, "oracle", lambda m=model_dir: oracle_check(m, device, args.quick))
+        _part(result, "speed", lambda m=model_dir: speed_check(m, device, args.quick))
+    (args.out / "gpu_check.json").write_text(json.dumps(result, indent=1, default=str))
+    for part in ("ceilings", "kernel", "oracle", "speed"):
+        for row in result.get(part, []):
+            print(part, " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                 for k, v in row.items()))  # fmt: skip
+    parts = ("kernel", "oracle", "speed")
+    failed = [r for p in parts for r in result.get(p, []) if not r.get("ok", True)]
+    return 1 if failed else 0
+
+
+def _part(result: dict, name: str, rows) -> None:
+    """Add a part's rows; a part that raises is one failed row, and the other parts still run
+    (a lease is too short to rerun for each)."""
+    try:
+        added = rows()
+    except Exception as e:  # noqa: BLE001 - recorded, and the exit status says it failed
+        traceback.print_exc()
+        added = [{"error": f"{type(e).__name__}: {e}"[:500], "ok": False}]
+    result.setdefault(name, []).extend(added)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
