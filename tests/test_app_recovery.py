@@ -11,7 +11,7 @@ import signal
 import time
 
 import pytest
-from drive import type_prompt, wait_reply_done, wait_tokens, wait_until
+from drive import send_and_advance, type_prompt, wait_reply_done, wait_until
 from pagechat.core.config import EngineConfig
 from pagechat.core.engine import Engine
 from pagechat.core.params import SamplingParams
@@ -92,7 +92,9 @@ async def test_a_loop_that_dies_is_replaced_and_the_chat_kept(model_dir, tmp_pat
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])
 async def test_an_engine_process_killed_or_stopped_is_noticed_within_2_s(sig, model_dir, tmp_path):
     """A real signal to the engine's process mid-reply: SIGKILL ends it, SIGSTOP leaves it alive
-    but silent."""
+    but silent. The engine is paused after three steps of the reply, so the signal lands before
+    it ends (the tiny model writes 400 tokens in 0.2 s: a signal sent after the first tokens came
+    once landed after the last)."""
     params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
     app = app_on(EngineProcess(model_dir, CONFIG), tmp_path)
     app.session.params = GREEDY
@@ -100,8 +102,8 @@ async def test_an_engine_process_killed_or_stopped_is_noticed_within_2_s(sig, mo
         await type_prompt(pilot, "first")
         await wait_reply_done(pilot)
         app.session.params = params
-        await type_prompt(pilot, "second")
-        await wait_tokens(pilot, 3)
+        await send_and_advance(pilot, "second", 3)
+        assert app.session.messages[-1].tokens and app.session.messages[-1].streaming
         pid = app.loop.pid
         os.kill(pid, sig)
         t0, reply = time.monotonic(), app.session.messages[-1]
