@@ -11,6 +11,7 @@
    against transformers on the same GPU, eager and with CUDA graphs;
 4. decode speed in bf16 at 1 to 64 sequences, eager against CUDA graphs, and its memory-bandwidth
    use (decode's bytes a token x tok/s over the measured bandwidth, as the Timing panel shows it);
+   the captured step's GPU time alone beside the whole step's;
 5. the Memory panel's CUDA readings (core/memory.py) against torch.cuda.memory_stats, and the
    weights and KV pool against what torch has allocated.
 
@@ -34,6 +35,7 @@ import torch
 from pagechat.core import paged_triton
 from pagechat.core.attention import build_metadata, paged_attention
 from pagechat.core.config import EngineConfig
+from pagechat.core.cuda_graphs import CudaGraphs
 from pagechat.core.engine import Engine
 from pagechat.core.events import EngineInfo
 from pagechat.core.memory import read_memory
@@ -213,9 +215,21 @@ def speed_check(model_dir: Path, device: torch.device, quick: bool) -> list[dict
                 "decode_tok_s": sum(r.decode_tokens for r in decode) / seconds,
                 "step_ms": 1e3 * seconds / len(decode),
                 "mbu": read / infos[graphs].roofline.bandwidth,
+                "replay_ms": _replay_ms(engine.runner.graphs, b),
             })  # fmt: skip
     rows.append(memory_check(engines[True], infos[True]))
     return rows
+
+
+def _replay_ms(graphs, batch: int) -> float | None:
+    """GPU ms of the batch's captured decode step replayed alone (the step's tokens, positions and
+    contexts as its last run left them; every slot -1, so nothing is written): how much of a step
+    is the GPU's. None where no CUDA graph ran."""
+    if not isinstance(graphs, CudaGraphs):
+        return None
+    graphs.slots.fill_(-1)
+    size = next(s for s in graphs.sizes if s >= batch)
+    return 1e3 * gpu_seconds(graphs.graphs[size].replay, 20)
 
 
 def memory_check(engine: Engine, info: EngineInfo) -> dict:
