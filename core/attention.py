@@ -119,14 +119,9 @@ def paged_attention(
     fused: the sequences computing one token (all of a decode step's, the decodes beside a prompt
     chunk) run core/ops.py's decode_attention, which reads the context in place instead of
     gathering it (the trace's key says which); with a block table, core/paged_triton.py's does."""
-    if meta.block_table is not None and meta.q_pos.shape[1] == 1:
-        return paged_triton.decode_attention(
-            q, k, v, k_cache, v_cache, meta.slot_mapping, meta.block_table, meta.q_pos,
-            meta.block_size, window or 0,
-        )  # fmt: skip
-    if fused and meta.q_pos.shape[1] == 1:
-        return torch.ops.pagechat.decode_attention(
-            q, k, v, k_cache, v_cache, meta.slot_mapping, meta.gather, meta.q_pos, window or 0
+    if (fused or meta.block_table is not None) and meta.q_pos.shape[1] == 1:
+        return _decode_in_place(
+            q, k, v, k_cache, v_cache, meta.slot_mapping, meta.q_pos, meta, window
         )
     k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
     v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
@@ -138,6 +133,23 @@ def paged_attention(
 _GQA = {"enable_gqa": True} if _SDPA_GQA else {}
 
 
+def _decode_in_place(q, k, v, k_cache, v_cache, slot_mapping, q_pos, meta, window, seqs=None):
+    """One-token rows in one call that writes their K/V and reads each context where it lies:
+    core/paged_triton.py's through the block table (a GPU), else core/ops.py's through the gather
+    slots. seqs: the sequences of a ragged step the rows are (None: every sequence, a row each)."""
+    if meta.block_table is not None:
+        table = meta.block_table if seqs is None else meta.block_table.index_select(0, seqs)
+        return paged_triton.decode_attention(
+            q, k, v, k_cache, v_cache, slot_mapping, table, q_pos, meta.block_size, window or 0
+        )
+    gather = meta.gather
+    if seqs is not None:
+        gather = gather.view(len(meta.spans), -1).index_select(0, seqs).flatten()
+    return torch.ops.pagechat.decode_attention(
+        q, k, v, k_cache, v_cache, slot_mapping, gather, q_pos, window or 0
+    )
+
+
 def _ragged_attention(q, k, v, k_cache, v_cache, meta, window: int | None, fused: bool):
     """Each sequence's queries against its own context (_attend_one). fused or paged (a block
     table): the one-token sequences in one decode attention call (a call per sequence, 30 layers a
@@ -147,25 +159,17 @@ def _ragged_attention(q, k, v, k_cache, v_cache, meta, window: int | None, fused
     for _, count in meta.spans:
         firsts.append(firsts[-1] + count)
     out = torch.empty_like(q)
-    paged = meta.block_table is not None
-    one = fused or paged  # the one-token sequences attend in one call
+    one = fused or meta.block_table is not None  # the one-token sequences attend in one call
     decodes = [b for b, (_, count) in enumerate(meta.spans) if count == 1] if one else []
     if decodes:
         rows = torch.tensor([firsts[b] for b in decodes], device=q.device)
         seqs = torch.tensor(decodes, device=q.device)
         q_pos = torch.tensor([[meta.spans[b][0]] for b in decodes], device=q.device)
-        # each writes the rows' K and V again, the same values
-        if paged:
-            out[rows] = paged_triton.decode_attention(
-                q[rows], k[rows], v[rows], k_cache, v_cache, meta.slot_mapping[rows],
-                meta.block_table.index_select(0, seqs), q_pos, meta.block_size, window or 0,
-            )  # fmt: skip
-        else:
-            gather = meta.gather.view(len(meta.spans), max_ctx).index_select(0, seqs).flatten()
-            out[rows] = torch.ops.pagechat.decode_attention(
-                q[rows], k[rows], v[rows], k_cache, v_cache, meta.slot_mapping[rows], gather,
-                q_pos, window or 0,
-            )  # fmt: skip
+        # it writes the rows' K and V again, the same values
+        out[rows] = _decode_in_place(
+            q[rows], k[rows], v[rows], k_cache, v_cache, meta.slot_mapping[rows], q_pos, meta,
+            window, seqs,
+        )  # fmt: skip
     for b, (start, count) in enumerate(meta.spans):
         if not (one and count == 1):
             slots = meta.gather[b * max_ctx : b * max_ctx + start + count]

@@ -39,12 +39,8 @@ class CudaGraphs:
 
     def fits(self, num_tokens: int, meta: AttentionMetadata) -> bool:
         """Whether a step is a decode step of the paged kernel, of at most the largest size."""
-        return (
-            meta.block_table is not None
-            and meta.spans is None
-            and meta.q_pos.shape[1] == 1
-            and num_tokens <= self.sizes[-1]
-        )
+        # no spans: every sequence computes one token
+        return meta.block_table is not None and meta.spans is None and num_tokens <= self.sizes[-1]
 
     def _step(self, size: int) -> torch.Tensor:
         meta = AttentionMetadata(
