@@ -27,7 +27,7 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed(device: torch.device, work, repeats: int) -> float:
+def median_seconds(device: torch.device, work, repeats: int) -> float:
     """Median seconds of `work` over the repeats after two warm-up runs."""
     if device.type == "cuda":
         return gpu_seconds(work, repeats)
@@ -70,7 +70,9 @@ def read_bandwidth(device: torch.device, mib: int | None = None) -> float:
     w = torch.ones(n, n, device=device)  # what is read does not matter; that it is in memory does
     x = torch.ones(n, device=device)
     read = _stream_read() if device.type == "cpu" else None
-    seconds = _timed(device, (lambda: read(w)) if read is not None else lambda: torch.mv(w, x), 5)
+    seconds = median_seconds(
+        device, (lambda: read(w)) if read is not None else lambda: torch.mv(w, x), 5
+    )
     return w.numel() * 4 / seconds
 
 
@@ -90,7 +92,7 @@ def peak_flops(device: torch.device, dtype: torch.dtype, budget_s: float = 0.05)
     while True:
         # random, not constant: a GPU multiplies zeros and repeated values faster
         a = torch.randn(size, size, device=device).to(dtype)
-        seconds = _timed(device, lambda a=a: torch.mm(a, a), 3)
+        seconds = median_seconds(device, lambda a=a: torch.mm(a, a), 3)
         if size >= largest or 8 * seconds > budget_s:  # the next size: eight times the work
             return 2 * size**3 / seconds
         size *= 2

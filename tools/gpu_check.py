@@ -27,7 +27,6 @@ import json
 import random
 import sys
 import tempfile
-import time
 import traceback
 from pathlib import Path
 
@@ -40,7 +39,7 @@ from pagechat.core.engine import Engine
 from pagechat.core.events import EngineInfo
 from pagechat.core.memory import read_memory
 from pagechat.core.params import SamplingParams
-from pagechat.core.roofline import Roofline, gpu_seconds, step_rates, sync
+from pagechat.core.roofline import Roofline, gpu_seconds, median_seconds, step_rates, sync
 from pagechat.tools.make_model import make_model
 
 # (query heads, KV heads, head size, block size, cache dtype, window): SmolLM2's grouping, Llama
@@ -56,20 +55,11 @@ BATCHES = (1, 8, 32, 64)
 MODELS = Path(tempfile.gettempdir()) / "pagechat-gpu-check"  # not in OUT_DIR: 1.3 GB
 
 
-def _seconds(device: torch.device, work) -> float:
-    if device.type == "cuda":
-        return gpu_seconds(work, 20)
-    sync(device)
-    t = time.perf_counter()
-    work()
-    return time.perf_counter() - t
-
-
 def ceilings(device: torch.device) -> dict:
     roof = Roofline.measure(device, torch.bfloat16)
     src = torch.randn(2**28 if device.type == "cuda" else 2**22, device=device)
     dst = torch.empty_like(src)
-    copy = 2 * src.numel() * 4 / _seconds(device, lambda: dst.copy_(src))
+    copy = 2 * src.numel() * 4 / median_seconds(device, lambda: dst.copy_(src), 20)
     return {"read_GBs": roof.bandwidth / 1e9, "bf16_TFLOPs": roof.peak_flops / 1e12,
             "copy_GBs": copy / 1e9}  # fmt: skip
 
@@ -84,43 +74,40 @@ def kernel_check(device: torch.device, case: tuple, contexts: list[int]) -> dict
     tables = [[free.pop() for _ in range(c // bs + 1)] for c in contexts]
     k_cache = torch.randn(num_blocks * bs, kv_heads, d, device=device).to(cache_dtype)
     v_cache = torch.randn(num_blocks * bs, kv_heads, d, device=device).to(cache_dtype)
-    dtype = torch.float32 if cache_dtype == torch.float32 else cache_dtype
     b = len(contexts)
-    q = torch.randn(b, heads, d, device=device).to(dtype)
-    k = torch.randn(b, kv_heads, d, device=device).to(dtype)
-    v = torch.randn(b, kv_heads, d, device=device).to(dtype)
+    q = torch.randn(b, heads, d, device=device).to(cache_dtype)
+    k = torch.randn(b, kv_heads, d, device=device).to(cache_dtype)
+    v = torch.randn(b, kv_heads, d, device=device).to(cache_dtype)
     ones = [1] * b
     paged = build_metadata(contexts, ones, tables, bs, device, paged=True)
     gathered = build_metadata(contexts, ones, tables, bs, device)
     want = paged_attention(
-        q.double(), k.to(cache_dtype).double(), v.to(cache_dtype).double(),
-        k_cache.double(), v_cache.double(), gathered, window,
+        q.double(), k.double(), v.double(), k_cache.double(), v_cache.double(), gathered, window,
     )  # fmt: skip
-    before_k, before_v = k_cache.clone(), v_cache.clone()
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    want_k[paged.slot_mapping], want_v[paged.slot_mapping] = k, v
     got = paged_attention(q, k, v, k_cache, v_cache, paged, window)
-    before_k[paged.slot_mapping], before_v[paged.slot_mapping] = (
-        k.to(cache_dtype),
-        v.to(cache_dtype),
-    )
     err = ((got.double() - want).norm() / want.norm()).item()
     out = {
         "case": f"{heads}/{kv_heads}x{d} bs{bs} {str(cache_dtype)[6:]} window {window}",
         "batch": b,
         "longest": max(contexts) + 1,
         "rel_err": err,
-        "writes_ok": torch.equal(k_cache, before_k) and torch.equal(v_cache, before_v),
+        "writes_ok": torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v),
         "finite": bool(got.isfinite().all()),
     }
     if device.type == "cuda":
-        out["paged_us"] = 1e6 * _seconds(
-            device, lambda: paged_attention(q, k, v, k_cache, v_cache, paged, window)
+        out["paged_us"] = 1e6 * median_seconds(
+            device, lambda: paged_attention(q, k, v, k_cache, v_cache, paged, window), 20
         )
-        out["gathered_us"] = 1e6 * _seconds(
-            device, lambda: paged_attention(q, k, v, k_cache, v_cache, gathered, window)
+        out["gathered_us"] = 1e6 * median_seconds(
+            device, lambda: paged_attention(q, k, v, k_cache, v_cache, gathered, window), 20
         )
     # bf16 and fp16 queries round their outputs; float32 sums in another order
     out["ok"] = (
-        out["writes_ok"] and out["finite"] and err < (1e-5 if dtype == torch.float32 else 1e-2)
+        out["writes_ok"]
+        and out["finite"]
+        and err < (1e-5 if cache_dtype == torch.float32 else 1e-2)
     )
     return out
 
