@@ -92,7 +92,8 @@ class EngineThread:
     it has cores, an idle worker spins ~100 times instead of ~300,000 before it sleeps, so each of
     a step's hundreds of parallel ops waits for its workers to wake. Loaded on the main thread and
     stepped on another, a 135M model decoded at 18-22 ms a token instead of 10-13
-    (docs/benchmarks.md, "Serving")."""
+    (docs/benchmarks.md, "Serving"). Not a one-worker ThreadPoolExecutor: the interpreter joins
+    its worker at exit, and the loop this thread runs returns only when stopped."""
 
     def __init__(self, name: str = "pagechat-engine") -> None:
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
