@@ -20,29 +20,29 @@ from torch import nn
 class RMSNorm(nn.Module):
     """Root-mean-square norm, computed in float32 like the reference implementation. Given the
     residual stream too, it adds x to it first and returns (the norm, the new residual), as vLLM's
-    does: the residual add and the next sublayer's norm are then one fused op on a CPU."""
+    does: the residual add and the next sublayer's norm are then one fused op."""
 
-    def __init__(self, weight: torch.Tensor, eps: float, fused: bool = False) -> None:
-        """fused: run torch.ops.pagechat's rms_norm / add_rms_norm (core/ops.py) on rows of the
-        weight's size, as a decoder layer's norms see them."""
+    def __init__(self, weight: torch.Tensor, eps: float, small: ops.SmallOps | None = None) -> None:
+        """small: the fused ops' rms_norm / add_rms_norm (core/ops.py's small_ops) to run on rows
+        of the weight's size, as a decoder layer's norms see them; None: torch's ops."""
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.eps, self.shape = (
             eps,
             tuple(weight.shape),
         )  # plain ints: a trace records them as constants
-        self.fused = fused
+        self.small = small
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if residual is not None:
-            if self.fused:
-                return torch.ops.pagechat.add_rms_norm(x, residual, self.weight, self.eps)
+            if self.small is not None:
+                return self.small.add_rms_norm(x, residual, self.weight, self.eps)
             x = x + residual
             return self._norm(x), x
-        if self.fused:
-            return torch.ops.pagechat.rms_norm(x, self.weight, self.eps)
+        if self.small is not None:
+            return self.small.rms_norm(x, self.weight, self.eps)
         return self._norm(x)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
@@ -135,10 +135,13 @@ class Attention(nn.Module):
         dtype: torch.dtype,
         window: int | None,
         load: LinearLoader,
+        small: ops.SmallOps | None,
         fused: bool,
     ) -> None:
+        """small: the fused ops' rope (None: torch's); fused: decode attention in ops.cpp."""
         super().__init__()
-        self.fused = fused  # rotary embedding and decode attention as one op each (core/ops.py)
+        self.small = small
+        self.fused = fused
         h, kv, d, hid = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.hidden_size
         self.sizes = (h * d, kv * d, kv * d)
         self.heads, self.kv_heads, self.head_dim, self.window = h, kv, d, window
@@ -167,7 +170,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = qk.split((self.heads, self.kv_heads), dim=1)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
-        rotated = torch.ops.pagechat.rope(qk, cos, sin) if self.fused else rotate(qk, cos, sin)
+        rotated = self.small.rope(qk, cos, sin) if self.small is not None else rotate(qk, cos, sin)
         q, k = rotated.split((self.heads, self.kv_heads), dim=1)
         out = paged_attention(
             q,
@@ -192,10 +195,10 @@ class MLP(nn.Module):
         p: str,
         dtype: torch.dtype,
         load: LinearLoader,
-        fused: bool,
+        small: ops.SmallOps | None,
     ) -> None:
         super().__init__()
-        self.fused = fused  # silu(gate) * up as one op (core/ops.py)
+        self.small = small  # silu(gate) * up as one op (core/ops.py's small_ops)
         hid, inter = spec.hidden_size, spec.intermediate_size
         self.gate_up_proj = load(
             w, [f"{p}.gate_proj", f"{p}.up_proj"], (inter, inter), hid, spec.mlp_bias, dtype
@@ -205,8 +208,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.fused:
-            return self.down_proj(torch.ops.pagechat.silu_mul(gate_up))
+        if self.small is not None:
+            return self.down_proj(self.small.silu_mul(gate_up))
         gate, up = gate_up.split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -223,6 +226,7 @@ class DecoderLayer(nn.Module):
         i: int,
         dtype: torch.dtype,
         load: LinearLoader,
+        small: ops.SmallOps | None,
         fused: bool,
     ) -> None:
         super().__init__()
@@ -230,14 +234,14 @@ class DecoderLayer(nn.Module):
 
         def norm(name: str) -> RMSNorm:
             weight = w.floats(f"{p}.{name}.weight", (spec.hidden_size,), dtype)
-            return RMSNorm(weight, spec.rms_norm_eps, fused)
+            return RMSNorm(weight, spec.rms_norm_eps, small)
 
         self.input_layernorm = norm("input_layernorm")
         self.post_attention_layernorm = norm("post_attention_layernorm")
         self.self_attn = Attention(
-            spec, w, f"{p}.self_attn", dtype, spec.sliding_windows[i], load, fused
+            spec, w, f"{p}.self_attn", dtype, spec.sliding_windows[i], load, small, fused
         )
-        self.mlp = MLP(spec, w, f"{p}.mlp", dtype, load, fused)
+        self.mlp = MLP(spec, w, f"{p}.mlp", dtype, load, small)
 
     def forward(self, x, residual, cos, sin, kv, meta):
         if residual is None:
@@ -314,12 +318,12 @@ class DecoderModel(nn.Module):
         self.lm_head = lm_head
         # the device the model will run on, not where its tensors are now: a dense model loads on
         # the CPU and moves to a GPU later, where ops.cpp's CPU ops cannot run
-        fused = ops.fused(device, dtype)
+        small, fused = ops.small_ops(device, dtype), ops.fused(device, dtype)
         self.layers = nn.ModuleList(
-            DecoderLayer(spec, w, i, dtype, load, fused) for i in range(spec.num_layers)
+            DecoderLayer(spec, w, i, dtype, load, small, fused) for i in range(spec.num_layers)
         )
         self.norm = RMSNorm(
-            w.floats("model.norm.weight", (spec.hidden_size,), dtype), spec.rms_norm_eps, fused
+            w.floats("model.norm.weight", (spec.hidden_size,), dtype), spec.rms_norm_eps, small
         )
         cos, sin = rope_tables(spec, max_len)
         self.register_buffer("cos", cos, persistent=False)

@@ -1,16 +1,18 @@
 """The decoder's small ops fused for CPU steps (ops.cpp: RMSNorm, residual add + RMSNorm, rotary
-embedding, SiLU x up), built on first use by native.py.
+embedding, SiLU x up, and decode attention), built on first use by native.py.
 
-core/model.py asks `fused(device, dtype)` once per model; where it is False (a GPU, float16,
-PAGECHAT_KERNELS=0, no compiler) the model runs the same math as torch ops.
+core/model.py asks `small_ops(device, dtype)` once per model: ops.cpp's on a CPU, Triton's on a
+GPU (core/fused_triton.py), else (float16 on a CPU, PAGECHAT_KERNELS=0, no compiler or no Triton)
+None, and the model runs the same math as torch ops.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from types import ModuleType
 
 import torch
-from pagechat.core import native
+from pagechat.core import fused_triton, native, paged_triton
 
 SOURCE = Path(__file__).with_name("ops.cpp")
 
@@ -22,6 +24,20 @@ def fused(device: torch.device, dtype: torch.dtype) -> bool:
         and dtype in (torch.float32, torch.bfloat16)
         and native.library(SOURCE, "fused ops")
     )
+
+
+# torch.ops.pagechat (ops.cpp's) or core/fused_triton.py: rms_norm, add_rms_norm, rope, silu_mul
+SmallOps = ModuleType | torch._ops._OpNamespace
+
+
+def small_ops(device: torch.device, dtype: torch.dtype) -> SmallOps | None:
+    """The fused small ops a model on device in dtype runs, or None for torch's: ops.cpp's on a
+    CPU where fused(), Triton's on a GPU where decode attention is Triton's too."""
+    if fused(device, dtype):
+        return torch.ops.pagechat
+    if device.type == "cuda" and paged_triton.available():
+        return fused_triton
+    return None
 
 
 def row_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,5 +1,6 @@
-"""The decoder's fused small ops (core/ops.cpp) against the torch code they replace, in float32
-and bf16, and the model's choice of them.
+"""The decoder's fused small ops against the torch code they replace: ops.cpp's (a CPU's) in
+float32 and bf16, and core/fused_triton.py's (a GPU's; Triton's interpreter runs them on CPU tensors
+here) in float16 too; and the model's choice of them.
 
 Oracle: core/model.py's own torch path (RMSNorm._norm, rotate, silu(gate) * up), which the HF
 parity tests pin to transformers. float32 results may differ by the order of a row's sum of
@@ -9,19 +10,42 @@ rare last-bit tie.
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
-from pagechat.core import native, ops
+from pagechat.core import fused_triton, native, ops
 from pagechat.core.config import EngineConfig
 from pagechat.core.engine import Engine
 from pagechat.core.model import RMSNorm, rotate
 
+if not torch.cuda.is_available():  # read when the kernels are first compiled
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 CPU = torch.device("cpu")
 needs_ops = pytest.mark.skipif(
     not ops.fused(CPU, torch.float32), reason="needs an AVX2 CPU, g++ and ninja"
 )
-TOL = {torch.float32: 2e-6, torch.bfloat16: 1e-2}
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+TOL = {torch.float32: 2e-6, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+# (backend, dtype): ops.cpp takes float32 and bf16, Triton float16 too
+CASES = [
+    pytest.param(backend, dtype, marks=needs_ops if backend == "ops.cpp" else needs_triton)
+    for backend, dtypes in (
+        ("ops.cpp", (torch.float32, torch.bfloat16)),
+        ("triton", (torch.float32, torch.bfloat16, torch.float16)),
+    )
+    for dtype in dtypes
+]
+
+
+NAMES = ("rms_norm", "add_rms_norm", "rope", "silu_mul")
+
+
+def small(backend: str) -> ops.SmallOps:
+    return torch.ops.pagechat if backend == "ops.cpp" else fused_triton
 
 
 def close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -32,26 +56,24 @@ def close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> bool:
     return off.float().mean().item() <= 1e-3
 
 
-@needs_ops
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend,dtype", CASES)
 @pytest.mark.parametrize("rows", [1, 3, 17, 300])
-def test_norms_match_torch(dtype, rows):
+def test_norms_match_torch(backend, dtype, rows):
     g = torch.Generator().manual_seed(rows)
-    h = 580  # 8 at a time, then 4 alone
+    h = 580  # 8 at a time, then 4 alone; not a power of two
     x = (torch.randn(rows, h, generator=g) * 3).to(dtype)
     res = torch.randn(rows, h, generator=g).to(dtype)
     w = (torch.rand(h, generator=g) + 0.5).to(dtype)
-    fused, plain = RMSNorm(w, 1e-5, fused=True), RMSNorm(w, 1e-5)
+    fused, plain = RMSNorm(w, 1e-5, small(backend)), RMSNorm(w, 1e-5)
     assert close(fused(x), plain(x), dtype)
     (y, s), (y_ref, s_ref) = fused(x, res), plain(x, res)
     assert torch.equal(s, s_ref)  # one rounded add either way
     assert close(y, y_ref, dtype)
 
 
-@needs_ops
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend,dtype", CASES)
 @pytest.mark.parametrize("d", [16, 64, 12, 40])  # halves of 8 at a time, in scalars, or both
-def test_rope_on_a_slice_of_qkv_matches_rotate(dtype, d):
+def test_rope_on_a_slice_of_qkv_matches_rotate(backend, dtype, d):
     """The fused qkv's q and k heads are a strided view: the op reads them in place."""
     t, heads, kv_heads = 5, 4, 2
     qkv = torch.randn(t, (heads + 2 * kv_heads) * d).to(dtype)
@@ -60,20 +82,21 @@ def test_rope_on_a_slice_of_qkv_matches_rotate(dtype, d):
     ang = torch.randn(t, 1, d // 2)
     cos = torch.cat((ang.cos(), ang.cos()), -1).to(dtype)
     sin = torch.cat((-ang.sin(), ang.sin()), -1).to(dtype)
-    assert close(torch.ops.pagechat.rope(qk, cos, sin), rotate(qk, cos, sin), dtype)
+    got = small(backend).rope(qk, cos, sin)
+    assert got.is_contiguous() and close(got, rotate(qk, cos, sin), dtype)
 
 
-@needs_ops
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_silu_mul_matches_torch(dtype):
+@pytest.mark.parametrize("backend,dtype", CASES)
+def test_silu_mul_matches_torch(backend, dtype):
+    op = small(backend).silu_mul
     gate_up = (torch.randn(7, 2 * 1540) * 4).to(dtype)  # 1540: 8 at a time, then 4 alone
     gate, up = gate_up.split(1540, dim=-1)
-    assert close(torch.ops.pagechat.silu_mul(gate_up), F.silu(gate) * up, dtype)
+    assert close(op(gate_up), F.silu(gate) * up, dtype)
     # the vectorised exp saturates where torch's does and passes NaN on
     edge = torch.tensor([float("nan"), float("inf"), -float("inf"), 100.0, -100.0, 0.0] + [3.0] * 4)
     gate_up = torch.cat([edge, torch.ones(10)]).to(dtype)[None]
     want = F.silu(edge.to(dtype))
-    torch.testing.assert_close(torch.ops.pagechat.silu_mul(gate_up)[0], want, equal_nan=True)
+    torch.testing.assert_close(op(gate_up)[0], want, equal_nan=True)
 
 
 @needs_ops
@@ -110,13 +133,14 @@ def test_ops_refuse_what_they_cannot_take():
 def test_model_uses_them_only_where_they_run(tiny_llama, monkeypatch):
     e = Engine(tiny_llama, EngineConfig(kv_blocks=8, dtype="float32"))
     layer = e.model.layers[0]
-    want = ops.fused(CPU, torch.float32)
-    assert layer.input_layernorm.fused == layer.mlp.fused == layer.self_attn.fused == want
+    want = torch.ops.pagechat if ops.fused(CPU, torch.float32) else None
+    assert layer.input_layernorm.small is layer.mlp.small is layer.self_attn.small is want
+    assert layer.self_attn.fused == (want is not None)  # and decode attention
     monkeypatch.setenv("PAGECHAT_KERNELS", "0")
     native.library.cache_clear()
     try:
         off = Engine(tiny_llama, EngineConfig(kv_blocks=8, dtype="float32"))
-        assert not off.model.layers[0].input_layernorm.fused
+        assert off.model.layers[0].input_layernorm.small is None
         prompt, n = [5, 6, 7, 8, 9], 8
         from pagechat.core.params import SamplingParams
 
@@ -129,9 +153,9 @@ def test_model_uses_them_only_where_they_run(tiny_llama, monkeypatch):
         native.library.cache_clear()
 
 
-def test_a_model_for_a_gpu_is_built_without_them(tiny_llama):
-    """A dense checkpoint loads on the CPU and moves to its device after: whether its layers run
-    ops.cpp's CPU ops follows the device it will run on (a GPU engine ran them on CUDA tensors)."""
+def test_a_model_for_a_gpu_is_built_with_tritons_not_ops_cpps(tiny_llama):
+    """A dense checkpoint loads on the CPU and moves to its device after: which fused ops its
+    layers run follows the device it will run on (a GPU engine ran ops.cpp's on CUDA tensors)."""
     from pagechat.core.loader import open_weights, read_spec
     from pagechat.core.model import DecoderModel
 
@@ -142,7 +166,38 @@ def test_a_model_for_a_gpu_is_built_without_them(tiny_llama):
     finally:
         weights.close()
     assert not any(m.fused for m in model.modules() if hasattr(m, "fused"))
+    want = fused_triton if HAS_TRITON else None
+    assert all(m.small is want for m in model.modules() if hasattr(m, "small"))
     assert next(model.parameters()).device == CPU  # built where it loads; moved later
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_an_engine_running_tritons_small_ops_matches_torchs(tiny_llama, dtype, monkeypatch):
+    """A GPU engine's small ops on the CPU: greedy tokens as torch's ops give them, logits within
+    the dtype's rounding, and every op ran."""
+    from pagechat.core.params import SamplingParams
+
+    calls = set()
+
+    def counted(name):
+        op = getattr(fused_triton, name)
+        return lambda *a: calls.add(name) or op(*a)
+
+    spy = type("Spy", (), {n: staticmethod(counted(n)) for n in NAMES})
+
+    def run(chosen):
+        monkeypatch.setattr(ops, "small_ops", lambda device, dtype: chosen)
+        e = Engine(tiny_llama, EngineConfig(kv_blocks=16, dtype=dtype, graphs=False))
+        params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+        out = e.generate([[5, 6, 7, 8, 9], [3, 4]], params)
+        return [o.output_ids for o in out], e.runner.score([5, 9, 3, 77, 120])
+
+    (want, want_logits), (got, got_logits) = run(None), run(spy)
+    assert calls == set(NAMES)
+    assert got == want
+    tol = 1e-5 if dtype == "float32" else 3e-2
+    torch.testing.assert_close(got_logits, want_logits, rtol=tol, atol=tol)
 
 
 @needs_ops

@@ -9,9 +9,10 @@
    contexts up to 4,096 tokens; its K/V writes; its time against the gathered path's;
 3. the engine on random models of the 135M and 0.5B shapes: greedy tokens and logits in float32
    against transformers on the same GPU, eager and with CUDA graphs;
-4. decode speed in bf16 at 1 to 64 sequences, eager against CUDA graphs, and its memory-bandwidth
-   use (decode's bytes a token x tok/s over the measured bandwidth, as the Timing panel shows it);
-   the captured step's GPU time alone beside the whole step's;
+4. decode speed in bf16 at 1 to 64 sequences, eager against CUDA graphs, with Triton's fused
+   small ops (core/fused_triton.py) and with torch's, and its memory-bandwidth use (decode's
+   bytes a token x tok/s over the measured bandwidth, as the Timing panel shows it); the captured
+   step's GPU time alone beside the whole step's;
 5. the Memory panel's CUDA readings (core/memory.py) against torch.cuda.memory_stats, and the
    weights and KV pool against what torch has allocated.
 
@@ -31,7 +32,7 @@ import traceback
 from pathlib import Path
 
 import torch
-from pagechat.core import paged_triton
+from pagechat.core import ops, paged_triton
 from pagechat.core.attention import build_metadata, paged_attention
 from pagechat.core.config import EngineConfig
 from pagechat.core.cuda_graphs import CudaGraphs
@@ -167,24 +168,34 @@ def oracle_check(model_dir: Path, device: torch.device, quick: bool) -> list[dic
     return rows
 
 
+def _speed_engine(model_dir: Path, device: torch.device, graphs: bool, small: bool) -> Engine:
+    """A bf16 engine; small False: its norms, rotary and SiLU as torch's ops."""
+    chosen = ops.small_ops
+    if not small:
+        ops.small_ops = lambda device, dtype: None
+    try:
+        cfg = EngineConfig(device=device.type, dtype="bfloat16", graphs=graphs, kv_blocks=2048)
+        return Engine(model_dir, cfg)
+    finally:
+        ops.small_ops = chosen
+
+
 def speed_check(model_dir: Path, device: torch.device, quick: bool) -> list[dict]:
-    """bf16 decode tok/s at each batch and its MBU, three ways interleaved batch by batch: eager
+    """bf16 decode tok/s at each batch and its MBU, four ways interleaved batch by batch: eager
     with the decode rows gathered (the GPU's path before the paged kernel), eager through the
-    paged kernel, and CUDA graphs (which need it)."""
+    paged kernel, CUDA graphs (which need it) with torch's small ops, and with Triton's."""
     engines = {
-        g: Engine(
-            model_dir,
-            EngineConfig(device=device.type, dtype="bfloat16", graphs=g, kv_blocks=2048),
-        )
-        for g in (False, True)
+        "eager": _speed_engine(model_dir, device, False, True),
+        "graphs_torch_ops": _speed_engine(model_dir, device, True, False),
+        "graphs": _speed_engine(model_dir, device, True, True),
     }
-    infos = {g: EngineInfo.of(e) for g, e in engines.items()}
+    infos = {name: EngineInfo.of(e) for name, e in engines.items()}
     rows = []
     for b in BATCHES[:2] if quick else BATCHES:
-        for mode in ("gathered", "paged", "graphs"):
-            graphs = mode == "graphs"
-            engine = engines[graphs]
-            if not graphs:
+        for mode in ("gathered", "paged", "graphs_torch_ops", "graphs"):
+            name = mode if mode.startswith("graphs") else "eager"
+            engine = engines[name]
+            if name == "eager":
                 engine.runner.paged = mode == "paged" and device.type == "cuda"
             reports = []
             params = SamplingParams(
@@ -194,17 +205,17 @@ def speed_check(model_dir: Path, device: torch.device, quick: bool) -> list[dict
             decode = [r for r in reports if r.kind == "decode"]
             seconds = sum(r.elapsed_s for r in decode)
             read, _ = step_rates(
-                [(r.kind, r.elapsed_s, r.batch) for r in decode], infos[graphs].memory
+                [(r.kind, r.elapsed_s, r.batch) for r in decode], infos[name].memory
             )
             rows.append({
                 "model": model_dir.name, "batch": b, "mode": mode,
                 "graphs": type(engine.runner.graphs).__name__,
                 "decode_tok_s": sum(r.decode_tokens for r in decode) / seconds,
                 "step_ms": 1e3 * seconds / len(decode),
-                "mbu": read / infos[graphs].roofline.bandwidth,
+                "mbu": read / infos[name].roofline.bandwidth,
                 "replay_ms": _replay_ms(engine.runner.graphs, b),
             })  # fmt: skip
-    rows.append(memory_check(engines[True], infos[True]))
+    rows.append(memory_check(engines["graphs"], infos["graphs"]))
     return rows
 
 
