@@ -198,8 +198,10 @@ def speed_check(model_dir: Path, device: torch.device, quick: bool) -> list[dict
             if name == "eager":
                 engine.runner.paged = mode == "paged" and device.type == "cuda"
             reports = []
+            # no candidates recorded, as `bench` and `generate` decode (the app's panel asks for
+            # 8 a token: their records are host work that grows with the batch)
             params = SamplingParams(
-                temperature=0.0, max_tokens=16 if quick else 128, ignore_eos=True
+                temperature=0.0, max_tokens=16 if quick else 128, ignore_eos=True, num_candidates=0
             )
             engine.generate(_prompts(engine, b, 64, b), params, on_report=reports.append)
             decode = [r for r in reports if r.kind == "decode"]
