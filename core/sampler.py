@@ -9,7 +9,6 @@ as vLLM applies its bitmask before sampling.
 
 from __future__ import annotations
 
-import copy
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -337,7 +336,7 @@ class Sampler:
         """One SampleRecord per row: its top candidates (and the chosen token), with figures."""
         wants = [r.params.num_candidates for r in rows]
         top_n = min(max(wants), pen.shape[1])
-        params = _frozen_params(rows)
+        params = [r.params for r in rows]  # frozen: a record may hold the request's own
         allowed = [None if r.allowed is None else int(r.allowed.sum()) for r in rows]
         if top_n == 0:
             return [
@@ -364,15 +363,6 @@ class Sampler:
                 Candidate(i_[j], self.text(i_[j]), l_[j], p_[j], cum, k_[j], cut_by, i_[j] == token)
             )
         return tuple(cands)
-
-
-def _frozen_params(rows: Sequence[SampleRow]) -> list[SamplingParams]:
-    """A copy of each row's params, one copy per params object in the batch."""
-    copies: dict[int, SamplingParams] = {}
-    for r in rows:
-        if id(r.params) not in copies:
-            copies[id(r.params)] = copy.copy(r.params)
-    return [copies[id(r.params)] for r in rows]
 
 
 def _candidate_columns(

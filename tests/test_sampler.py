@@ -1,5 +1,7 @@
 """Sampler tests: transformers' warpers are the oracle for the filtered logits; draws are seeded."""
 
+import dataclasses
+
 import pytest
 import torch
 from pagechat.core.params import SamplingParams
@@ -252,7 +254,9 @@ def test_cut_by_on_hand_made_example():
     assert [c.kept for c in rec.candidates] == [True, False, False, False, False]
     assert [c.chosen for c in rec.candidates] == [True, False, False, False, False]
     assert rec.candidates[-1].cum_prob == pytest.approx(1.0)
-    assert rec.params == params and rec.params is not params
+    assert rec.params is params  # frozen, so the record needs no copy of its own
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        params.top_k = 1  # type: ignore[misc]
 
 
 def greedy(params: SamplingParams) -> SamplingParams:
