@@ -6,7 +6,8 @@
    (core/roofline.py), and a device-to-device copy beside them;
 2. paged decode attention (core/paged_triton.py) against the float64 definition (the gathered
    path on upcast inputs) on random pools, GQA groups, head sizes, windows, 16-bit caches and
-   contexts up to 4,096 tokens; its K/V writes; its time against the gathered path's;
+   contexts up to 4,096 tokens; its K/V writes; its time against the gathered path's; the fused
+   small ops (core/fused_triton.py) against torch's on the same GPU, in float32, bf16 and fp16;
 3. the engine on random models of the 135M and 0.5B shapes: greedy tokens and logits in float32
    against transformers on the same GPU, eager and with CUDA graphs;
 4. decode speed in bf16 at 1 to 64 sequences, eager against CUDA graphs, with Triton's fused
@@ -32,13 +33,14 @@ import traceback
 from pathlib import Path
 
 import torch
-from pagechat.core import ops, paged_triton
+from pagechat.core import fused_triton, ops, paged_triton
 from pagechat.core.attention import build_metadata, paged_attention
 from pagechat.core.config import EngineConfig
 from pagechat.core.cuda_graphs import CudaGraphs
 from pagechat.core.engine import Engine
 from pagechat.core.events import EngineInfo
 from pagechat.core.memory import read_memory
+from pagechat.core.model import RMSNorm, rotate
 from pagechat.core.params import SamplingParams
 from pagechat.core.roofline import Roofline, gpu_seconds, median_seconds, step_rates, sync
 from pagechat.tools.make_model import make_model
@@ -113,6 +115,45 @@ def kernel_check(device: torch.device, case: tuple, contexts: list[int]) -> dict
     return out
 
 
+def _agree(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
+    """(the largest difference, the share of elements apart by more than the dtype's rounding)."""
+    tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}[want.dtype]
+    off = ~torch.isclose(got.float(), want.float(), rtol=tol, atol=tol)
+    return (got.float() - want.float()).abs().max().item(), off.float().mean().item()
+
+
+def small_ops_check(device: torch.device, dtype: torch.dtype, hidden: int, d: int) -> dict:
+    """core/fused_triton.py's ops against the torch ops they replace, on 7 rows."""
+    g = torch.Generator(device=device).manual_seed(hidden)
+    x = (torch.randn(7, hidden, device=device, generator=g) * 3).to(dtype)
+    res = torch.randn(7, hidden, device=device, generator=g).to(dtype)
+    w = (torch.rand(hidden, device=device, generator=g) + 0.5).to(dtype)
+    fused, plain = RMSNorm(w, 1e-5, fused_triton), RMSNorm(w, 1e-5)
+    qkv = torch.randn(7, 20 * d, device=device, generator=g).to(dtype)
+    qk = qkv[:, : 16 * d].view(7, 16, d)  # 12 query heads and 4 KV heads of a fused qkv
+    ang = torch.randn(7, 1, d // 2, device=device, generator=g)
+    cos = torch.cat((ang.cos(), ang.cos()), -1).to(dtype)
+    sin = torch.cat((-ang.sin(), ang.sin()), -1).to(dtype)
+    gate_up = (torch.randn(7, 2 * 4 * hidden, device=device, generator=g) * 4).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    (y, total), (y_ref, total_ref) = fused(x, res), plain(x, res)
+    pairs = {
+        "rms_norm": (fused(x), plain(x)),
+        "add_rms_norm": (y, y_ref),
+        "residual": (total, total_ref),
+        "rope": (fused_triton.rope(qk, cos, sin), rotate(qk, cos, sin)),
+        "silu_mul": (fused_triton.silu_mul(gate_up), torch.nn.functional.silu(gate) * up),
+    }
+    out = {"small_ops": f"{str(dtype)[6:]} hidden {hidden} head {d}"}
+    worst = 0.0
+    for name, (got, want) in pairs.items():
+        out[f"{name}_max_err"], off = _agree(got, want)
+        worst = max(worst, off)
+    out["off_share"] = worst  # 16-bit: a rare last-bit tie rounds the other way
+    out["ok"] = worst <= (0.0 if dtype == torch.float32 else 1e-3)
+    return out
+
+
 def kernel_checks(device: torch.device, quick: bool) -> list[dict]:
     rng = random.Random(0)
     rows = []
@@ -123,6 +164,9 @@ def kernel_checks(device: torch.device, quick: bool) -> list[dict]:
         if not quick:
             for b, ctx in ((1, 4096), (64, 1024)):
                 rows.append(kernel_check(device, case, [ctx - 1] * b))
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for hidden, d in ((576, 64), (4096, 128)):
+            rows.append(small_ops_check(device, dtype, hidden, d))
     return rows
 
 
