@@ -324,6 +324,75 @@ inline void weigh_values(const float* weight, int64_t n, const C* vc, const int6
     for (int u = 0; u < NV; ++u) _mm256_storeu_ps(acc + h * d + j0 + 8 * u, a[h][u]);
 }
 
+// One query head group's attention over `n` context rows (the gather slots `rows`): per head, the
+// largest score, the sum of the exponentials below it, and the values weighed by them, unnormalised
+// (acc [group, d]), so that pieces of one context can be merged.
+template <class T, class C>
+void attend_piece(const T* qrow, int64_t q_head_stride, float scale, const C* kc, const C* vc,
+                  int64_t kv_heads, int64_t g, int64_t group, int64_t d, const int64_t* rows,
+                  int64_t n, std::vector<float>& scores, std::vector<float>& kf, float* qf,
+                  float* acc, float* top, float* total) {
+  for (int64_t h = 0; h < group; ++h) {
+    const T* qs = qrow + (g * group + h) * q_head_stride;
+    for (int64_t j = 0; j < d; ++j) qf[h * d + j] = f32(qs[j]) * scale;
+  }
+  constexpr int64_t kScoreHeads = 8;
+  scores.resize(group * n);
+  int64_t t8 = 0;
+  for (; t8 + 8 <= n; t8 += 8) {  // 8 key rows in float, once for every head of the group
+    for (int u = 0; u < 8; ++u) {
+      const int64_t ahead = t8 + u + kAhead;
+      if (ahead < n) prefetch_row(kc + (rows[ahead] * kv_heads + g) * d, d);
+      const C* kr = kc + (rows[t8 + u] * kv_heads + g) * d;
+      for (int64_t j = 0; j < d; j += 8) _mm256_storeu_ps(&kf[u * d + j], load8(kr + j));
+    }
+    score_8_rows(qf, group, d, kf.data(), &scores[t8], n);
+  }
+  for (int64_t h0 = 0; h0 < group; h0 += kScoreHeads) {  // the rest: up to 8 heads a row
+    pagechat::with_count<kScoreHeads>(std::min(group - h0, kScoreHeads), [&](auto heads) {
+      for (int64_t t = t8; t < n; ++t) {
+        const C* kr = kc + (rows[t] * kv_heads + g) * d;
+        score_row<heads()>(&qf[h0 * d], d, kr, &scores[h0 * n + t], n);
+      }
+    });
+  }
+  for (int64_t h = 0; h < group; ++h) {  // the exponentials 8 at a time, as silu_mul's
+    float* sc = &scores[h * n];
+    top[h] = *std::max_element(sc, sc + n);
+    __m256 sum = _mm256_setzero_ps();
+    int64_t t = 0;
+    for (; t + 8 <= n; t += 8) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + t), _mm256_set1_ps(top[h])));
+      _mm256_storeu_ps(sc + t, e);
+      sum = _mm256_add_ps(sum, e);
+    }
+    total[h] = sum8(sum);
+    for (; t < n; ++t) total[h] += (sc[t] = std::exp(sc[t] - top[h]));
+  }
+  // up to 4 heads by 32 values (12 registers of sums), fewer values for the last ones
+  const int64_t row_stride = kv_heads * d;
+  const C* vg = vc + g * d;
+  for (int64_t h0 = 0; h0 < group; h0 += 4) {
+    pagechat::with_count<4>(std::min<int64_t>(group - h0, 4), [&](auto heads) {
+      constexpr int H = heads(), NV = H == 4 ? 2 : 4;  // registers: see weigh_values
+      const float* w = &scores[h0 * n];
+      int64_t j0 = 0;
+      for (; j0 + 8 * NV <= d; j0 += 8 * NV) {
+        weigh_values<H, NV>(w, n, vg, rows, row_stride, j0, &acc[h0 * d], d);
+      }
+      for (; j0 < d; j0 += 8) weigh_values<H, 1>(w, n, vg, rows, row_stride, j0, &acc[h0 * d], d);
+    });
+  }
+}
+
+// A context of this many keys or more is attended in pieces of at least kPieceKeys, up to
+// kMaxPieces, merged after (flash-decoding): one sequence's few kv heads are otherwise as many
+// tasks, and two threads over a model's 3 kv heads wait on the one that has two. SmolLM2's shape,
+// bf16, the KV from memory: 2,000 keys 186-200 us a layer whole, 157-171 in pieces; 4,000 keys
+// 371-475 against 280-315. Shorter contexts stay whole: at 64-400 keys the pieces' fork and merge
+// cost what they save.
+constexpr int64_t kPieceKeys = 256, kSplitKeys = 512, kMaxPieces = 8;
+
 // One decode step's attention for every sequence computing one token: write each token's K and V
 // into the paged cache, then attend its query to its context, read in place through the gather
 // slots, without copying the context out as the torch path must (index_select of every position,
@@ -351,73 +420,65 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
       }
     }
   }
+  // Per sequence its pieces, and where its parts start: part (i, g, p) holds kv head g's piece p.
+  // A whole context is one task per kv head; a context in pieces is one task per piece, over
+  // every kv head: the piece's blocks hold all heads' rows side by side, so its first head reads
+  // them from memory in order and the others find them in cache.
+  struct Task {
+    int64_t i, g0, g1, p;
+  };
+  std::vector<int64_t> pieces(b), first(b + 1, 0), keys(b), start(b);
+  std::vector<Task> tasks;
+  for (int64_t i = 0; i < b; ++i) {
+    const int64_t ctx = q_pos[i] + 1;
+    start[i] = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
+    keys[i] = ctx - start[i];
+    pieces[i] = keys[i] < kSplitKeys ? 1 : std::min(kMaxPieces, keys[i] / kPieceKeys);
+    first[i + 1] = first[i] + kv_heads * pieces[i];
+    for (int64_t p = 0; p < pieces[i]; ++p) {
+      if (pieces[i] > 1) tasks.push_back({i, 0, kv_heads, p});
+      for (int64_t g = 0; pieces[i] == 1 && g < kv_heads; ++g) tasks.push_back({i, g, g + 1, 0});
+    }
+  }
+  const int64_t stride = group * (d + 2);  // a part: the values [group, d], maxima, sums
+  std::vector<float> parts(first[b] * stride);
+  const auto part = [&](int64_t i, int64_t g, int64_t p) {
+    return &parts[(first[i] + g * pieces[i] + p) * stride];
+  };
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-  constexpr int64_t kScoreHeads = 8;
-  T* op = out.data_ptr<T>();
-  at::parallel_for(0, b * kv_heads, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> qf(group * d), acc(group * d), total(group), scores, kf(8 * d);
-    for (int64_t task = t0; task < t1; ++task) {
-      const int64_t i = task / kv_heads, g = task % kv_heads;
-      const int64_t ctx = q_pos[i] + 1, lo = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
-      const int64_t n = ctx - lo;
-      const int64_t* rows = gather + i * max_ctx + lo;
-      for (int64_t h = 0; h < group; ++h) {
-        const T* qs = qp + i * q.stride(0) + (g * group + h) * q.stride(1);
-        for (int64_t j = 0; j < d; ++j) qf[h * d + j] = f32(qs[j]) * scale;
-      }
-      scores.resize(group * n);
-      int64_t t8 = 0;
-      for (; t8 + 8 <= n; t8 += 8) {  // 8 key rows in float, once for every head of the group
-        for (int u = 0; u < 8; ++u) {
-          const int64_t ahead = t8 + u + kAhead;
-          if (ahead < n) prefetch_row(kc + (rows[ahead] * kv_heads + g) * d, d);
-          const C* kr = kc + (rows[t8 + u] * kv_heads + g) * d;
-          for (int64_t j = 0; j < d; j += 8) _mm256_storeu_ps(&kf[u * d + j], load8(kr + j));
-        }
-        score_8_rows(qf.data(), group, d, kf.data(), &scores[t8], n);
-      }
-      for (int64_t h0 = 0; h0 < group; h0 += kScoreHeads) {  // the rest: up to 8 heads a row
-        pagechat::with_count<kScoreHeads>(std::min(group - h0, kScoreHeads), [&](auto heads) {
-          for (int64_t t = t8; t < n; ++t) {
-            const C* kr = kc + (rows[t] * kv_heads + g) * d;
-            score_row<heads()>(&qf[h0 * d], d, kr, &scores[h0 * n + t], n);
-          }
-        });
-      }
-      for (int64_t h = 0; h < group; ++h) {  // the exponentials 8 at a time, as silu_mul's
-        float* sc = &scores[h * n];
-        const float top = *std::max_element(sc, sc + n);
-        __m256 sum = _mm256_setzero_ps();
-        int64_t t = 0;
-        for (; t + 8 <= n; t += 8) {
-          const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + t), _mm256_set1_ps(top)));
-          _mm256_storeu_ps(sc + t, e);
-          sum = _mm256_add_ps(sum, e);
-        }
-        total[h] = sum8(sum);
-        for (; t < n; ++t) total[h] += (sc[t] = std::exp(sc[t] - top));
-      }
-      // up to 4 heads by 32 values (12 registers of sums), fewer values for the last ones
-      const int64_t row_stride = kv_heads * d;
-      const C* vg = vc + g * d;
-      for (int64_t h0 = 0; h0 < group; h0 += 4) {
-        pagechat::with_count<4>(std::min<int64_t>(group - h0, 4), [&](auto heads) {
-          constexpr int H = heads(), NV = H == 4 ? 2 : 4;  // registers: see weigh_values
-          const float* w = &scores[h0 * n];
-          int64_t j0 = 0;
-          for (; j0 + 8 * NV <= d; j0 += 8 * NV) {
-            weigh_values<H, NV>(w, n, vg, rows, row_stride, j0, &acc[h0 * d], d);
-          }
-          for (; j0 < d; j0 += 8)
-            weigh_values<H, 1>(w, n, vg, rows, row_stride, j0, &acc[h0 * d], d);
-        });
-      }
-      for (int64_t h = 0; h < group; ++h) {
-        T* o = op + (i * heads + g * group + h) * d;
-        for (int64_t j = 0; j < d; ++j) o[j] = static_cast<T>(acc[h * d + j] / total[h]);
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> qf(group * d), scores, kf(8 * d);
+    for (int64_t t = t0; t < t1; ++t) {
+      const Task& task = tasks[t];
+      const int64_t i = task.i, n = keys[i], m = pieces[i];
+      const int64_t from = n * task.p / m, to = n * (task.p + 1) / m;
+      for (int64_t g = task.g0; g < task.g1; ++g) {
+        float* out = part(i, g, task.p);
+        attend_piece(qp + i * q.stride(0), q.stride(1), scale, kc, vc, kv_heads, g, group, d,
+                     gather + i * max_ctx + start[i] + from, to - from, scores, kf, qf.data(),
+                     out, out + group * d, out + group * (d + 1));
       }
     }
   });
+  T* op = out.data_ptr<T>();
+  std::vector<float> o(d);
+  for (int64_t i = 0; i < b; ++i) {  // each head's pieces merged at their largest score
+    for (int64_t g = 0; g < kv_heads; ++g) {
+      for (int64_t h = 0; h < group; ++h) {
+        float top = -INFINITY, total = 0.0f;
+        for (int64_t p = 0; p < pieces[i]; ++p) top = std::max(top, part(i, g, p)[group * d + h]);
+        std::fill(o.begin(), o.end(), 0.0f);
+        for (int64_t p = 0; p < pieces[i]; ++p) {  // one piece: a weight of exactly 1
+          const float* pp = part(i, g, p);
+          const float w = std::exp(pp[group * d + h] - top);
+          total += w * pp[group * (d + 1) + h];
+          for (int64_t j = 0; j < d; ++j) o[j] += w * pp[h * d + j];
+        }
+        T* dst = op + (i * heads + g * group + h) * d;
+        for (int64_t j = 0; j < d; ++j) dst[j] = static_cast<T>(o[j] / total);
+      }
+    }
+  }
 }
 
 // q [B, H, D], k and v [B, KV, D] (each sequence's one new token; rows may be strided views of the

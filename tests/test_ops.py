@@ -205,12 +205,16 @@ def test_an_engine_running_tritons_small_ops_matches_torchs(tiny_llama, dtype, m
     "dtype,cache",
     [(torch.float32, torch.float32), (torch.float32, torch.float16), (torch.bfloat16,) * 2],
 )
-@pytest.mark.parametrize("window", [None, 5, 20])
+@pytest.mark.parametrize("window", [None, 5, 20, 700])
 # query heads per kv head 2, 4, 10 (the kernel's chunks of 8 scored and 4 weighed heads and their
 # tails) and head sizes 16, 40 and 96 (chunks of 32 and 16 values and their tails); contexts of 3
-# to 38 keys (scored 8 rows at a time, then one by one)
+# to 38 keys (scored 8 rows at a time, then one by one), and of 600 and 2,500 (attended in 2 and 8
+# pieces, merged; a window of 700 cuts the longest to 3 pieces)
 @pytest.mark.parametrize("heads,kv_heads,d", [(4, 2, 16), (8, 2, 96), (10, 1, 40)])
-def test_decode_attention_matches_the_gathering_path(dtype, cache, window, heads, kv_heads, d):
+@pytest.mark.parametrize("contexts", [(6, 13, 2, 37), (600, 13, 2499, 37)])
+def test_decode_attention_matches_the_gathering_path(
+    dtype, cache, window, heads, kv_heads, d, contexts
+):
     """Four sequences of different contexts decode one token each, query heads sharing kv heads,
     with the qkv rows strided as the model's are: the cache written as paged_attention's torch path
     writes it (gather, then scaled_dot_product_attention), and the output as close to the same
@@ -219,10 +223,12 @@ def test_decode_attention_matches_the_gathering_path(dtype, cache, window, heads
 
     g = torch.Generator().manual_seed(0)
     block = 4
-    tables = [[3, 0], [1, 5, 6, 7], [2], list(range(8, 18))]
-    meta = build_metadata([6, 13, 2, 37], [1] * 4, tables, block, CPU)
+    need = [c // block + 1 for c in contexts]  # each context and its new token
+    order = torch.randperm(sum(need) + 2, generator=g).tolist()  # blocks anywhere in the pool
+    tables = [[order.pop() for _ in range(n)] for n in need]
+    meta = build_metadata(list(contexts), [1] * 4, tables, block, CPU)
     qkv = torch.randn(4, (heads + 2 * kv_heads) * d, generator=g)
-    pool = torch.randn(2, 18 * block, kv_heads, d, generator=g).to(cache)
+    pool = torch.randn(2, (sum(need) + 2) * block, kv_heads, d, generator=g).to(cache)
 
     def attend(rows: torch.Tensor, kv: torch.Tensor, fused: bool = False) -> torch.Tensor:
         q = rows[:, : heads * d].view(4, heads, d)
