@@ -386,8 +386,9 @@ void attend_piece(const T* qrow, int64_t q_head_stride, float scale, const C* kc
 }
 
 // A context of this many keys or more is attended in pieces of at least kPieceKeys, up to
-// kMaxPieces, merged after (flash-decoding): one sequence's few kv heads are otherwise as many
-// tasks, and two threads over a model's 3 kv heads wait on the one that has two. SmolLM2's shape,
+// kMaxPieces, merged after (flash-decoding), where the batch's kv heads are fewer than 4 tasks a
+// thread: one sequence's few kv heads are otherwise as many tasks, and two threads over a model's
+// 3 kv heads wait on the one that has two. SmolLM2's shape,
 // bf16, the KV from memory: 2,000 keys 186-200 us a layer whole, 157-171 in pieces; 4,000 keys
 // 371-475 against 280-315. Shorter contexts stay whole: at 64-400 keys the pieces' fork and merge
 // cost what they save.
@@ -429,11 +430,15 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
   };
   std::vector<int64_t> pieces(b), first(b + 1, 0), keys(b), start(b);
   std::vector<Task> tasks;
+  // pieces only where the heads make too few tasks for the threads, and no more than they need
+  const int64_t threads = at::get_num_threads();
+  const bool few = b * kv_heads < 4 * threads;
+  const int64_t most = std::min(kMaxPieces, (4 * threads + b - 1) / b);
   for (int64_t i = 0; i < b; ++i) {
     const int64_t ctx = q_pos[i] + 1;
     start[i] = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
     keys[i] = ctx - start[i];
-    pieces[i] = keys[i] < kSplitKeys ? 1 : std::min(kMaxPieces, keys[i] / kPieceKeys);
+    pieces[i] = keys[i] < kSplitKeys || !few ? 1 : std::min(most, keys[i] / kPieceKeys);
     first[i + 1] = first[i] + kv_heads * pieces[i];
     for (int64_t p = 0; p < pieces[i]; ++p) {
       if (pieces[i] > 1) tasks.push_back({i, 0, kv_heads, p});

@@ -200,6 +200,15 @@ def test_an_engine_running_tritons_small_ops_matches_torchs(tiny_llama, dtype, m
     torch.testing.assert_close(got_logits, want_logits, rtol=tol, atol=tol)
 
 
+@pytest.fixture
+def eight_threads():
+    """torch on 8 threads, then as it was: the op's split into pieces follows the thread count."""
+    was = torch.get_num_threads()
+    torch.set_num_threads(8)
+    yield
+    torch.set_num_threads(was)
+
+
 @needs_ops
 @pytest.mark.parametrize(
     "dtype,cache",
@@ -208,12 +217,13 @@ def test_an_engine_running_tritons_small_ops_matches_torchs(tiny_llama, dtype, m
 @pytest.mark.parametrize("window", [None, 5, 20, 700])
 # query heads per kv head 2, 4, 10 (the kernel's chunks of 8 scored and 4 weighed heads and their
 # tails) and head sizes 16, 40 and 96 (chunks of 32 and 16 values and their tails); contexts of 3
-# to 38 keys (scored 8 rows at a time, then one by one), and of 600 and 2,500 (attended in 2 and 8
-# pieces, merged; a window of 700 cuts the longest to 3 pieces)
+# to 38 keys (scored 8 rows at a time, then one by one), and of 600 and 2,500, attended in pieces
+# where 4 sequences' kv heads are too few tasks for the threads (8 here: 2 and 8 pieces, merged; a
+# window of 700 cuts the longest to 2)
 @pytest.mark.parametrize("heads,kv_heads,d", [(4, 2, 16), (8, 2, 96), (10, 1, 40)])
 @pytest.mark.parametrize("contexts", [(6, 13, 2, 37), (600, 13, 2499, 37)])
 def test_decode_attention_matches_the_gathering_path(
-    dtype, cache, window, heads, kv_heads, d, contexts
+    dtype, cache, window, heads, kv_heads, d, contexts, eight_threads
 ):
     """Four sequences of different contexts decode one token each, query heads sharing kv heads,
     with the qkv rows strided as the model's are: the cache written as paged_attention's torch path
