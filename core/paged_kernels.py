@@ -6,23 +6,33 @@ import triton.language as tl
 
 
 @triton.jit
+def store_kv(k, v, k_cache, v_cache, slots, k_row, v_row, c_slot, n, BLOCK: tl.constexpr):
+    """Row t's K and V [KV * D] into the caches at slots[t]; a negative slot (a padding row of
+    a captured batch) writes nothing."""
+    t = tl.program_id(0)
+    slot = tl.load(slots + t).to(tl.int64)
+    if slot >= 0:
+        i = tl.arange(0, BLOCK)
+        m = i < n
+        kt = tl.load(k + t * k_row + i, mask=m)
+        tl.store(k_cache + slot * c_slot + i, kt.to(k_cache.dtype.element_ty), mask=m)
+        vt = tl.load(v + t * v_row + i, mask=m)
+        tl.store(v_cache + slot * c_slot + i, vt.to(v_cache.dtype.element_ty), mask=m)
+
+
+@triton.jit
 def attend_part(
-    q, k, v, k_cache, v_cache, slots, table, q_pos, acc_out, ml_out,
-    q_row, q_head, k_row, k_head, v_row, v_head, c_slot, c_head, t_row, block_size, part, window,
-    scale, GROUP: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    q, k_cache, v_cache, table, q_pos, acc_out, ml_out,
+    q_row, q_head, c_slot, c_head, t_row, block_size, part, window, scale,
+    GROUP: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, P: tl.constexpr,
 ):  # fmt: skip
     """Query row t's GROUP heads sharing KV head h against partition p of its context: the
-    unnormalised sums of V [G, D] and each head's max and sum of exponentials. The partition that
-    holds the row's own position writes its new K and V for head h into the caches at slots[t]
-    (a negative slot, a captured batch's padding row, writes nothing) and attends to them from
-    registers: no kernel of its own to store them, and no read of what this program wrote."""
+    unnormalised sums of V [G, D] and each head's max and sum of exponentials."""
     t, h, p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(q_pos + t) + 1
     first = tl.where(window > 0, tl.maximum(ctx - window, 0), 0)
     lo, hi = tl.maximum(first, p * part), tl.minimum(ctx, (p + 1) * part)
-    own = (ctx - 1 >= lo) & (ctx - 1 < hi)
-    hi = tl.where(own, ctx - 1, hi)  # the cache's positions; the new one comes from k and v
     g, d = tl.arange(0, G), tl.arange(0, BLOCK_D)
     gd = (g[:, None] < GROUP) & (d[None, :] < D)
     heads = h * GROUP + g
@@ -45,22 +55,6 @@ def attend_part(
         vt = tl.load(v_cache + at, mask=nd, other=0.0).to(tl.float32)
         acc = acc * alpha[:, None] + tl.sum(e[:, :, None] * vt[None, :, :], axis=1)
         l_i = l_i * alpha + tl.sum(e, axis=1)
-        m_i = m_new
-    if own:
-        md = d < D
-        k_new = tl.load(k + t * k_row + h * k_head + d, mask=md, other=0.0)
-        v_new = tl.load(v + t * v_row + h * v_head + d, mask=md, other=0.0)
-        k_new, v_new = k_new.to(k_cache.dtype.element_ty), v_new.to(v_cache.dtype.element_ty)
-        slot = tl.load(slots + t).to(tl.int64)
-        if slot >= 0:
-            tl.store(k_cache + slot * c_slot + h * c_head + d, k_new, mask=md)
-            tl.store(v_cache + slot * c_slot + h * c_head + d, v_new, mask=md)
-        # attended as the cache holds them
-        s = tl.sum(qg * k_new.to(tl.float32)[None, :], axis=1)  # [G]
-        m_new = tl.maximum(m_i, s)
-        alpha, e = tl.exp(m_i - m_new), tl.exp(s - m_new)
-        acc = acc * alpha[:, None] + e[:, None] * v_new.to(tl.float32)[None, :]
-        l_i = l_i * alpha + e
         m_i = m_new
     # partials [T, H, P, D] and [T, H, P, 2]; an empty partition leaves -inf, 0 and zeros
     row = (t * (tl.num_programs(1) * GROUP) + heads) * P + p

@@ -45,12 +45,17 @@ def decode_attention(
     attend q [T, H, D] at positions q_pos [T, 1] to positions 0..q_pos of its row of block_table
     [T, W] (within `window` when > 0) -> [T, H, D] in q's dtype. Rows' last dims contiguous; the
     caches [slots, KV, D]."""
-    from pagechat.core.paged_kernels import attend_part, merge
+    from pagechat.core.paged_kernels import attend_part, merge, store_kv
 
     (t, heads, d), kv_heads = q.shape, k_cache.shape[1]
     if t == 0:
         return torch.empty_like(q)
     q_pos = q_pos.reshape(t)  # a view of the contiguous [T, 1]
+    n = kv_heads * d
+    store_kv[(t,)](
+        k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), k_cache.stride(0), n,
+        BLOCK=_pow2(n),
+    )  # fmt: skip
     # partitions from the table's width, not the longest context: the same grid for any lengths
     width = block_table.shape[1] * block_size
     parts = min(MAX_PARTITIONS, -(-width // MIN_PARTITION))
@@ -61,10 +66,9 @@ def decode_attention(
     acc = torch.empty(t, heads, parts, d, dtype=torch.float32, device=q.device)
     ml = torch.empty(t, heads, parts, 2, dtype=torch.float32, device=q.device)
     attend_part[(t, kv_heads, parts)](
-        q, k, v, k_cache, v_cache, slot_mapping, block_table, q_pos, acc, ml,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), block_table.stride(0), block_size, part, window,
-        d**-0.5,
+        q, k_cache, v_cache, block_table, q_pos, acc, ml,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_table.stride(0),
+        block_size, part, window, d**-0.5,
         GROUP=group, G=g, D=d, BLOCK_D=bd, BLOCK_N=max(16, min(64, 8192 // (g * bd))), P=parts,
     )  # fmt: skip
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
