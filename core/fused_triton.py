@@ -14,11 +14,8 @@ torch's ops without a GPU.
 from __future__ import annotations
 
 import torch
+from pagechat.core.paged_triton import pow2
 from torch import Tensor
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
 
 
 def _rows(x: Tensor) -> Tensor:
@@ -37,7 +34,7 @@ def _norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float) -> tup
     if rows.shape[0]:
         kernel[(rows.shape[0],)](
             rows, res, weight, out, total, rows.stride(0), res.stride(0), n, eps,
-            ADD=residual is not None, BLOCK=_pow2(n),
+            ADD=residual is not None, BLOCK=pow2(n),
         )  # fmt: skip
     return out, total
 
@@ -64,7 +61,7 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     if t:
         kernel[(t,)](
             x, cos.contiguous(), sin.contiguous(), out, x.stride(0), x.stride(1), heads, d,
-            BLOCK_D=_pow2(d), HEADS=max(2, _pow2(heads)),
+            BLOCK_D=pow2(d), HEADS=max(2, pow2(heads)),
         )  # fmt: skip
     return out
 
@@ -76,7 +73,7 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     rows = _rows(gate_up)
     inter = gate_up.shape[-1] // 2
     out = torch.empty((*gate_up.shape[:-1], inter), dtype=gate_up.dtype, device=gate_up.device)
-    block = min(1024, _pow2(inter))
+    block = min(1024, pow2(inter))
     if rows.shape[0]:
         kernel[(rows.shape[0], -(-inter // block))](rows, out, rows.stride(0), inter, BLOCK=block)
     return out

@@ -35,7 +35,7 @@ def small_ops(device: torch.device, dtype: torch.dtype) -> SmallOps | None:
     CPU where fused(), Triton's on a GPU where decode attention is Triton's too."""
     if fused(device, dtype):
         return torch.ops.pagechat
-    if device.type == "cuda" and paged_triton.available():
+    if paged_triton.runs_on(device):
         return fused_triton
     return None
 

@@ -33,7 +33,14 @@ def available() -> bool:
     return native.enabled() and importlib.util.find_spec("triton") is not None
 
 
-def _pow2(n: int) -> int:
+def runs_on(device: torch.device) -> bool:
+    """Whether steps on device run pagechat's Triton kernels (this decode attention, and
+    core/fused_triton.py's small ops, which only CUDA graphs record, not a step's trace)."""
+    return device.type == "cuda" and available()
+
+
+def pow2(n: int) -> int:
+    """The smallest power of two >= n: a Triton block's size."""
     return 1 << max(n - 1, 0).bit_length()
 
 
@@ -54,7 +61,7 @@ def decode_attention(
     n = kv_heads * d
     store_kv[(t,)](
         k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), k_cache.stride(0), n,
-        BLOCK=_pow2(n),
+        BLOCK=pow2(n),
     )  # fmt: skip
     # partitions from the table's width, not the longest context: the same grid for any lengths
     width = block_table.shape[1] * block_size
@@ -62,7 +69,7 @@ def decode_attention(
     part = -(-width // parts)
     group = heads // kv_heads
     # at least 2 rows: Triton's ranges of one element have failed to compile in some versions
-    g, bd = max(2, _pow2(group)), _pow2(d)
+    g, bd = max(2, pow2(group)), pow2(d)
     acc = torch.empty(t, heads, parts, d, dtype=torch.float32, device=q.device)
     ml = torch.empty(t, heads, parts, 2, dtype=torch.float32, device=q.device)
     attend_part[(t, kv_heads, parts)](
@@ -74,6 +81,6 @@ def decode_attention(
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     merge[(t, heads)](
         acc, ml, out, out.stride(0), out.stride(1), heads, D=d, BLOCK_D=bd, P=parts,
-        P_PAD=max(2, _pow2(parts)),
+        P_PAD=max(2, pow2(parts)),
     )  # fmt: skip
     return out

@@ -32,7 +32,7 @@ class ModelRunner:
         (core/graphs.py)."""
         self.model, self.pool, self.blocks, self.device = model, pool, blocks, device
         # decode rows read the pool through block tables (core/paged_triton.py) on a GPU
-        self.paged = device.type == "cuda" and paged_triton.available()
+        self.paged = paged_triton.runs_on(device)
         self.graphs: StepGraphs | CudaGraphs | None = None
         if graphs and self.paged:
             self.graphs = CudaGraphs(model, pool, blocks.block_size, max_seqs)
