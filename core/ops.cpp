@@ -423,8 +423,8 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
   }
   // Per sequence its pieces, and where its parts start: part (i, g, p) holds kv head g's piece p.
   // A whole context is one task per kv head; a context in pieces is one task per piece, over
-  // every kv head: the piece's blocks hold all heads' rows side by side, so its first head reads
-  // them from memory in order and the others find them in cache.
+  // every kv head (at 4,000 keys, from memory: 280-315 us a layer, against 303-337 with a task
+  // per head and piece).
   struct Task {
     int64_t i, g0, g1, p;
   };
@@ -440,9 +440,10 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
     keys[i] = ctx - start[i];
     pieces[i] = keys[i] < kSplitKeys || !few ? 1 : std::min(most, keys[i] / kPieceKeys);
     first[i + 1] = first[i] + kv_heads * pieces[i];
-    for (int64_t p = 0; p < pieces[i]; ++p) {
-      if (pieces[i] > 1) tasks.push_back({i, 0, kv_heads, p});
-      for (int64_t g = 0; pieces[i] == 1 && g < kv_heads; ++g) tasks.push_back({i, g, g + 1, 0});
+    if (pieces[i] == 1) {
+      for (int64_t g = 0; g < kv_heads; ++g) tasks.push_back({i, g, g + 1, 0});
+    } else {
+      for (int64_t p = 0; p < pieces[i]; ++p) tasks.push_back({i, 0, kv_heads, p});
     }
   }
   const int64_t stride = group * (d + 2);  // a part: the values [group, d], maxima, sums
