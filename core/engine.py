@@ -223,7 +223,9 @@ class Engine:
         rows = [_row(it.seq, it.seq.token_ids) for it, _ in plain + forks]
         if any(r.allowed is not None for r in rows):  # the masks' share: the rest is microseconds
             work.grammar_s += time.perf_counter() - t0
-        stacked = torch.cat([lg for _, lg in plain + forks]) if rows else logits[0][:0]
+        picked = [lg for _, lg in plain + forks]
+        # one row (a decode step of one sequence) as it is: a copy would read it all once more
+        stacked = picked[0] if len(picked) == 1 else torch.cat(picked) if rows else logits[0][:0]
         tokens, work.samples = self.sampler.sample(stacked, rows)
         for (it, _), token in zip(plain + forks, tokens):
             work.emitted[id(it)] = [token]
