@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 from pagechat.core.errors import PagechatError
-from pagechat.core.ops import row_max
+from pagechat.core.ops import candidates, row_max
 from pagechat.core.params import SamplingParams
 from torch import Tensor
 
@@ -376,9 +376,9 @@ def _candidate_columns(
     """Per row, (ids, logits, probs, kept, cut codes) of its top N tokens, then the chosen one."""
     # Everything per candidate is computed on an [n, N + 1] block (top N, then the chosen token),
     # then read back with a few .tolist() calls: no tensor op per candidate.
-    ids = torch.cat([pen.topk(top_n, dim=-1).indices, tokens.unsqueeze(1)], dim=1)
+    temps = [1.0 if r.params.greedy else r.params.temperature for r in rows]
+    ids, prob = candidates(pen, _column(temps, pen).squeeze(1), tokens, top_n)
     logit = pen.gather(1, ids)
-    prob = tempered(pen, rows).softmax(dim=-1).gather(1, ids)
     greedy = _column([r.params.greedy for r in rows], pen, torch.bool)
     kept = torch.where(greedy, ids == tokens.unsqueeze(1), x.gather(1, ids) > _NEG_INF)
     code = _cut_codes(ids, cuts)  # a greedy row's filters are off: only its grammar cuts

@@ -120,6 +120,46 @@ def test_row_max_is_torchs_max_and_first_argmax(vocab):
     assert ops.row_max(x[:0])[0].shape == (0, 1)
 
 
+@pytest.mark.parametrize("kernel", [pytest.param(True, marks=needs_ops), False])
+@pytest.mark.parametrize("rows,vocab,k", [(1, 49152 + 3, 8), (3, 8192 + 5, 5), (2, 7, 7), (5, 40, 1)])
+def test_candidates_are_the_topk_and_their_softmax(kernel, rows, vocab, k, eight_threads, monkeypatch):
+    """ops.candidates (ops.cpp's, and torch's where it is not built) against torch's topk and
+    softmax(x / t): the k largest ids best first, then the chosen id, with their probabilities;
+    masked (-inf) logits, a temperature too small to divide by (the maxima share), rows cut into
+    a part a thread (8 threads: fewer rows than threads, a wide row alone)."""
+    if not kernel:
+        monkeypatch.setattr(ops, "fused", lambda device, dtype: False)
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(rows, vocab, generator=g) * 4
+    x[0, : vocab // 3] = float("-inf")  # what a grammar forbids
+    temps = torch.linspace(0.3, 1.7, rows)
+    chosen = torch.randint(0, vocab, (rows,), generator=g)
+    ids, probs = ops.candidates(x, temps, chosen, k)
+    top = x.topk(k, dim=-1)
+    assert ids.shape == probs.shape == (rows, k + 1)
+    assert torch.equal(ids[:, :k], top.indices) and torch.equal(ids[:, k], chosen)
+    want = (x / temps[:, None]).softmax(dim=-1).gather(1, ids)
+    torch.testing.assert_close(probs, want, rtol=1e-5, atol=1e-7)
+    tiny = torch.full((rows,), 1e-39)
+    x[:, 3] = x[:, 5] = x.amax(dim=-1) + 1  # two maxima: each half under the smallest t
+    ids, probs = ops.candidates(x, tiny, chosen, k)
+    assert set(ids[:, : min(k, 2)].flatten().tolist()) <= {3, 5}
+    expect = torch.where((ids == 3) | (ids == 5), 0.5, 0.0)
+    torch.testing.assert_close(probs, expect)
+
+
+@needs_ops
+def test_candidates_ties_go_to_the_lower_id(eight_threads):
+    """Equal logits rank by id, across the parts a row is cut into; NaN logits are refused."""
+    x = torch.zeros(1, 16384)
+    x[0, [9000, 12, 16000, 300]] = 2.0
+    ids, _ = torch.ops.pagechat.candidates(x, torch.ones(1), torch.tensor([1]), 6)
+    assert ids.tolist() == [[12, 300, 9000, 16000, 0, 1, 1]]
+    x[0, 5] = float("nan")
+    with pytest.raises(RuntimeError, match="NaN"):
+        torch.ops.pagechat.candidates(x[:, :6], torch.ones(1), torch.tensor([1]), 6)
+
+
 @needs_ops
 def test_ops_refuse_what_they_cannot_take():
     with pytest.raises(RuntimeError, match="float32 or bf16"):
