@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 from pagechat.core.errors import PagechatError
-from pagechat.core.ops import candidates, row_max
+from pagechat.core.ops import candidates, fused, row_max
 from pagechat.core.params import SamplingParams
 from torch import Tensor
 
@@ -248,24 +248,28 @@ def target_probs(logits: Tensor, rows: Sequence[SampleRow]) -> Tensor:
     return probs
 
 
+def _uniforms(n: int, generators: Sequence[torch.Generator | None], dev: torch.device) -> Tensor:
+    """One uniform per row [n, 1] float64, from that row's own generator (so a seeded row's tokens
+    do not depend on the batch), the unseeded rows' from torch's."""
+    if n == 1:  # the same draw as below, in one op
+        return torch.rand(1, 1, dtype=torch.float64, generator=generators[0], device=dev)
+    u = torch.empty(n, 1, dtype=torch.float64, device=dev)
+    free = [i for i, g in enumerate(generators) if g is None]
+    for i, g in enumerate(generators):
+        if g is not None:
+            u[i] = torch.rand(1, dtype=torch.float64, generator=g, device=dev)
+    if free:
+        u[torch.tensor(free, device=dev)] = torch.rand(
+            len(free), 1, dtype=torch.float64, device=dev
+        )
+    return u
+
+
 def draw_from(probs: Tensor, generators: Sequence[torch.Generator | None]) -> Tensor:
     """One token per row of `probs` [n, V] (rows sum to ~1) by inverse CDF with generators[i]."""
-    # One uniform per row from that row's own generator (so a seeded row's tokens do not depend on
-    # the batch), then a batched search of the float64 CDF. torch.multinomial would do the same draw
-    # but is slow on CPU for large vocabularies; this is a cumsum and two searchsorted calls.
-    n, dev = probs.shape[0], probs.device
-    if n == 1:  # the same draw as below, in one op
-        u = torch.rand(1, 1, dtype=torch.float64, generator=generators[0], device=dev)
-    else:
-        u = torch.empty(n, 1, dtype=torch.float64, device=dev)
-        free = [i for i, g in enumerate(generators) if g is None]
-        for i, g in enumerate(generators):
-            if g is not None:
-                u[i] = torch.rand(1, dtype=torch.float64, generator=g, device=dev)
-        if free:
-            u[torch.tensor(free, device=dev)] = torch.rand(
-                len(free), 1, dtype=torch.float64, device=dev
-            )
+    # A batched search of the float64 CDF. torch.multinomial would do the same draw but is slow on
+    # CPU for large vocabularies; this is a cumsum and two searchsorted calls.
+    u = _uniforms(probs.shape[0], generators, probs.device)
     cdf = probs.double().cumsum(dim=-1)
     total = cdf[:, -1:].contiguous()
     picked = torch.searchsorted(
@@ -274,6 +278,15 @@ def draw_from(probs: Tensor, generators: Sequence[torch.Generator | None]) -> Te
     # u * total can round up to total: fall back to the last token with nonzero probability.
     last = torch.searchsorted(cdf, total, right=False)
     return torch.minimum(picked, last).squeeze(1)
+
+
+def draw_softmax(x: Tensor, generators: Sequence[torch.Generator | None]) -> Tensor:
+    """draw_from(x.softmax(dim=-1), generators) for processed logits x [n, V]: the same inverse
+    CDF in one op (ops.cpp's softmax_draw) where the ops build."""
+    if x.dtype == torch.float32 and fused(x.device, x.dtype):
+        u = _uniforms(x.shape[0], generators, x.device)
+        return torch.ops.pagechat.softmax_draw(x, u)
+    return draw_from(x.softmax(dim=-1), generators)
 
 
 class Sampler:
@@ -316,12 +329,12 @@ class Sampler:
         whose first argmax `best` is), a draw from softmax(x) for the others; written into best."""
         greedy = [r.params.greedy for r in rows]
         if not any(greedy):  # every row draws: no indexing in and out
-            return draw_from(x.softmax(dim=-1), [r.generator for r in rows])
+            return draw_softmax(x, [r.generator for r in rows])
         drawn = [i for i, g in enumerate(greedy) if not g]
         if drawn:
             idx = torch.tensor(drawn, device=x.device)
             # Row-wise softmax of the processed logits: what target_probs gives for these rows.
-            best[idx] = draw_from(x[idx].softmax(dim=-1), [rows[i].generator for i in drawn])
+            best[idx] = draw_softmax(x[idx], [rows[i].generator for i in drawn])
         return best
 
     def _records(

@@ -121,8 +121,12 @@ def test_row_max_is_torchs_max_and_first_argmax(vocab):
 
 
 @pytest.mark.parametrize("kernel", [pytest.param(True, marks=needs_ops), False])
-@pytest.mark.parametrize("rows,vocab,k", [(1, 49152 + 3, 8), (3, 8192 + 5, 5), (2, 7, 7), (5, 40, 1)])
-def test_candidates_are_the_topk_and_their_softmax(kernel, rows, vocab, k, eight_threads, monkeypatch):
+@pytest.mark.parametrize(
+    "rows,vocab,k", [(1, 49152 + 3, 8), (3, 8192 + 5, 5), (2, 7, 7), (5, 40, 1)]
+)
+def test_candidates_are_the_topk_and_their_softmax(
+    kernel, rows, vocab, k, eight_threads, monkeypatch
+):
     """ops.candidates (ops.cpp's, and torch's where it is not built) against torch's topk and
     softmax(x / t): the k largest ids best first, then the chosen id, with their probabilities;
     masked (-inf) logits, a temperature too small to divide by (the maxima share), rows cut into

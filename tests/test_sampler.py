@@ -9,6 +9,7 @@ from pagechat.core.sampler import (
     Sampler,
     SampleRow,
     draw_from,
+    draw_softmax,
     make_generator,
     processed_logits,
     target_probs,
@@ -338,3 +339,28 @@ def test_draw_from_never_picks_zero_probability_tokens():
     first = draw_from(probs[:50], [None] * 50)
     torch.manual_seed(5)
     assert torch.equal(first, draw_from(probs[:50], [None] * 50))
+
+
+@pytest.mark.parametrize("rows,vocab", [(1, 49152 + 3), (3, 8192 + 5), (2, 11)])
+def test_draw_softmax_is_draw_from_of_the_softmax(rows, vocab, monkeypatch):
+    """draw_softmax (ops.cpp's softmax_draw where it builds) picks what draw_from picks from
+    softmax(x) on the same uniforms: random rows with cut (-inf) ids, rows cut into a part a
+    thread (8 threads), a uniform that rounds up to the sum; a cut id is never drawn."""
+    was = torch.get_num_threads()
+    torch.set_num_threads(8)
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(rows, vocab, generator=g) * 3
+    x[:, ::3] = float("-inf")
+    x[:, -2:] = float("-inf")  # the last ids weigh nothing: a round-up lands before them
+    try:
+        for seed in range(40):
+            a = draw_softmax(x, [make_generator(seed)] * rows)
+            b = draw_from(x.softmax(dim=-1), [make_generator(seed)] * rows)
+            assert torch.equal(a, b)
+            assert torch.isfinite(x.gather(1, a[:, None])).all()
+        ones = [make_generator(0)] * rows
+        top = lambda *shape, **_: torch.full(shape[:2], 1 - 2**-53, dtype=torch.float64)  # noqa: E731
+        monkeypatch.setattr(torch, "rand", top)
+        assert torch.equal(draw_softmax(x, ones), draw_from(x.softmax(dim=-1), ones))
+    finally:
+        torch.set_num_threads(was)
