@@ -16,6 +16,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <memory>
 #include <cmath>
 #include <cstdint>
 #include <tuple>
@@ -709,6 +710,31 @@ std::tuple<at::Tensor, at::Tensor> candidates(const at::Tensor& x, const at::Ten
   return {ids, probs};
 }
 
+// The first id of w [v] (weights, in parts of `chunk` whose sums are given) whose cumulative
+// weight exceeds target, skipping whole parts, then 8 weights at a time; where target rounds up to
+// the total, the last id that weighs anything.
+int64_t inverse_cdf(const float* w, int64_t v, int64_t chunk, const double* part_sums,
+                    int64_t parts, double target) {
+  double cum = 0.0;
+  for (int64_t p = 0; p < parts; ++p) {
+    const int64_t from = std::min(v, p * chunk), to = std::min(v, from + chunk);
+    if (cum + part_sums[p] <= target) {
+      cum += part_sums[p];
+      continue;
+    }
+    int64_t i = from;
+    for (double next; i + 8 <= to && (next = cum + sum8(_mm256_loadu_ps(w + i))) <= target; i += 8) {
+      cum = next;
+    }
+    for (; i < to; ++i) {
+      if ((cum += w[i]) > target) return i;
+    }
+  }
+  int64_t last = v - 1;
+  while (last > 0 && w[last] == 0.0f) --last;
+  return last;
+}
+
 // One token per row of x [N, V] (processed logits, -inf where cut) drawn from softmax(x) by the
 // inverse CDF at u [N] (uniform in [0, 1), float64): the first id whose cumulative e^(x - max)
 // exceeds u times their sum, or the last id of nonzero weight where u times the sum rounds up to
@@ -725,7 +751,10 @@ at::Tensor softmax_draw(const at::Tensor& x, const at::Tensor& u) {
   const int64_t parts = n < threads && v >= 1024 * threads ? threads : 1;
   const int64_t chunk = (v + parts - 1) / parts;
   const float* xp = xc.data_ptr<float>();
-  std::vector<float> top(n * parts), w(n * v);
+  std::vector<float> top(n * parts);
+  // the weights, left unset until written (a zeroed vector cost its own pass)
+  const std::unique_ptr<float[]> w(new float[n * v]);
+  const auto wr_of = [&](int64_t r) { return w.get() + r * v; };
   std::vector<double> sums(n * parts);
   const auto each_part = [&](const auto& body) {
     at::parallel_for(0, n * parts, 1, [&](int64_t t0, int64_t t1) {
@@ -743,7 +772,7 @@ at::Tensor softmax_draw(const at::Tensor& x, const at::Tensor& u) {
   for (int64_t t = 0; t < n * parts; ++t) best[t / parts] = std::max(best[t / parts], top[t]);
   each_part([&](int64_t t, int64_t r, int64_t from, int64_t to) {
     const float* xr = xp + r * v;
-    float* wr = &w[r * v];
+    float* wr = wr_of(r);
     const __m256 m = _mm256_set1_ps(best[r]);
     double total = 0.0;
     int64_t i = from;
@@ -761,34 +790,13 @@ at::Tensor softmax_draw(const at::Tensor& x, const at::Tensor& u) {
   at::Tensor tokens = at::empty({n}, xc.options().dtype(at::kLong));
   int64_t* tp = tokens.data_ptr<int64_t>();
   const double* up = uc.data_ptr<double>();
-  for (int64_t r = 0; r < n; ++r) {
-    double total = 0.0;
-    for (int64_t p = 0; p < parts; ++p) total += sums[r * parts + p];
-    const double target = up[r] * total;
-    const float* wr = &w[r * v];
-    double cum = 0.0;
-    int64_t pick = -1, last = 0;
-    for (int64_t p = 0; p < parts && pick < 0; ++p) {  // the part holding the target, then its id
-      const int64_t from = std::min(v, p * chunk), to = std::min(v, from + chunk);
-      if (cum + sums[r * parts + p] <= target) {
-        cum += sums[r * parts + p];
-        continue;
-      }
-      for (int64_t i = from; i < to; ++i) {
-        cum += wr[i];
-        if (cum > target) {
-          pick = i;
-          break;
-        }
-      }
+  at::parallel_for(0, n, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      double total = 0.0;
+      for (int64_t p = 0; p < parts; ++p) total += sums[r * parts + p];
+      tp[r] = inverse_cdf(wr_of(r), v, chunk, &sums[r * parts], parts, up[r] * total);
     }
-    if (pick < 0) {  // the target rounded up to the sum: the last id that weighs anything
-      for (last = v - 1; last > 0 && wr[last] == 0.0f; --last) {
-      }
-      pick = last;
-    }
-    tp[r] = pick;
-  }
+  });
   return tokens;
 }
 
