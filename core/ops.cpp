@@ -16,9 +16,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <memory>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -597,6 +597,26 @@ std::tuple<at::Tensor, at::Tensor> row_max(const at::Tensor& x) {
   return {values, indices};
 }
 
+// The sampler's rows of v logits as tasks: a row a task, or where the rows are fewer than the
+// threads (a decode step of few sequences) and wide, each row cut into a part a thread.
+// run(body) calls body(task, row, from, to) for every task, task = row * parts + part.
+struct RowParts {
+  int64_t n, v, parts, chunk;
+  RowParts(int64_t n, int64_t v) : n(n), v(v) {
+    const int64_t threads = at::get_num_threads();
+    parts = n < threads && v >= 1024 * threads ? threads : 1;
+    chunk = (v + parts - 1) / parts;
+  }
+  template <class F>
+  void run(const F& body) const {
+    at::parallel_for(0, n * parts, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t from = std::min(v, t % parts * chunk);
+        body(t, t / parts, from, std::min(v, from + chunk));
+      }
+    });
+  }
+};
 
 // A row's (value, index) pairs best first: the larger value, then the lower index.
 struct Ranked {
@@ -607,8 +627,8 @@ struct Ranked {
   }
 };
 
-// The k best of x[from, to) into `best` (sorted, fewer where NaNs are: one is never taken), read 8 at a time
-// against the k-th best so far: nearly every group of 8 is passed over with one compare.
+// The k best of x[from, to) into `best` (sorted; fewer where NaNs are: one is never taken), read
+// 8 at a time against the k-th best so far: nearly every group of 8 is passed over in one compare.
 void top_of(const float* x, int64_t from, int64_t to, int64_t k, std::vector<Ranked>& best) {
   best.clear();
   const auto take = [&](int64_t i) {
@@ -661,18 +681,11 @@ std::tuple<at::Tensor, at::Tensor> candidates(const at::Tensor& x, const at::Ten
   const at::Tensor xc = x.contiguous(), tc = temps.to(at::kFloat).contiguous();
   const at::Tensor cc = chosen.to(at::kLong).contiguous();
   const float* xp = xc.data_ptr<float>();
-  const int64_t threads = at::get_num_threads();
-  const int64_t parts = n < threads && v >= 1024 * threads ? threads : 1;
-  const int64_t chunk = (v + parts - 1) / parts;
-  const auto range = [&](int64_t t) {
-    return std::pair<int64_t, int64_t>{std::min(v, t % parts * chunk), std::min(v, (t % parts + 1) * chunk)};
-  };
+  const RowParts rows(n, v);
+  const int64_t parts = rows.parts;
   std::vector<std::vector<Ranked>> tops(n * parts);
-  at::parallel_for(0, n * parts, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const auto [from, to] = range(t);
-      top_of(xp + t / parts * v, from, to, k, tops[t]);
-    }
+  rows.run([&](int64_t t, int64_t r, int64_t from, int64_t to) {
+    top_of(xp + r * v, from, to, k, tops[t]);
   });
   std::vector<std::vector<Ranked>> best(n);
   for (int64_t r = 0; r < n; ++r) {
@@ -685,12 +698,8 @@ std::tuple<at::Tensor, at::Tensor> candidates(const at::Tensor& x, const at::Ten
   }
   const float* tp = tc.data_ptr<float>();
   std::vector<float> sums(n * parts);
-  at::parallel_for(0, n * parts, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t r = t / parts;
-      const auto [from, to] = range(t);
-      sums[t] = exp_sum(xp + r * v, from, to, best[r][0].value, tp[r]);
-    }
+  rows.run([&](int64_t t, int64_t r, int64_t from, int64_t to) {
+    sums[t] = exp_sum(xp + r * v, from, to, best[r][0].value, tp[r]);
   });
   at::Tensor ids = at::empty({n, k + 1}, cc.options());
   at::Tensor probs = at::empty({n, k + 1}, xc.options());
@@ -710,20 +719,21 @@ std::tuple<at::Tensor, at::Tensor> candidates(const at::Tensor& x, const at::Ten
   return {ids, probs};
 }
 
-// The first id of w [v] (weights, in parts of `chunk` whose sums are given) whose cumulative
-// weight exceeds target, skipping whole parts, then 8 weights at a time; where target rounds up to
-// the total, the last id that weighs anything.
-int64_t inverse_cdf(const float* w, int64_t v, int64_t chunk, const double* part_sums,
-                    int64_t parts, double target) {
+// The first id of a row's weights w (in rows' parts, whose sums are given) whose cumulative weight
+// exceeds target: whole parts skipped, then 8 weights at a time; where target rounds up to the
+// total, the last id that weighs anything.
+int64_t inverse_cdf(const float* w, const RowParts& rows, const double* part_sums, double target) {
+  const int64_t v = rows.v;
   double cum = 0.0;
-  for (int64_t p = 0; p < parts; ++p) {
-    const int64_t from = std::min(v, p * chunk), to = std::min(v, from + chunk);
+  for (int64_t p = 0; p < rows.parts; ++p) {
+    const int64_t from = std::min(v, p * rows.chunk), to = std::min(v, from + rows.chunk);
     if (cum + part_sums[p] <= target) {
       cum += part_sums[p];
       continue;
     }
     int64_t i = from;
-    for (double next; i + 8 <= to && (next = cum + sum8(_mm256_loadu_ps(w + i))) <= target; i += 8) {
+    for (double next; i + 8 <= to && (next = cum + sum8(_mm256_loadu_ps(w + i))) <= target;
+         i += 8) {
       cum = next;
     }
     for (; i < to; ++i) {
@@ -747,30 +757,21 @@ at::Tensor softmax_draw(const at::Tensor& x, const at::Tensor& u) {
   TORCH_CHECK(u.numel() == x.size(0), "softmax_draw: a uniform a row");
   const at::Tensor xc = x.contiguous(), uc = u.to(at::kDouble).contiguous();
   const int64_t n = xc.size(0), v = xc.size(1);
-  const int64_t threads = at::get_num_threads();
-  const int64_t parts = n < threads && v >= 1024 * threads ? threads : 1;
-  const int64_t chunk = (v + parts - 1) / parts;
+  const RowParts rows(n, v);
+  const int64_t parts = rows.parts;
   const float* xp = xc.data_ptr<float>();
   std::vector<float> top(n * parts);
   // the weights, left unset until written (a zeroed vector cost its own pass)
   const std::unique_ptr<float[]> w(new float[n * v]);
   const auto wr_of = [&](int64_t r) { return w.get() + r * v; };
   std::vector<double> sums(n * parts);
-  const auto each_part = [&](const auto& body) {
-    at::parallel_for(0, n * parts, 1, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) {
-        const int64_t from = std::min(v, t % parts * chunk);
-        body(t, t / parts, from, std::min(v, from + chunk));
-      }
-    });
-  };
-  each_part([&](int64_t t, int64_t r, int64_t from, int64_t to) {
+  rows.run([&](int64_t t, int64_t r, int64_t from, int64_t to) {
     int64_t at;
     row_max_one(xp + r * v + from, to - from, &top[t], &at);
   });
   std::vector<float> best(n, -INFINITY);
   for (int64_t t = 0; t < n * parts; ++t) best[t / parts] = std::max(best[t / parts], top[t]);
-  each_part([&](int64_t t, int64_t r, int64_t from, int64_t to) {
+  rows.run([&](int64_t t, int64_t r, int64_t from, int64_t to) {
     const float* xr = xp + r * v;
     float* wr = wr_of(r);
     const __m256 m = _mm256_set1_ps(best[r]);
@@ -779,7 +780,8 @@ at::Tensor softmax_draw(const at::Tensor& x, const at::Tensor& u) {
     for (; i + 8 <= to; i += 8) {
       const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(xr + i), m));
       // exp8 floors at 2^-126: a cut id (-inf) weighs exactly nothing
-      const __m256 cut = _mm256_cmp_ps(_mm256_loadu_ps(xr + i), _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ);
+      const __m256 cut =
+          _mm256_cmp_ps(_mm256_loadu_ps(xr + i), _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ);
       const __m256 kept = _mm256_andnot_ps(cut, e);
       _mm256_storeu_ps(wr + i, kept);
       total += sum8(kept);
@@ -794,7 +796,7 @@ at::Tensor softmax_draw(const at::Tensor& x, const at::Tensor& u) {
     for (int64_t r = r0; r < r1; ++r) {
       double total = 0.0;
       for (int64_t p = 0; p < parts; ++p) total += sums[r * parts + p];
-      tp[r] = inverse_cdf(wr_of(r), v, chunk, &sums[r * parts], parts, up[r] * total);
+      tp[r] = inverse_cdf(wr_of(r), rows, &sums[r * parts], up[r] * total);
     }
   });
   return tokens;
