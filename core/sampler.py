@@ -155,6 +155,11 @@ def top_p_removed(x: Tensor, tops: list[float]) -> Tensor:
     return removed
 
 
+def _temperatures(rows: Sequence[SampleRow]) -> list[float]:
+    """Each row's temperature; 1 for a greedy row, whose logits are not divided."""
+    return [1.0 if r.params.greedy else r.params.temperature for r in rows]
+
+
 def tempered(pen: Tensor, rows: Sequence[SampleRow], top: Tensor | None = None) -> Tensor:
     """The penalised logits divided by each row's temperature (greedy rows: by 1); `top`: each
     row's largest penalised logit ([n, 1]), when the caller has it already.
@@ -162,7 +167,7 @@ def tempered(pen: Tensor, rows: Sequence[SampleRow], top: Tensor | None = None) 
     A temperature so small that a row's top logit overflows (1e-38, say) takes the row's limit
     instead: its top logits 0, the others -inf, so softmax gives the argmax (ties shared), not NaN.
     """
-    temps = [1.0 if r.params.greedy else r.params.temperature for r in rows]
+    temps = _temperatures(rows)
     if all(t == 1 for t in temps):
         return pen
     t = _column(temps, pen)
@@ -389,8 +394,7 @@ def _candidate_columns(
     """Per row, (ids, logits, probs, kept, cut codes) of its top N tokens, then the chosen one."""
     # Everything per candidate is computed on an [n, N + 1] block (top N, then the chosen token),
     # then read back with a few .tolist() calls: no tensor op per candidate.
-    temps = [1.0 if r.params.greedy else r.params.temperature for r in rows]
-    ids, prob = candidates(pen, _column(temps, pen).squeeze(1), tokens, top_n)
+    ids, prob = candidates(pen, _column(_temperatures(rows), pen).squeeze(1), tokens, top_n)
     logit = pen.gather(1, ids)
     greedy = _column([r.params.greedy for r in rows], pen, torch.bool)
     kept = torch.where(greedy, ids == tokens.unsqueeze(1), x.gather(1, ids) > _NEG_INF)
