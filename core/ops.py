@@ -40,11 +40,17 @@ def small_ops(device: torch.device, dtype: torch.dtype) -> SmallOps | None:
     return None
 
 
+def sampler_ops_take(x: torch.Tensor) -> bool:
+    """Whether ops.cpp's passes over a vocabulary (row_max, candidates, softmax_draw) take x:
+    float32 logits [n, V > 0] on a CPU where the ops build."""
+    return x.dtype == torch.float32 and x.shape[-1] > 0 and fused(x.device, x.dtype)
+
+
 def row_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's largest value [n, 1] and the index of its first occurrence [n], in one pass:
     ops.cpp's on a CPU where the ops build (torch's max(dim) took 60-80 us over a 49,152-token
     vocabulary, amax 7-9, and the sampler ran both), else torch's max. A NaN makes a value NaN."""
-    if x.dtype == torch.float32 and x.shape[1] and fused(x.device, x.dtype):
+    if sampler_ops_take(x):
         return torch.ops.pagechat.row_max(x)
     values, indices = x.max(dim=-1, keepdim=True)
     return values, indices.squeeze(1)
@@ -59,7 +65,7 @@ def candidates(
     as e^((x - max) / t) over its sum, so that a temperature too small to divide by gives the
     maxima equal shares. ops.cpp's where the ops build (torch's topk and a softmax of the whole
     row took 85 and 35-92 us over 49,152 ids, ops.cpp's both 43), else torch's."""
-    if x.dtype == torch.float32 and fused(x.device, x.dtype):
+    if sampler_ops_take(x):
         return torch.ops.pagechat.candidates(x, temps, chosen, k)
     ids = torch.cat([x.topk(k, dim=-1).indices, chosen.unsqueeze(1)], dim=1)
     shifted = (x - x.amax(dim=-1, keepdim=True)) / temps.unsqueeze(1)

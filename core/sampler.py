@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 from pagechat.core.errors import PagechatError
-from pagechat.core.ops import candidates, fused, row_max
+from pagechat.core.ops import candidates, row_max, sampler_ops_take
 from pagechat.core.params import SamplingParams
 from torch import Tensor
 
@@ -288,7 +288,7 @@ def draw_from(probs: Tensor, generators: Sequence[torch.Generator | None]) -> Te
 def draw_softmax(x: Tensor, generators: Sequence[torch.Generator | None]) -> Tensor:
     """draw_from(x.softmax(dim=-1), generators) for processed logits x [n, V]: the same inverse
     CDF in one op (ops.cpp's softmax_draw) where the ops build."""
-    if x.dtype == torch.float32 and fused(x.device, x.dtype):
+    if sampler_ops_take(x):
         u = _uniforms(x.shape[0], generators, x.device)
         return torch.ops.pagechat.softmax_draw(x, u)
     return draw_from(x.softmax(dim=-1), generators)
