@@ -142,6 +142,11 @@ class Attention(nn.Module):
         super().__init__()
         self.small = small
         self.fused = fused
+        # a decode step's rope, K/V write and attention as one op (ops.cpp's qkv_decode_attention),
+        # where ops.cpp's rope is the one the model runs
+        self.fused_decode = (
+            fused and small is torch.ops.pagechat and spec.head_dim % 8 == 0 and not spec.qk_norm
+        )
         h, kv, d, hid = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.hidden_size
         self.sizes = (h * d, kv * d, kv * d)
         self.heads, self.kv_heads, self.head_dim, self.window = h, kv, d, window
@@ -162,8 +167,28 @@ class Attention(nn.Module):
         kv: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        # every row a sequence's one token, its context read through gather slots (not a table)
+        if self.fused_decode and meta.q_pos.shape[1] == 1 and meta.block_table is None:
+            out = torch.ops.pagechat.qkv_decode_attention(
+                qkv,
+                cos,
+                sin,
+                kv,
+                meta.slot_mapping,
+                meta.gather,
+                meta.q_pos,
+                self.window or 0,
+                self.heads,
+            )
+        else:
+            out = self._attend(qkv, cos, sin, kv, meta)
+        return self.o_proj(out)
+
+    def _attend(self, qkv, cos, sin, kv, meta: AttentionMetadata) -> torch.Tensor:
+        """qkv [T, (H + 2 KV) * D] split, normed, rotated and attended (paged) -> [T, H * D]."""
         # -1 and flatten instead of sizes read off x: a traced step then carries no size arithmetic
-        qk, v = self.qkv_proj(x).split((self.sizes[0] + self.sizes[1], self.sizes[2]), dim=-1)
+        qk, v = qkv.split((self.sizes[0] + self.sizes[1], self.sizes[2]), dim=-1)
         qk = qk.view(
             -1, self.heads + self.kv_heads, self.head_dim
         )  # q's heads, then k's: rotated as one tensor
@@ -182,7 +207,7 @@ class Attention(nn.Module):
             self.window,
             self.fused and self.head_dim % 8 == 0,
         )
-        return self.o_proj(out.flatten(1))
+        return out.flatten(1)
 
 
 class MLP(nn.Module):

@@ -53,6 +53,7 @@ def test_step_ops_are_put_where_they_belong():
     assert kind_of(op("aten::bmm", op("aten::scaled_dot_product_attention"))) == "attention"
     assert kind_of(op("aten::rms_norm", op("step"))) == "other"
     assert kind_of(op("pagechat::decode_attention")) == "attention"
+    assert kind_of(op("pagechat::qkv_decode_attention")) == "attention"
     assert kind_of(op("pagechat::add_rms_norm", op("step"))) == "other"
 
 

@@ -300,3 +300,51 @@ def test_decode_attention_matches_the_gathering_path(
     assert out.dtype == dtype and out.shape == (4, heads, d)
     err, torch_err = ((t.double() - exact).abs().max().item() for t in (out, plain))
     assert err <= max(torch_err, 1e-6)
+
+
+@needs_ops
+@pytest.mark.parametrize(
+    "dtype,cache",
+    [(torch.float32, torch.float32), (torch.float32, torch.float16), (torch.bfloat16,) * 2],
+)
+@pytest.mark.parametrize("window", [None, 5])
+def test_qkv_decode_attention_is_rope_then_decode_attention(dtype, cache, window):
+    """A decode step's attention from the fused qkv rows in one op: the same output, bit for bit,
+    and the same caches as ops.cpp's rope then decode_attention on the split rows; the output as
+    close to torch's rotate then gathered attention in float64 as that path in dtype."""
+    from pagechat.core.attention import build_metadata, paged_attention
+
+    g = torch.Generator().manual_seed(1)
+    heads, kv_heads, d, block = 6, 2, 32, 4
+    contexts = (9, 2, 17)
+    tables = [[i, i + 3, i + 6, i + 9, i + 12] for i in range(3)]  # interleaved in the pool
+    meta = build_metadata(list(contexts), [1] * 3, tables, block, CPU)
+    qkv = torch.randn(3, (heads + 2 * kv_heads) * d, generator=g).to(dtype)
+    angle = torch.rand(3, 1, d, generator=g) * 6
+    cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
+    pool = torch.randn(2, 15 * block, kv_heads, d, generator=g).to(cache)
+
+    def split(rows):
+        qk = rows[:, : (heads + kv_heads) * d].view(3, heads + kv_heads, d)
+        return qk, rows[:, (heads + kv_heads) * d :].view(3, kv_heads, d)
+
+    one, two = pool.clone(), pool.clone()
+    args = (meta.slot_mapping, meta.gather, meta.q_pos, window or 0)
+    out = torch.ops.pagechat.qkv_decode_attention(qkv, cos, sin, one, *args, heads)
+    qk, v = split(qkv)
+    q, k = torch.ops.pagechat.rope(qk, cos, sin).split((heads, kv_heads), dim=1)
+    apart = torch.ops.pagechat.decode_attention(q, k, v, two[0], two[1], *args)
+    assert out.shape == (3, heads * d) and out.dtype == dtype
+    assert torch.equal(out, apart.flatten(1)) and torch.equal(one, two)
+
+    def torch_path(rows, cos, sin, kv):
+        qk, v = split(rows)
+        q, k = rotate(qk, cos, sin).split((heads, kv_heads), dim=1)
+        return paged_attention(q, k, v, kv[0], kv[1], meta, window).flatten(1)
+
+    plain = torch_path(qkv, cos, sin, pool.clone())
+    exact = torch_path(qkv.double(), cos.double(), sin.double(), pool.double())
+    err, torch_err = ((t.double() - exact).abs().max().item() for t in (out, plain))
+    assert err <= max(2 * torch_err, 1e-6)
+    with pytest.raises(RuntimeError, match=r"qkv_decode_attention: qkv \[B, \(heads \+ 2 KV\)"):
+        torch.ops.pagechat.qkv_decode_attention(qkv, cos, sin, one, *args, heads + 1)

@@ -3,10 +3,11 @@
 torch.profiler records a few greedy decode steps; every op's own time (its children's excluded)
 goes to a category by its own name and its enclosing ops' names: attention (the paged KV write
 and gather, and scaled-dot-product attention with the products inside it, but not an embedding's
-lookup; pagechat's fused decode attention), else a weight matmul (dense, int8, int4 or pagechat's
-own kernels, the LM head included), else other (norms, rotary, activations, casts, sampling, the
-step graph's own interpreter; pagechat's fused small ops). Python is the rest of the step: the
-step's wall time measured without the profiler, less the ops' time.
+lookup; pagechat's fused decode attention, its rotary embedding included where one op does both),
+else a weight matmul (dense, int8, int4 or pagechat's own kernels, the LM head included), else
+other (norms, rotary, activations, casts, sampling, the step graph's own interpreter; pagechat's
+fused small ops). Python is the rest of the step: the step's wall time measured without the
+profiler, less the ops' time.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ ATTENTION = {
     "aten::index_copy_",
     "aten::index_select",
     "pagechat::decode_attention",
+    "pagechat::qkv_decode_attention",  # its rotary embedding included
 }
 NOT_ATTENTION = {"aten::embedding"}  # an embedding's lookup is an index_select too
 STEPS = 16  # decode steps profiled
