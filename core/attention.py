@@ -17,6 +17,12 @@ import torch
 import torch.nn.functional as F
 from pagechat.core import paged_triton
 
+# A sequence's new tokens up to this many (a draft's verification, MAX_GRAPH_TOKENS at most, so
+# that a step graph and the eager step attend alike) run ops.cpp's decode attention, reading the
+# context in place: 5 rows over 1,000 keys 275 us against 514 for the gather and SDPA (SmolLM2's
+# shape, bf16, 2 threads, EPYC Zen 4), 16 rows 488 against 535. A longer prompt chunk keeps SDPA's
+# flash kernel, blocked into GEMMs: 2,000 rows in the op took 1.2x SDPA's time.
+IN_PLACE_ROWS = 16
 # enable_gqa arrived in torch 2.5; older torch repeats the K/V heads instead
 _SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
 
@@ -118,10 +124,16 @@ def paged_attention(
     A cache kept in another dtype than q's (16 bits under a float32 model) is cast both ways.
     fused: the sequences computing one token (all of a decode step's, the decodes beside a prompt
     chunk) run core/ops.py's decode_attention, which reads the context in place instead of
-    gathering it (the trace's key says which); with a block table, core/paged_triton.py's does."""
+    gathering it (the trace's key says which; with a block table, core/paged_triton.py's does),
+    and so do a sequence's few new tokens (IN_PLACE_ROWS: a draft's verification), causal by
+    position."""
     if (fused or meta.block_table is not None) and meta.q_pos.shape[1] == 1:
         return _decode_in_place(
             q, k, v, k_cache, v_cache, meta.slot_mapping, meta.q_pos, meta, window
+        )
+    if fused and meta.spans is None:  # a step graph's verification: as many tokens a sequence
+        return torch.ops.pagechat.decode_attention(
+            q, k, v, k_cache, v_cache, meta.slot_mapping, meta.gather, meta.q_pos, window or 0
         )
     k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
     v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
@@ -151,9 +163,10 @@ def _decode_in_place(q, k, v, k_cache, v_cache, slot_mapping, q_pos, meta, windo
 
 
 def _ragged_attention(q, k, v, k_cache, v_cache, meta, window: int | None, fused: bool):
-    """Each sequence's queries against its own context (_attend_one). fused or paged (a block
-    table): the one-token sequences in one decode attention call (a call per sequence, 30 layers a
-    step, cost a serving step beside a prompt chunk far more than its decodes)."""
+    """Each sequence's queries against its own context (_attend_one; fused: ops.cpp's
+    decode_attention where they are few, see IN_PLACE_ROWS). fused or paged (a block table): the
+    one-token sequences in one decode attention call (a call per sequence, 30 layers a step, cost a
+    serving step beside a prompt chunk far more than its decodes)."""
     max_ctx = meta.gather.shape[0] // len(meta.spans)
     firsts = [0]
     for _, count in meta.spans:
@@ -174,7 +187,14 @@ def _ragged_attention(q, k, v, k_cache, v_cache, meta, window: int | None, fused
         if not (one and count == 1):
             slots = meta.gather[b * max_ctx : b * max_ctx + start + count]
             rows = slice(firsts[b], firsts[b] + count)
-            out[rows] = _attend_one(q[rows], k_cache, v_cache, slots, start, window)
+            if fused and count <= IN_PLACE_ROWS:  # ops.cpp's, causal by each row's position
+                positions = torch.arange(start, start + count, device=q.device).unsqueeze(0)
+                out[rows] = torch.ops.pagechat.decode_attention(
+                    q[rows], k[rows], v[rows], k_cache, v_cache, meta.slot_mapping[rows], slots,
+                    positions, window or 0,
+                )  # fmt: skip
+            else:
+                out[rows] = _attend_one(q[rows], k_cache, v_cache, slots, start, window)
     return out
 
 

@@ -400,16 +400,18 @@ void attend_piece(const T* qrow, int64_t q_head_stride, float scale, const C* kc
 // cost what they save.
 constexpr int64_t kPieceKeys = 256, kSplitKeys = 512, kMaxPieces = 8;
 
-// One decode step's attention for every sequence computing one token: write each token's K and V
-// into the paged cache, then attend its query to its context, read in place through the gather
-// slots, without copying the context out as the torch path must (index_select of every position,
-// then scaled_dot_product_attention). Each kv head's keys and values are read once for the query
-// heads that share them (GQA). Softmax in float32, as scaled_dot_product_attention computes it.
+// The attention of sequences' new tokens, per_seq a sequence (a decode step: one; a prompt chunk
+// or a draft's verification: several): write each token's K and V into the paged cache, then
+// attend its query to its context up to its own position (causal, with no mask), read in place
+// through the gather slots, without copying the context out as the torch path must (index_select
+// of every position, then scaled_dot_product_attention). Row i is sequence i / per_seq's, whose
+// slots are gather[i / per_seq * ctx ...]. Each kv head's keys and values are read once for the
+// query heads that share them (GQA). Softmax in float32, as scaled_dot_product_attention does.
 template <class T, class C>
 void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            at::Tensor& k_cache, at::Tensor& v_cache, const int64_t* slots,
-                           const int64_t* gather, int64_t max_ctx, const int64_t* q_pos,
-                           int64_t window, at::Tensor& out) {
+                           const int64_t* gather, int64_t ctx, int64_t per_seq,
+                           const int64_t* q_pos, int64_t window, at::Tensor& out) {
   const int64_t b = q.size(0), heads = q.size(1), d = q.size(2), kv_heads = k.size(1);
   const int64_t group = heads / kv_heads;
   C* kc = k_cache.data_ptr<C>();
@@ -436,9 +438,11 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
   };
   std::vector<int64_t> pieces(b), first(b + 1, 0), keys(b), start(b);
   std::vector<Task> tasks;
-  // pieces only where the heads make too few tasks for the threads, and no more than they need
+  // pieces only where the heads make too few tasks for the threads, and no more than they need;
+  // not for rows of several a sequence, so that each row's sums do not depend on how many
+  // sequences share the call (a step graph's one call, the eager step's one a sequence)
   const int64_t threads = at::get_num_threads();
-  const bool few = b * kv_heads < 4 * threads;
+  const bool few = per_seq == 1 && b * kv_heads < 4 * threads;
   const int64_t most = std::min(kMaxPieces, (4 * threads + b - 1) / b);
   for (int64_t i = 0; i < b; ++i) {
     const int64_t ctx = q_pos[i] + 1;
@@ -446,6 +450,11 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
     keys[i] = ctx - start[i];
     pieces[i] = keys[i] < kSplitKeys || !few ? 1 : std::min(most, keys[i] / kPieceKeys);
     first[i + 1] = first[i] + kv_heads * pieces[i];
+  }
+  for (int64_t r = 0; r < b; ++r) {
+    // rows from both ends in turn: the threads take the tasks in contiguous runs, and the rows'
+    // contexts differ (a 128-token prompt's rows in one call: 270 us a layer against 370)
+    const int64_t i = r % 2 == 0 ? r / 2 : b - 1 - r / 2;
     if (pieces[i] == 1) {
       for (int64_t g = 0; g < kv_heads; ++g) tasks.push_back({i, g, g + 1, 0});
     } else {
@@ -467,7 +476,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
       for (int64_t g = task.g0; g < task.g1; ++g) {
         float* out = part(i, g, task.p);
         attend_piece(qp + i * q.stride(0), q.stride(1), scale, kc, vc, kv_heads, g, group, d,
-                     gather + i * max_ctx + start[i] + from, to - from, scores, kf, qf.data(),
+                     gather + i / per_seq * ctx + start[i] + from, to - from, scores, kf, qf.data(),
                      out, out + group * d, out + group * (d + 1));
       }
     }
@@ -493,10 +502,11 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
   }
 }
 
-// q [B, H, D], k and v [B, KV, D] (each sequence's one new token; rows may be strided views of the
-// qkv projection), caches [slots, KV, D], slot_mapping [B], gather [B * max_ctx] (each sequence's
-// context slots, row after row), q_pos [B, 1] (each token's position), window (0: none)
-// -> [B, H, D] in q's dtype.
+// q [B, H, D], k and v [B, KV, D] (B = S * n: S sequences' n new tokens each, sequence after
+// sequence; rows may be strided views of the qkv projection), caches [slots, KV, D], slot_mapping
+// [B], gather [S * ctx] (each sequence's context slots, row after row), q_pos [S, n] (each token's
+// position), window (0: none) -> [B, H, D] in q's dtype. A decode step's n is 1; a draft's
+// verification's a few (core/attention.py's IN_PLACE_ROWS).
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_mapping,
                             const at::Tensor& gather, const at::Tensor& q_pos, int64_t window) {
@@ -513,12 +523,16 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
                   k_cache.size(1) == k.size(1) && k_cache.size(2) == k.size(2),
               "decode_attention: caches [slots, KV, D]");
   const int64_t b = q.size(0);
-  TORCH_CHECK(slot_mapping.numel() == b && q_pos.numel() == b && b > 0 && gather.numel() % b == 0 &&
-                  slot_mapping.scalar_type() == at::kLong && gather.scalar_type() == at::kLong &&
-                  q_pos.scalar_type() == at::kLong,
-              "decode_attention: int64 slot_mapping [B], q_pos [B, 1], gather [B * ctx]");
+  TORCH_CHECK(q_pos.dim() == 2 && q_pos.numel() == b && b > 0 && slot_mapping.numel() == b &&
+                  gather.numel() % q_pos.size(0) == 0 && slot_mapping.scalar_type() == at::kLong &&
+                  gather.scalar_type() == at::kLong && q_pos.scalar_type() == at::kLong,
+              "decode_attention: int64 slot_mapping [B], q_pos [S, n], gather [S * ctx]");
   const at::Tensor sm = slot_mapping.contiguous(), ga = gather.contiguous(),
                    qp = q_pos.contiguous();
+  const int64_t ctx = ga.numel() / q_pos.size(0);
+  const int64_t* pos = qp.data_ptr<int64_t>();
+  TORCH_CHECK(std::all_of(pos, pos + b, [&](int64_t p) { return p >= 0 && p < ctx; }),
+              "decode_attention: a position outside its sequence's ", ctx, " context slots");
   at::Tensor out = at::empty({b, q.size(1), q.size(2)}, q.options());
   const auto cache = k_cache.scalar_type();
   TORCH_CHECK(cache == at::kFloat || cache == at::kHalf || cache == at::kBFloat16,
@@ -529,8 +543,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
     auto attend = [&](auto* cache_type) {
       using C = std::remove_pointer_t<decltype(cache_type)>;
       decode_attention_impl<scalar_t, C>(q, k, v, k_cache, v_cache, sm.data_ptr<int64_t>(),
-                                         ga.data_ptr<int64_t>(), ga.numel() / b,
-                                         qp.data_ptr<int64_t>(), window, out);
+                                         ga.data_ptr<int64_t>(), ctx, q_pos.size(1), pos, window,
+                                         out);
     };
     if (cache == at::kFloat) {
       attend(static_cast<float*>(nullptr));

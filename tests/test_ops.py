@@ -232,7 +232,10 @@ def test_an_engine_running_tritons_small_ops_matches_torchs(tiny_llama, dtype, m
 
     def run(chosen):
         monkeypatch.setattr(ops, "small_ops", lambda device, dtype: chosen)
-        e = Engine(tiny_llama, EngineConfig(kv_blocks=16, dtype=dtype, graphs=False))
+        # the KV in the model's dtype: a float32 model's default fp16 cache turns the ops' last-bit
+        # differences into a K or V rounded the other way now and then (~2e-5 in the logits)
+        cfg = EngineConfig(kv_blocks=16, dtype=dtype, kv_dtype=dtype, graphs=False)
+        e = Engine(tiny_llama, cfg)
         params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
         out = e.generate([[5, 6, 7, 8, 9], [3, 4]], params)
         return [o.output_ids for o in out], e.runner.score([5, 9, 3, 77, 120])
@@ -348,3 +351,75 @@ def test_qkv_decode_attention_is_rope_then_decode_attention(dtype, cache, window
     assert err <= max(2 * torch_err, 1e-6)
     with pytest.raises(RuntimeError, match=r"qkv_decode_attention: qkv \[B, \(heads \+ 2 KV\)"):
         torch.ops.pagechat.qkv_decode_attention(qkv, cos, sin, one, *args, heads + 1)
+
+
+@needs_ops
+@pytest.mark.parametrize(
+    "dtype,cache",
+    [(torch.float32, torch.float32), (torch.float32, torch.float16), (torch.bfloat16,) * 2],
+)
+@pytest.mark.parametrize("window", [None, 7])
+# a prompt from its start, and a chunk after 21 cached tokens (a long prompt's second chunk, or a
+# cached prefix); 2 and 5 query heads per kv head
+@pytest.mark.parametrize("start,count", [(0, 19), (21, 12)])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (5, 1)])
+def test_decode_attention_of_a_chunk_matches_the_gathering_path(
+    dtype, cache, window, start, count, heads, kv_heads
+):
+    """One sequence's chunk of new tokens (q_pos [1, n]) against its context in one op: the caches
+    written as index_copy_ writes them, the output as close to the same attention in float64 as
+    torch's path (the context gathered, then SDPA, causal or masked by position)."""
+    from pagechat.core.attention import _attend_one
+
+    g = torch.Generator().manual_seed(2)
+    d, ctx = 32, start + count
+    slots = torch.randperm(ctx + 9, generator=g)[:ctx]  # the context anywhere in the pool
+    q = torch.randn(count, heads, d, generator=g).to(dtype)
+    k, v = (torch.randn(count, kv_heads, d, generator=g).to(dtype) for _ in range(2))
+    pool = torch.randn(2, ctx + 9, kv_heads, d, generator=g).to(cache)
+    new = slots[start:]
+    positions = torch.arange(start, ctx).unsqueeze(0)
+    ours = pool.clone()
+    out = torch.ops.pagechat.decode_attention(
+        q, k, v, ours[0], ours[1], new, slots, positions, window or 0
+    )
+    theirs = pool.clone()
+    theirs[0].index_copy_(0, new, k.to(cache))
+    theirs[1].index_copy_(0, new, v.to(cache))
+    assert torch.equal(ours, theirs)
+    plain = _attend_one(q, theirs[0], theirs[1], slots, start, window)
+    exact = _attend_one(q.double(), theirs[0].double(), theirs[1].double(), slots, start, window)
+    err, torch_err = ((t.double() - exact).abs().max().item() for t in (out, plain))
+    assert out.dtype == dtype and out.shape == q.shape
+    assert err <= max(torch_err, 1e-6)
+    with pytest.raises(RuntimeError, match="decode_attention: a position outside its sequence's"):
+        torch.ops.pagechat.decode_attention(
+            q, k, v, ours[0], ours[1], new, slots[:-1], positions, window or 0
+        )
+
+
+@needs_ops
+def test_decode_attention_of_several_sequences_equals_one_call_each(eight_threads):
+    """Three sequences' three new tokens each (a step graph's verification) in one call give each
+    row the sums that one call per sequence (the eager step's) gives, bit for bit, contexts of
+    600-1,300 keys included (where one row a sequence would be cut into pieces)."""
+    g = torch.Generator().manual_seed(3)
+    heads, kv_heads, d, n = 6, 2, 32, 3
+    starts = (5, 600, 1300)
+    ctx = max(starts) + n
+    gather = torch.stack([torch.randperm(2 * ctx, generator=g)[:ctx] for _ in starts])
+    positions = torch.tensor([[s + i for i in range(n)] for s in starts])
+    slot_mapping = gather.gather(1, positions).flatten()
+    q = torch.randn(3 * n, heads, d, generator=g).bfloat16()
+    k, v = (torch.randn(3 * n, kv_heads, d, generator=g).bfloat16() for _ in range(2))
+    pool = torch.randn(2, 2 * ctx, kv_heads, d, generator=g).bfloat16()
+    together = torch.ops.pagechat.decode_attention(
+        q, k, v, pool[0], pool[1], slot_mapping, gather.flatten(), positions, 0
+    )
+    for s in range(3):
+        rows = slice(s * n, s * n + n)
+        alone = torch.ops.pagechat.decode_attention(
+            q[rows], k[rows], v[rows], pool[0], pool[1], slot_mapping[rows], gather[s],
+            positions[s : s + 1], 0,
+        )  # fmt: skip
+        assert torch.equal(alone, together[rows])
