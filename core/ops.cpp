@@ -400,17 +400,17 @@ void attend_piece(const T* qrow, int64_t q_head_stride, float scale, const C* kc
 // cost what they save.
 constexpr int64_t kPieceKeys = 256, kSplitKeys = 512, kMaxPieces = 8;
 
-// The attention of sequences' new tokens, per_seq a sequence (a decode step: one; a prompt chunk
-// or a draft's verification: several): write each token's K and V into the paged cache, then
+// The attention of sequences' new tokens, per_seq a sequence (a decode step: one; a draft's
+// verification or a short prompt: several): write each token's K and V into the paged cache, then
 // attend its query to its context up to its own position (causal, with no mask), read in place
 // through the gather slots, without copying the context out as the torch path must (index_select
 // of every position, then scaled_dot_product_attention). Row i is sequence i / per_seq's, whose
-// slots are gather[i / per_seq * ctx ...]. Each kv head's keys and values are read once for the
-// query heads that share them (GQA). Softmax in float32, as scaled_dot_product_attention does.
+// slots are gather[i / per_seq * row_len ...]. Each kv head's keys and values are read once for
+// the query heads that share them (GQA). Softmax in float32, as scaled_dot_product_attention does.
 template <class T, class C>
 void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            at::Tensor& k_cache, at::Tensor& v_cache, const int64_t* slots,
-                           const int64_t* gather, int64_t ctx, int64_t per_seq,
+                           const int64_t* gather, int64_t row_len, int64_t per_seq,
                            const int64_t* q_pos, int64_t window, at::Tensor& out) {
   const int64_t b = q.size(0), heads = q.size(1), d = q.size(2), kv_heads = k.size(1);
   const int64_t group = heads / kv_heads;
@@ -476,8 +476,8 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
       for (int64_t g = task.g0; g < task.g1; ++g) {
         float* out = part(i, g, task.p);
         attend_piece(qp + i * q.stride(0), q.stride(1), scale, kc, vc, kv_heads, g, group, d,
-                     gather + i / per_seq * ctx + start[i] + from, to - from, scores, kf, qf.data(),
-                     out, out + group * d, out + group * (d + 1));
+                     gather + i / per_seq * row_len + start[i] + from, to - from, scores, kf,
+                     qf.data(), out, out + group * d, out + group * (d + 1));
       }
     }
   });
@@ -560,9 +560,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 // A decode step's attention from its fused qkv projection, in one op: the rows' q and k rotated
 // (rope), the new K and V written, the context attended (decode_attention). In a traced step the
 // splits, views, rope, the cache's two halves and the output's flatten were eight ops a layer
-// around the attention, each ~0.8 us of the trace's interpreter (a trace of 210 such views). qkv [B, (H + 2 KV) * D] with its rows'
-// elements adjacent, cos and sin as rope's, kv [2, slots, KV, D] (the layer's K and V caches), the
-// rest as decode_attention's -> [B, H * D].
+// around the attention, each ~0.8 us of the trace's interpreter (a trace of 210 such views).
+// qkv [B, (H + 2 KV) * D] with its rows' elements adjacent, cos and sin as rope's, kv [2, slots,
+// KV, D] (the layer's K and V caches), the rest as decode_attention's -> [B, H * D].
 at::Tensor qkv_decode_attention(const at::Tensor& qkv, const at::Tensor& cos,
                                 const at::Tensor& sin, at::Tensor kv,
                                 const at::Tensor& slot_mapping, const at::Tensor& gather,
