@@ -141,12 +141,10 @@ class Attention(nn.Module):
         """small: the fused ops' rope (None: torch's); fused: decode attention in ops.cpp."""
         super().__init__()
         self.small = small
-        self.fused = fused
+        self.fused = fused and spec.head_dim % 8 == 0  # ops.cpp's attention reads 8 values at once
         # a decode step's rope, K/V write and attention as one op (ops.cpp's qkv_decode_attention),
         # where ops.cpp's rope is the one the model runs
-        self.fused_decode = (
-            fused and small is torch.ops.pagechat and spec.head_dim % 8 == 0 and not spec.qk_norm
-        )
+        self.fused_decode = self.fused and small is torch.ops.pagechat and not spec.qk_norm
         h, kv, d, hid = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.hidden_size
         self.sizes = (h * d, kv * d, kv * d)
         self.heads, self.kv_heads, self.head_dim, self.window = h, kv, d, window
@@ -205,7 +203,7 @@ class Attention(nn.Module):
             kv[1],
             meta,
             self.window,
-            self.fused and self.head_dim % 8 == 0,
+            self.fused,
         )
         return out.flatten(1)
 
