@@ -21,6 +21,7 @@
 #include <memory>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "simd.h"
@@ -644,12 +645,17 @@ struct RowParts {
     parts = n < threads && v >= 1024 * threads ? threads : 1;
     chunk = (v + parts - 1) / parts;
   }
+  // part p's ids [from, to)
+  std::pair<int64_t, int64_t> span(int64_t p) const {
+    const int64_t from = std::min(v, p * chunk);
+    return {from, std::min(v, from + chunk)};
+  }
   template <class F>
   void run(const F& body) const {
     at::parallel_for(0, n * parts, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
-        const int64_t from = std::min(v, t % parts * chunk);
-        body(t, t / parts, from, std::min(v, from + chunk));
+        const auto [from, to] = span(t % parts);
+        body(t, t / parts, from, to);
       }
     });
   }
@@ -763,7 +769,7 @@ int64_t inverse_cdf(const float* w, const RowParts& rows, const double* part_sum
   const int64_t v = rows.v;
   double cum = 0.0;
   for (int64_t p = 0; p < rows.parts; ++p) {
-    const int64_t from = std::min(v, p * rows.chunk), to = std::min(v, from + rows.chunk);
+    const auto [from, to] = rows.span(p);
     if (cum + part_sums[p] <= target) {
       cum += part_sums[p];
       continue;
