@@ -394,7 +394,8 @@ def _candidate_columns(
     """Per row, (ids, logits, probs, kept, cut codes) of its top N tokens, then the chosen one."""
     # Everything per candidate is computed on an [n, N + 1] block (top N, then the chosen token),
     # then read back with a few .tolist() calls: no tensor op per candidate.
-    ids, prob = candidates(pen, _column(_temperatures(rows), pen).squeeze(1), tokens, top_n)
+    temps = torch.tensor(_temperatures(rows), device=pen.device)
+    ids, prob = candidates(pen, temps, tokens, top_n)
     logit = pen.gather(1, ids)
     greedy = _column([r.params.greedy for r in rows], pen, torch.bool)
     kept = torch.where(greedy, ids == tokens.unsqueeze(1), x.gather(1, ids) > _NEG_INF)
