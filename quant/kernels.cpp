@@ -25,7 +25,7 @@
 //          dequantise to what the checkpoint or the GGUF file says, bit for bit.
 //          AWQ at g = 32: 21 bytes per 32 weights (ggml's Q4_0: 18, Q4_1: 20), 16.6 at g = 128.
 //   float: fp32 or bf16 [N, K].
-// On a CPU with AVX512-VNNI and VBMI, int4 and int8 weights go in panels of 16 rows instead
+// On a CPU with AVX512-VNNI, int4 and int8 weights go in panels of 16 rows instead
 // (Panels). Activations are float32, bf16 or fp16 [M, K], and the output [M, N] comes in the same
 // dtype: a cast on each side of a decode step's ~120 small matmuls cost more than their arithmetic.
 //
@@ -521,36 +521,32 @@ struct Bf16DotWeights {
 };
 #pragma GCC pop_options
 
-// int4 and int8 in panels of 16 rows, for CPUs with AVX512-VNNI and VBMI (panels_here()). A
-// horizontal tile (above) spends four float operations per block of 32 weights and activation row
-// on the block's scales, as many as on its products: the int4 kernel was bound by its arithmetic at
-// one row (about 24 of 30 GB/s) and more so at several. A panel turns that around: its 16 rows lie
-// side by side in the lanes, each lane one row's sum, so each block's scales cost those operations
-// once per 16 rows, and vpdpwssd does 32 products and their pair sums in one instruction: per
-// input pair (2i, 2i + 1) of a block, the 16 rows' pairs as 32 int16 lanes, row r's in 32-bit lane
-// r, times the activation pair broadcast. Layouts (made by quant/kernels.py's int4_pack and
-// int8_pack), per panel of rows 16p .. 16p + 15 and block of 32 inputs:
-//   int4: 256 bytes; per pair, 8 little-endian 16-bit words, word 2m + e holding in its nibble c
-//         (bits 4c .. 4c + 3) q[row 16p + 4c + m][input 2i + e]. Broadcast to the four 128-bit
-//         parts of a register, vpmultishiftqb moves nibble c of each word to the low byte of the
-//         word's lane in part c (a shift per part, on the shuffle port, so that the products have
-//         the other port to themselves); masked to 4 bits, row 4c + m's pair is in lane 4c + m.
-//   int8: 512 bytes; per pair, 32 bytes, byte 2r + e = q[row 16p + r][input 2i + e], widened to
-//         int16 in one instruction.
+// int4 and int8 in panels of 16 rows, for CPUs with AVX512-VNNI (panels_here()). A horizontal
+// tile (above) spends four float operations per block of 32 weights and activation row on the
+// block's scales, as many as on its products: the int4 kernel was bound by its arithmetic at one
+// row (about 24 of 30 GB/s) and more so at several. A panel turns that around: its 16 rows lie side
+// by side in the lanes, each lane one row's sum, so each block's scales cost those operations once
+// per 16 rows. Layouts (made by quant/kernels.py's int4_pack and int8_pack), per panel of rows
+// 16p .. 16p + 15 and block of 32 inputs:
+//   int4: 256 bytes, four parts t of 64: byte 4r + e of part t holds q[row 16p + r][input 4t + e]
+//         in its low nibble and q[16p + r][16 + 4t + e] in its high one. One load, a mask and a
+//         shift give 16 rows by 4 inputs twice, row r's in 32-bit lane r, as vpdpbusd takes
+//         them: 64 products of unsigned and signed bytes, summed in fours, per instruction. The
+//         activations are int16, so each is split into its bytes, x = 256 hi + lo (hi signed, lo
+//         unsigned), and a block's sum is 256 times the weights by hi (the nibbles as the unsigned
+//         operand) plus the weights by lo (lo unsigned, the nibbles, below 16, as signed): the
+//         same integers as one int16 product, exactly. On the EPYC Zen 4, one row and two panels
+//         of 16 rows in cache: 52 GB/s of int4 weights a core, against 22 with vpdpwssd on pairs
+//         picked out of 16-bit words by vpmultishiftqb, as panels were before.
+//   int8: 512 bytes; per input pair (2i, 2i + 1), 32 bytes, byte 2r + e = q[row 16p + r][input
+//         2i + e], widened to int16 in one instruction; vpdpwssd does the 16 rows' 32 products and
+//         their pair sums, times the activation pair broadcast.
 // Scales [N/16, K/g, 16] (a group's 16 values are one load), fp16 or float32: fp16 where the format's
 // own are (AWQ, Q4_0, Q4_1, Q8_0), so int4 at g = 32 is 19 bytes per 32 weights (rows: 21), Q8_0 34
 // as in the file; float32 for Q4_K (a 6-bit scale times an fp16 one) and int8's row scales (G = 1,
 // so [N]). int4's offsets in the same layout: uint8 zeros, or mins in the scales' dtype.
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi")
-
-// vpmultishiftqb's picks for int4 panels: the low byte of 16-bit lane w of part c takes bits
-// 16 (w % 4) + 4c of its qword (nibble c of word w), the high byte anything (masked off)
-constexpr std::array<uint8_t, 64> kPicks = [] {
-  std::array<uint8_t, 64> pick{};
-  for (int j = 0; j < 64; j += 2) pick[j] = 16 * (j / 2 % 4) + 4 * (j / 16);
-  return pick;
-}();
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni")
 
 // 16 floats from fp16 (half) or float32 memory, from element `at`.
 inline __m512 load16(const void* p, bool half, int64_t at) {
@@ -565,8 +561,8 @@ template <int Bits>
 struct Panels {
   static constexpr int64_t kRows = 16, kBlockBytes = kRows * kBlock * Bits / 8;
   // activation rows that share one unpacking of the weights: the more, the fewer operations per
-  // product (3 registers per row of 32)
-  static constexpr int64_t kRowsPerPass = 8;
+  // product; 3 registers per row and panel (int4: 4, its sums over hi and lo apart)
+  static constexpr int64_t kRowsPerPass = Bits == 4 ? 4 : 8;
   // int4 has zeros or mins (in the scales' dtype), int8 neither; int8's row scales are one group
   // of K
   Panels(const QuantRows& xq, const uint8_t* w, const void* scales, bool half,
@@ -580,7 +576,16 @@ struct Panels {
         blocks(xq.k / kBlock),
         blocks_per_group(group / kBlock),
         groups(xq.k / group),
-        xsums(zeros || mins ? group_sums(xq, group) : std::vector<float>()) {}
+        xsums(zeros || mins ? group_sums(xq, group) : std::vector<float>()) {
+    if constexpr (Bits == 4) {
+      hi.resize(xq.q.size());
+      lo.resize(xq.q.size());
+      for (size_t i = 0; i < xq.q.size(); ++i) {
+        hi[i] = static_cast<int8_t>(xq.q[i] >> 8);  // arithmetic: x = 256 hi + lo, lo >= 0
+        lo[i] = static_cast<uint8_t>(xq.q[i] & 0xFF);
+      }
+    }
+  }
   const QuantRows& x;
   const uint8_t* w;
   const void* scales;
@@ -589,24 +594,65 @@ struct Panels {
   const void* mins;
   const int64_t blocks, blocks_per_group, groups;
   std::vector<float> xsums;
+  std::vector<int8_t> hi;  // int4: the activations' bytes (see above)
+  std::vector<uint8_t> lo;
 
-  // pair i of a block's 16 rows as 32 int16 lanes, row r's pair in 32-bit lane r
-  static __m512i unpack(const uint8_t* wb, int i, __m512i picks, __m512i low4) {
+  // sums[r][c] += block b of panel wp[c] times activation row m0 + r, lane j row j's: int32 and
+  // exact (|a lane| <= 32 * 127 * 32767 < 2^31; int4: 32 * 15 * 32767 < 2^24, exact in float too)
+  template <int R, int W>
+  __attribute__((always_inline)) inline void block_sums(__m512i (&sums)[R][W],
+                                                        const uint8_t* const (&wp)[W], int64_t b,
+                                                        int64_t m0) const {
+    const int64_t at = m0 * x.k + b * kBlock;
     if constexpr (Bits == 4) {
-      const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wb) + i);
-      return _mm512_and_si512(_mm512_multishift_epi64_epi8(picks, _mm512_broadcast_i32x4(packed)),
-                              low4);
+      const __m512i low4 = _mm512_set1_epi8(0x0F);
+      __m512i sh[R][W], sl[R][W];
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < W; ++c) sh[r][c] = sl[r][c] = _mm512_setzero_si512();
+      for (int t = 0; t < 4; ++t) {
+        __m512i v[W][2];
+        for (int c = 0; c < W; ++c) {
+          const __m512i l = _mm512_loadu_si512(wp[c] + b * kBlockBytes + 64 * t);
+          v[c][0] = _mm512_and_si512(l, low4);
+          v[c][1] = _mm512_and_si512(_mm512_srli_epi16(l, 4), low4);
+        }
+        for (int e = 0; e < 2; ++e) {
+          for (int r = 0; r < R; ++r) {
+            int32_t h, l;
+            std::memcpy(&h, &hi[at + r * x.k + 16 * e + 4 * t], sizeof h);
+            std::memcpy(&l, &lo[at + r * x.k + 16 * e + 4 * t], sizeof l);
+            const __m512i xh = _mm512_set1_epi32(h), xl = _mm512_set1_epi32(l);
+            for (int c = 0; c < W; ++c) {
+              sh[r][c] = _mm512_dpbusd_epi32(sh[r][c], v[c][e], xh);
+              sl[r][c] = _mm512_dpbusd_epi32(sl[r][c], xl, v[c][e]);
+            }
+          }
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < W; ++c) {
+          sums[r][c] = _mm512_add_epi32(_mm512_slli_epi32(sh[r][c], 8), sl[r][c]);
+        }
     } else {
-      return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb) + i));
+      for (int i = 0; i < kBlock / 2; ++i) {
+        __m512i v[W];
+        for (int c = 0; c < W; ++c) {
+          v[c] = _mm512_cvtepi8_epi16(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp[c] + b * kBlockBytes) + i));
+        }
+        for (int r = 0; r < R; ++r) {
+          int32_t pair;
+          std::memcpy(&pair, &x.q[at + r * x.k + 2 * i], sizeof pair);
+          const __m512i xp = _mm512_set1_epi32(pair);
+          for (int c = 0; c < W; ++c) sums[r][c] = _mm512_dpwssd_epi32(sums[r][c], v[c], xp);
+        }
+      }
     }
   }
 
   // the 16 outputs of each of the W panels p0, p0 + step, ... for R activation rows from m0
   template <int R, int W>
   void tile(int64_t m0, int64_t p0, int64_t step, const Out& out) const {
-    const __m512i picks = _mm512_loadu_si512(kPicks.data());
-    const __m512i low4 = _mm512_set1_epi16(0x0F);
-    const int64_t k = x.k;
     const uint8_t* wp[W];
     for (int c = 0; c < W; ++c) wp[c] = w + (p0 + c * step) * blocks * kBlockBytes;
     __m512 acc[R][W], grp[R][W];
@@ -614,28 +660,16 @@ struct Panels {
       for (int c = 0; c < W; ++c) acc[r][c] = grp[r][c] = _mm512_setzero_ps();
     int64_t g = 0, left = blocks_per_group;
     for (int64_t b = 0; b < blocks; ++b) {
-      __m512i sums[R][W];
-      for (int r = 0; r < R; ++r)
-        for (int c = 0; c < W; ++c) sums[r][c] = _mm512_setzero_si512();
-      const int16_t* xb = &x.q[m0 * k + b * kBlock];
       for (int c = 0; c < W; ++c) {
         const char* wb = reinterpret_cast<const char*>(wp[c] + b * kBlockBytes);
         for (int64_t l = 0; l < kBlockBytes; l += 64) {
           _mm_prefetch(wb + l + kPanelPrefetchBytes, _MM_HINT_T0);
         }
       }
-      for (int i = 0; i < kBlock / 2; ++i) {
-        __m512i v[W];
-        for (int c = 0; c < W; ++c) v[c] = unpack(wp[c] + b * kBlockBytes, i, picks, low4);
-        // |a lane| <= 32 * 127 * 32767 < 2^31 over a block (int4: 32 * 15 * 32767 < 2^24, exact
-        // in float too)
-        for (int r = 0; r < R; ++r) {
-          int32_t pair;
-          std::memcpy(&pair, xb + r * k + 2 * i, sizeof pair);
-          const __m512i xp = _mm512_set1_epi32(pair);
-          for (int c = 0; c < W; ++c) sums[r][c] = _mm512_dpwssd_epi32(sums[r][c], v[c], xp);
-        }
-      }
+      __m512i sums[R][W];
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < W; ++c) sums[r][c] = _mm512_setzero_si512();
+      block_sums<R, W>(sums, wp, b, m0);
       for (int r = 0; r < R; ++r) {
         const __m512 d = _mm512_set1_ps(x.scales[(m0 + r) * blocks + b]);
         for (int c = 0; c < W; ++c) {
@@ -681,10 +715,10 @@ struct Panels {
 };
 
 // R activation rows from m0 times the kPanelStreams panels p, p + step, ...: W panels at a time,
-// the fewer the more rows (three registers per row and panel)
+// the fewer the more rows (registers: see kRowsPerPass)
 template <int R, class Wt>
 void panels_times_rows(const Wt& wt, int64_t m0, int64_t p, int64_t step, const Out& out) {
-  constexpr int W = R <= 4 ? 2 : 1;
+  constexpr int W = R <= Wt::kRowsPerPass / 2 ? 2 : 1;
   for (int c = 0; c < kPanelStreams; c += W) wt.template tile<R, W>(m0, p + c * step, step, out);
 }
 
@@ -764,21 +798,18 @@ void unpanel_rows(const int8_t* w, int64_t panels, int64_t k, const void* scales
   });
 }
 
-// Block b of row 4c + m of an int4 panel (wb: the block's 256 bytes) as 32 values of T: each
-// pair's dword gathered (words 2m and 2m + 1), nibble c of both words moved down and masked, so
-// that the 32 int16 lanes hold the inputs in order; then (q - zero) * scale, or q * scale + min
-// (mins: q * scale is exact, so these are the formats' own float32 results, fused or not).
+// Block b of row r of an int4 panel (wb: the block's 256 bytes) as 32 values of T: the row's
+// dword of each part (inputs 4t .. 4t + 3 low, 16 + 4t .. high) gathered, so that the 16 bytes'
+// low nibbles are inputs 0-15 and their high ones 16-31; then (q - zero) * scale, or q * scale +
+// min (mins: q * scale is exact, so these are the formats' own float32 results, fused or not).
 template <class T>
-inline void unpanel_int4_block(const uint8_t* wb, int c, int m, float scale, float zero, float min,
+inline void unpanel_int4_block(const uint8_t* wb, int r, float scale, float zero, float min,
                                bool mins, T* dst) {
-  alignas(64) int32_t at[16];
-  for (int i = 0; i < 16; ++i) at[i] = 16 * i + 4 * m;
-  const __m512i q = _mm512_and_si512(
-      _mm512_srli_epi32(_mm512_i32gather_epi32(_mm512_load_si512(at), wb, 1), 4 * c),
-      _mm512_set1_epi32(0x000F000F));
+  const __m128i q = _mm_i32gather_epi32(reinterpret_cast<const int*>(wb + 4 * r),
+                                        _mm_setr_epi32(0, 64, 128, 192), 1);
   for (int h = 0; h < 2; ++h) {
-    const __m256i half = h ? _mm512_extracti64x4_epi64(q, 1) : _mm512_castsi512_si256(q);
-    const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(half));
+    const __m128i nibbles = _mm_and_si128(h ? _mm_srli_epi16(q, 4) : q, _mm_set1_epi8(0x0F));
+    const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(nibbles));
     store16(dst + 16 * h,
             mins ? _mm512_add_ps(_mm512_mul_ps(v, _mm512_set1_ps(scale)), _mm512_set1_ps(min))
                  : _mm512_mul_ps(_mm512_sub_ps(v, _mm512_set1_ps(zero)), _mm512_set1_ps(scale)));
@@ -787,10 +818,10 @@ inline void unpanel_int4_block(const uint8_t* wb, int c, int m, float scale, flo
 
 #pragma GCC pop_options
 
-// Whether this CPU runs panels (AVX512F, BW, VNNI and VBMI).
+// Whether this CPU runs panels (AVX512F, BW, VL and VNNI).
 bool panels_here() {
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi");
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
 }
 
 // Whether this CPU runs Bf16DotWeights (AVX512F, BW and BF16).
@@ -827,7 +858,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
                           : weight.size(1) == k),
               "int8_linear: weight [N, K] (in panels [N/16, K/32, 512]) with K a multiple of 32");
   const int64_t groups = scale_groups(scales, n, k, "int8_linear");
-  TORCH_CHECK(!panels || panels_here(), "int8_linear: panels need a CPU with AVX512-VNNI and VBMI");
+  TORCH_CHECK(!panels || panels_here(), "int8_linear: panels need a CPU with AVX512-VNNI");
   const at::Tensor xc = x.contiguous();
   const at::Tensor wc = weight.contiguous();
   // panels read fp16 scales as they are (Q8_0's), every other dtype as float32
@@ -854,7 +885,7 @@ at::Tensor int8_unpanel(const at::Tensor& weight, at::ScalarType dtype,
                   weight.size(2) == Panels<8>::kBlockBytes && weight.device().is_cpu(),
               "int8_unpanel: an int8 weight in panels [N/16, K/32, 512]");
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "int8_unpanel: float32 or bf16 rows");
-  TORCH_CHECK(panels_here(), "int8_unpanel: panels need a CPU with AVX512-VNNI and VBMI");
+  TORCH_CHECK(panels_here(), "int8_unpanel: panels need a CPU with AVX512-VNNI");
   const at::Tensor wc = weight.contiguous();
   const int64_t panels = wc.size(0), k = wc.size(1) * kBlock, n = panels * Panels<8>::kRows;
   const int64_t groups = scales ? scale_groups(*scales, n, k, "int8_unpanel") : 1;
@@ -900,7 +931,7 @@ struct Int4Args {
                 op,
                 ": float32 scales (fp16 too in panels) and uint8 zeros or mins in the scales' "
                 "dtype, a value per row and group");
-    TORCH_CHECK(!panels || panels_here(), op, ": panels need a CPU with AVX512-VNNI and VBMI");
+    TORCH_CHECK(!panels || panels_here(), op, ": panels need a CPU with AVX512-VNNI");
   }
   const bool panels, half, mins;
   const int64_t n, k, group;
@@ -941,9 +972,8 @@ void dequantize_rows(const Int4Args& a, const int64_t* id, int64_t count, T* out
   at::parallel_for(0, count, 16, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t j = id[t];
-      // panels: row j is lane 4c + m of panel p (see Panels)
+      // panels: row j is lane `lane` of panel p (see Panels)
       const int64_t p = j / Panels<4>::kRows, lane = j % Panels<4>::kRows;
-      const int c = static_cast<int>(lane / 4), m = static_cast<int>(lane % 4);
       for (int64_t b = 0; b < blocks; ++b) {
         const int64_t g = b * kBlock / a.group;
         const int64_t at_g = a.panels ? (p * groups + g) * Panels<4>::kRows + lane : j * groups + g;
@@ -951,8 +981,8 @@ void dequantize_rows(const Int4Args& a, const int64_t* id, int64_t count, T* out
         const float zero = a.mins ? 0.0f : zp[at_g], min = a.mins ? a.value(a.oc, at_g) : 0.0f;
         T* dst = out + t * k + b * kBlock;
         if (a.panels) {
-          unpanel_int4_block(w + (p * blocks + b) * Panels<4>::kBlockBytes, c, m, scale, zero, min,
-                             a.mins, dst);
+          unpanel_int4_block(w + (p * blocks + b) * Panels<4>::kBlockBytes, static_cast<int>(lane),
+                             scale, zero, min, a.mins, dst);
           continue;
         }
         const uint8_t* q = w + j * (k / 2) + b * (kBlock / 2);

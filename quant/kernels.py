@@ -13,9 +13,9 @@ from pagechat.core import native
 
 SOURCE = Path(__file__).with_name("kernels.cpp")
 PANEL = 16  # int4 and int8 rows per panel (kernels.cpp's Panels)
-# int4 and int8 weights go in panels on a CPU with AVX512F, BW, VNNI and VBMI, else in rows (AVX2;
+# int4 and int8 weights go in panels on a CPU with AVX512F, BW, VL and VNNI, else in rows (AVX2;
 # also where PAGECHAT_KERNELS=avx2)
-PANELS = not native.avx2_only() and {"avx512f", "avx512bw", "avx512_vnni", "avx512vbmi"} <= (
+PANELS = not native.avx2_only() and {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= (
     native.cpu_flags() or frozenset()
 )
 # bf16 weights times bf16 activations by AVX512-BF16's vdpbf16ps (not where PAGECHAT_KERNELS=avx2)
@@ -81,12 +81,12 @@ def int4_pack(
     dtype = torch.float16 if scales.dtype == torch.float16 else torch.float32
     q, scales, offsets = _pad_rows(q), _pad_rows(scales.to(dtype)), _pad_rows(offsets)
     p = q.shape[0] // PANEL
-    # row 4c + m of a panel, inputs 2i + e of a block -> nibble c of word 2m + e of pair i
-    v = q.to(torch.int32).reshape(p, 4, 4, k // BLOCK, BLOCK // 2, 2)
-    words = sum(v[:, c] << (4 * c) for c in range(4)).permute(0, 2, 3, 1, 4)
-    packed = torch.stack((words & 0xFF, words >> 8), -1).to(torch.uint8)
+    # row r of a panel, input 16h + 4t + e of a block -> byte 4r + e of the block's part t, its
+    # low nibble (h = 0) or high one
+    v = q.reshape(p, PANEL, k // BLOCK, 2, 4, 4)
+    packed = (v[:, :, :, 0] | (v[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4)
     return (
-        packed.reshape(p, k // BLOCK, PANEL * BLOCK // 2),
+        packed.reshape(p, k // BLOCK, PANEL * BLOCK // 2).contiguous(),
         _panel_groups(scales),
         _panel_groups(_offsets(offsets, dtype) if mins else offsets),
     )

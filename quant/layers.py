@@ -5,7 +5,7 @@ torch's int4 / int8 weight-only matmuls want bf16 activations (other dtypes hit 
 so activations are cast to bf16 around the call and back; where the op is missing or the shapes
 don't fit it, the weights are dequantised on every call (exact in fp32, memory stays quantised).
 int8 weight-only and AWQ int4 layers on an AVX2 CPU run pagechat's own kernels (quant/kernels.py;
-in panels of 16 rows where the CPU has AVX512-VNNI and VBMI) for up to 16 rows (decode), faster
+in panels of 16 rows where the CPU has AVX512-VNNI) for up to 16 rows (decode), faster
 than torch's, and for more rows (prefill) a GEMM on the weights dequantised for the call (bf16
 where the model computes in bf16 on a CPU with native bf16, else float32), faster than torch's
 packed kernels there (docs/benchmarks.md).

@@ -40,12 +40,12 @@ needs_kernel = pytest.mark.skipif(
     not CAN_BUILD, reason="needs an AVX2 CPU, g++ and ninja, and PAGECHAT_KERNELS unset"
 )
 
-# the int4 and int8 kernels' layouts: both where the CPU runs both (panels: AVX512-VNNI, VBMI)
+# the int4 and int8 kernels' layouts: both where the CPU runs both (panels: AVX512-VNNI)
 LAYOUTS = [
     False,
     pytest.param(
         True,
-        marks=pytest.mark.skipif(not kernels.PANELS, reason="needs AVX512-VNNI and VBMI"),
+        marks=pytest.mark.skipif(not kernels.PANELS, reason="needs AVX512-VNNI"),
     ),
 ]
 
