@@ -58,7 +58,10 @@ constexpr int kStreams = 4;               // weight rows read at once, each from
 // on the EPYC Zen 4 (a q4_0 decode step 4.6-4.7 ms against 5.0-5.6, int8 6.2 against 7.2-7.3)
 constexpr int kPanelStreams = 2;
 constexpr int64_t kPrefetchBytes = 1024;  // how far ahead in its row each stream asks for lines
-constexpr int64_t kPanelPrefetchBytes = 2048;  // and in its panels (int4 panels, below), into L1
+// and in its panels, into L2 as well: once int4's arithmetic no longer bound it (Panels), 4 KB
+// into L2 read a decode step's weights from memory 1.1-1.2x faster than 2 KB into L1
+// (docs/benchmarks.md)
+constexpr int64_t kPanelPrefetchBytes = 4096;
 
 // Asks for the cache line kPrefetchBytes ahead of byte `off` of a weight row, once per line. Into
 // L2 (T1), not L1: the line is needed only after several hundred more bytes of every stream, and
@@ -663,7 +666,7 @@ struct Panels {
       for (int c = 0; c < W; ++c) {
         const char* wb = reinterpret_cast<const char*>(wp[c] + b * kBlockBytes);
         for (int64_t l = 0; l < kBlockBytes; l += 64) {
-          _mm_prefetch(wb + l + kPanelPrefetchBytes, _MM_HINT_T0);
+          _mm_prefetch(wb + l + kPanelPrefetchBytes, _MM_HINT_T1);
         }
       }
       __m512i sums[R][W];
