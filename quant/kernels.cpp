@@ -40,7 +40,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -600,8 +599,9 @@ struct Panels {
   std::vector<int8_t> hi;  // int4: the activations' bytes (see above)
   std::vector<uint8_t> lo;
 
-  // sums[r][c] += block b of panel wp[c] times activation row m0 + r, lane j row j's: int32 and
-  // exact (|a lane| <= 32 * 127 * 32767 < 2^31; int4: 32 * 15 * 32767 < 2^24, exact in float too)
+  // sums[r][c] (zero on entry) = block b of panel wp[c] times activation row m0 + r, lane j row
+  // j's: int32 and exact (|a lane| <= 32 * 127 * 32767 < 2^31; int4: 32 * 15 * 32767 < 2^24,
+  // exact in float too)
   template <int R, int W>
   __attribute__((always_inline)) inline void block_sums(__m512i (&sums)[R][W],
                                                         const uint8_t* const (&wp)[W], int64_t b,
