@@ -58,8 +58,8 @@ constexpr int kStreams = 4;               // weight rows read at once, each from
 constexpr int kPanelStreams = 2;
 constexpr int64_t kPrefetchBytes = 1024;  // how far ahead in its row each stream asks for lines
 // and in its panels, into L2 as well: once int4's arithmetic no longer bound it (Panels), 4 KB
-// into L2 read a decode step's weights from memory 1.1-1.2x faster than 2 KB into L1
-// (docs/benchmarks.md)
+// into L2 read a decode step's weights from memory at one row 1.06-1.16x (int4) and 1.2x (int8)
+// as fast as 2 KB into L1 did (docs/benchmarks.md)
 constexpr int64_t kPanelPrefetchBytes = 4096;
 
 // Asks for the cache line kPrefetchBytes ahead of byte `off` of a weight row, once per line. Into
@@ -599,9 +599,8 @@ struct Panels {
   std::vector<int8_t> hi;  // int4: the activations' bytes (see above)
   std::vector<uint8_t> lo;
 
-  // sums[r][c] (zero on entry) = block b of panel wp[c] times activation row m0 + r, lane j row
-  // j's: int32 and exact (|a lane| <= 32 * 127 * 32767 < 2^31; int4: 32 * 15 * 32767 < 2^24,
-  // exact in float too)
+  // sums[r][c] = block b of panel wp[c] times activation row m0 + r, lane j row j's: int32 and
+  // exact (|a lane| <= 32 * 127 * 32767 < 2^31; int4: 32 * 15 * 32767 < 2^24, exact in float too)
   template <int R, int W>
   __attribute__((always_inline)) inline void block_sums(__m512i (&sums)[R][W],
                                                         const uint8_t* const (&wp)[W], int64_t b,
@@ -637,6 +636,8 @@ struct Panels {
           sums[r][c] = _mm512_add_epi32(_mm512_slli_epi32(sh[r][c], 8), sl[r][c]);
         }
     } else {
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < W; ++c) sums[r][c] = _mm512_setzero_si512();
       for (int i = 0; i < kBlock / 2; ++i) {
         __m512i v[W];
         for (int c = 0; c < W; ++c) {
@@ -670,8 +671,6 @@ struct Panels {
         }
       }
       __m512i sums[R][W];
-      for (int r = 0; r < R; ++r)
-        for (int c = 0; c < W; ++c) sums[r][c] = _mm512_setzero_si512();
       block_sums<R, W>(sums, wp, b, m0);
       for (int r = 0; r < R; ++r) {
         const __m512 d = _mm512_set1_ps(x.scales[(m0 + r) * blocks + b]);
