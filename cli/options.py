@@ -16,7 +16,8 @@ from pagechat.core.errors import PagechatError
 Dtype = Annotated[
     str,
     typer.Option(
-        help="auto | float32 | bfloat16 | float16 (auto: bf16 on a CPU with native bf16, "
+        help="auto | float32 | bfloat16 | float16 (auto: bf16 on a CPU with native bf16 "
+        "(AVX512-BF16 or AMX), "
         "the checkpoint's dtype on CUDA, else float32, with a bf16 checkpoint's "
         "weights kept in bf16 as --quant bf16-wo)"
     ),

@@ -31,8 +31,14 @@ CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 
 @functools.cache
 def cpu_has_native_bf16() -> bool:
-    """True when this CPU computes bf16 natively (AVX512-BF16 / AMX): there bf16 is the faster
-    compute dtype, elsewhere it is emulated."""
+    """True when this CPU computes bf16 natively: there bf16 is the faster compute dtype,
+    elsewhere it is emulated. On x86 Linux that is AVX512-BF16 or AMX in /proc/cpuinfo, not
+    torch's check alone, which says yes for any AVX512 CPU: there oneDNN emulates bf16, and a
+    bf16 prefill ran 3x slower than float32 (docs/benchmarks.md, "bf16 weights on a CPU without
+    native bf16")."""
+    flags = cpu_flags()
+    if flags and "avx512f" in flags and not {"avx512_bf16", "amx_bf16"} & flags:
+        return False
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):

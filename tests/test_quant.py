@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 from conftest import cli
+from pagechat.core import native as native_mod
 from pagechat.core.config import EngineConfig
 from pagechat.core.engine import Engine
 from pagechat.core.memory import weight_report
@@ -215,6 +216,31 @@ def llama_bf16(llama, tmp_path_factory):
     )
     _edit_config(out, lambda c: c.update(torch_dtype="bfloat16", dtype="bfloat16"))
     return out
+
+
+@pytest.mark.parametrize(
+    "flags, torch_says, native",
+    [
+        # AVX512 without BF16 (a Xeon whose hypervisor hides it; Skylake to Ice Lake): torch's
+        # check says yes, where oneDNN only emulates bf16
+        ({"avx2", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}, True, False),
+        ({"avx2", "avx512f", "avx512bw", "avx512_bf16"}, True, True),
+        ({"avx2", "avx512f", "avx512bw", "amx_tile", "amx_bf16"}, True, True),
+        ({"avx2", "fma", "f16c"}, False, False),
+        (None, True, True),  # no x86 flags (another OS, ARM): torch's check decides
+        (None, False, False),
+    ],
+)
+def test_native_bf16_needs_the_cpus_bf16_instructions_not_only_avx512(
+    monkeypatch, flags, torch_says, native
+):
+    monkeypatch.setattr(native_mod, "cpu_flags", lambda: flags and frozenset(flags))
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: torch_says)
+    native_mod.cpu_has_native_bf16.cache_clear()
+    try:
+        assert native_mod.cpu_has_native_bf16() is native
+    finally:
+        native_mod.cpu_has_native_bf16.cache_clear()
 
 
 @pytest.mark.parametrize("native", [False, True])
