@@ -37,7 +37,7 @@ def cpu_has_native_bf16() -> bool:
     bf16 prefill ran 3x slower than float32 (docs/benchmarks.md, "bf16 weights on a CPU without
     native bf16")."""
     flags = cpu_flags()
-    if flags and "avx512f" in flags and not {"avx512_bf16", "amx_bf16"} & flags:
+    if flags and not {"avx512_bf16", "amx_bf16"} & flags:
         return False
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
