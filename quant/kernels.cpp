@@ -15,18 +15,18 @@
 // Weight formats:
 //   int8:  int8 [N, K], float32 scales [N, G]: one per output row (G = 1, w = q * scale), or one
 //          per group of K/G inputs (GGUF's Q8_0: groups of 32).
-//   int4:  asymmetric groups of g inputs, repacked at load: uint8 [N, K/2] where byte j of a block
-//          of 32 holds q[j] (low nibble) and q[j + 16] (high), as in ggml's Q4_0 and Q4_1;
-//          float32 scales [N, K/g] and "offsets" [N, K/g] of one of two kinds:
+//   int4:  asymmetric groups of g inputs, in panels of 16 rows on every CPU (Panels, below, and
+//          Int4PanelsAvx2): scales and "offsets" per row and group, the offsets of one of two
+//          kinds:
 //            uint8 zeros:   w = (q - zero) * scale   (AWQ; GGUF's Q4_0, zero 8), or
-//            float32 mins:  w = q * scale + min      (GGUF's Q4_1 and Q4_K).
+//            mins:          w = q * scale + min      (GGUF's Q4_1 and Q4_K).
 //          Both are the formats' own numbers, exactly (AWQ's and ggml's fp16 scales; Q4_K's
 //          6-bit scale times its fp16 super-block scale is exact in float32): the weights
 //          dequantise to what the checkpoint or the GGUF file says, bit for bit.
-//          AWQ at g = 32: 21 bytes per 32 weights (ggml's Q4_0: 18, Q4_1: 20), 16.6 at g = 128.
+//          AWQ at g = 32: 19 bytes per 32 weights (ggml's Q4_0: 18, Q4_1: 20), 16.75 at g = 128.
 //   float: fp32 or bf16 [N, K].
-// On a CPU with AVX512-VNNI, int4 and int8 weights go in panels of 16 rows instead
-// (Panels). Activations are float32, bf16 or fp16 [M, K], and the output [M, N] comes in the same
+// On a CPU with AVX512-VNNI, int8 weights go in panels of 16 rows instead (Panels).
+// Activations are float32, bf16 or fp16 [M, K], and the output [M, N] comes in the same
 // dtype: a cast on each side of a decode step's ~120 small matmuls cost more than their arithmetic.
 //
 // Compiled on first use by core/native.py with -mavx2 -mfma -mf16c (no -march=native, so that a
@@ -40,9 +40,12 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -184,18 +187,6 @@ struct Int8Weights {
   void tile(int64_t m0, int64_t j0, int64_t step, const Out& out) const;
 };
 
-// The dot product of n floats.
-inline float dot(const float* a, const float* b, int64_t n) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  }
-  float t = sum8(acc);
-  for (; i < n; ++i) t += a[i] * b[i];
-  return t;
-}
-
 // Each activation row's groups of `group` inputs summed as quantised (sum over its blocks of
 // scale * the block's int16 values summed): [M, K/group], what a group's zero is multiplied by.
 std::vector<float> group_sums(const QuantRows& xq, int64_t group) {
@@ -210,64 +201,6 @@ std::vector<float> group_sums(const QuantRows& xq, int64_t group) {
   }
   return sums;
 }
-
-// int4 rows in groups (w = (q - zero) * scale, or q * scale + min): the products are summed with
-// q as it is, and the offset's share, zero * scale (or -min) times the group's activations summed,
-// is taken off once per output. Unpacking then needs one lane-crossing widen per block (port 5 on
-// Intel, the limit at one row) and no broadcast of an offset; the scales are float32 so that their
-// broadcast is a plain load.
-struct Int4Weights {
-  static constexpr int kPassWidth = 2;
-  static constexpr bool kGroupScales = true;
-  static constexpr int64_t kBlockBytes = kBlock / 2;
-  // one of zeros and mins is given, the other null
-  Int4Weights(const QuantRows& xq, const uint8_t* w, const float* scales, const uint8_t* zeros,
-              const float* mins, int64_t group)
-      : x(xq),
-        w(w),
-        scales(scales),
-        zeros(zeros),
-        mins(mins),
-        k(xq.k),
-        blocks_per_group(group / kBlock),
-        groups(k / group),
-        xsums(group_sums(xq, group)) {}
-  const QuantRows& x;
-  const uint8_t* w;
-  const float* scales;   // [N, K/g]
-  const uint8_t* zeros;  // [N, K/g]
-  const float* mins;     // [N, K/g]
-  const int64_t k, blocks_per_group, groups;
-  std::vector<float> xsums;  // [M, K/g]: each group's quantised activations summed
-  const char* row(int64_t j) const { return reinterpret_cast<const char*>(w + j * (k / 2)); }
-  void unpack(int64_t j, int64_t b, __m256i& lo, __m256i& hi) const {
-    // lane i holds byte i = q[i] | q[i + 16] << 4
-    const __m256i v = _mm256_cvtepu8_epi16(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * (k / 2) + b * (kBlock / 2))));
-    lo = _mm256_and_si256(v, _mm256_set1_epi16(0x0F));
-    hi = _mm256_srli_epi16(v, 4);
-  }
-  const float* group_scale(int64_t j, int64_t g) const { return scales + j * groups + g; }
-  float finish(int64_t r, int64_t j, float sum) const {
-    const float* xs = &xsums[r * groups];
-    if (mins) return sum + dot(mins + j * groups, xs, groups);
-    const float* s = scales + j * groups;
-    const uint8_t* z = zeros + j * groups;
-    __m256 acc = _mm256_setzero_ps();
-    int64_t g = 0;
-    for (; g + 8 <= groups; g += 8) {
-      const __m256 zf = _mm256_cvtepi32_ps(
-          _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(z + g))));
-      acc =
-          _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(s + g), zf), _mm256_loadu_ps(xs + g), acc);
-    }
-    float t = sum8(acc);
-    for (; g < groups; ++g) t += s[g] * z[g] * xs[g];
-    return sum - t;
-  }
-  template <int R, int W>
-  void tile(int64_t m0, int64_t j0, int64_t step, const Out& out) const;
-};
 
 // out[m][j] for R activation rows from m0 and the W weight rows j0, j0 + step, ...: each weight
 // block is loaded once for the R rows and each activation block once for the W weight rows.
@@ -324,11 +257,6 @@ template <bool Grouped>
 template <int R, int W>
 void Int8Weights<Grouped>::tile(int64_t m0, int64_t j0, int64_t step, const Out& out) const {
   int_tile<Int8Weights, R, W>(*this, m0, j0, step, out);
-}
-
-template <int R, int W>
-void Int4Weights::tile(int64_t m0, int64_t j0, int64_t step, const Out& out) const {
-  int_tile<Int4Weights, R, W>(*this, m0, j0, step, out);
 }
 
 // float32 rows times float32 activations, tiled as int_tile.
@@ -523,13 +451,13 @@ struct Bf16DotWeights {
 };
 #pragma GCC pop_options
 
-// int4 and int8 in panels of 16 rows, for CPUs with AVX512-VNNI (panels_here()). A horizontal
-// tile (above) spends four float operations per block of 32 weights and activation row on the
-// block's scales, as many as on its products: the int4 kernel was bound by its arithmetic at one
-// row (about 24 of 30 GB/s) and more so at several. A panel turns that around: its 16 rows lie side
-// by side in the lanes, each lane one row's sum, so each block's scales cost those operations once
-// per 16 rows. Layouts (made by quant/kernels.py's int4_pack and int8_pack), per panel of rows
-// 16p .. 16p + 15 and block of 32 inputs:
+// int4 and int8 in panels of 16 rows, for CPUs with AVX512-VNNI (panels_here(); int4 elsewhere:
+// Int4PanelsAvx2, below). A horizontal tile (above) spends four float operations per block of 32
+// weights and activation row on the block's scales, as many as on its products: int4 in rows was
+// bound by its arithmetic at one row (about 24 of 30 GB/s) and more so at several. A panel turns
+// that around: its 16 rows lie side by side in the lanes, each lane one row's sum, so each block's
+// scales cost those operations once per 16 rows. Layouts (made by quant/kernels.py's int4_pack and
+// int8_pack), per panel of rows 16p .. 16p + 15 and block of 32 inputs:
 //   int4: 256 bytes, four parts t of 64: byte 4r + e of part t holds q[row 16p + r][input 4t + e]
 //         in its low nibble and q[16p + r][16 + 4t + e] in its high one. One load, a mask and a
 //         shift give 16 rows by 4 inputs twice, row r's in 32-bit lane r, as vpdpbusd takes
@@ -544,31 +472,16 @@ struct Bf16DotWeights {
 //         2i + e], widened to int16 in one instruction; vpdpwssd does the 16 rows' 32 products and
 //         their pair sums, times the activation pair broadcast.
 // Scales [N/16, K/g, 16] (a group's 16 values are one load), fp16 or float32: fp16 where the format's
-// own are (AWQ, Q4_0, Q4_1, Q8_0), so int4 at g = 32 is 19 bytes per 32 weights (rows: 21), Q8_0 34
+// own are (AWQ, Q4_0, Q4_1, Q8_0), so int4 at g = 32 is 19 bytes per 32 weights, Q8_0 34
 // as in the file; float32 for Q4_K (a 6-bit scale times an fp16 one) and int8's row scales (G = 1,
 // so [N]). int4's offsets in the same layout: uint8 zeros, or mins in the scales' dtype.
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni")
-
-// 16 floats from fp16 (half) or float32 memory, from element `at`.
-inline __m512 load16(const void* p, bool half, int64_t at) {
-  if (half) {
-    return _mm512_cvtph_ps(
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const at::Half*>(p) + at)));
-  }
-  return _mm512_loadu_ps(static_cast<const float*>(p) + at);
-}
-
-template <int Bits>
-struct Panels {
-  static constexpr int64_t kRows = 16, kBlockBytes = kRows * kBlock * Bits / 8;
-  // activation rows that share one unpacking of the weights: the more, the fewer operations per
-  // product; 3 registers per row and panel (int4: 4, its sums over hi and lo apart)
-  static constexpr int64_t kRowsPerPass = Bits == 4 ? 4 : 8;
+// What a panel kernel reads besides its weights (int4: the activations' bytes, their groups' sums),
+// built outside the AVX512 code below so that an AVX2 CPU can build it too.
+struct PanelWeights {
   // int4 has zeros or mins (in the scales' dtype), int8 neither; int8's row scales are one group
   // of K
-  Panels(const QuantRows& xq, const uint8_t* w, const void* scales, bool half,
-         const uint8_t* zeros, const void* mins, int64_t group)
+  PanelWeights(const QuantRows& xq, const uint8_t* w, const void* scales, bool half,
+               const uint8_t* zeros, const void* mins, int64_t group)
       : x(xq),
         w(w),
         scales(scales),
@@ -579,7 +492,7 @@ struct Panels {
         blocks_per_group(group / kBlock),
         groups(xq.k / group),
         xsums(zeros || mins ? group_sums(xq, group) : std::vector<float>()) {
-    if constexpr (Bits == 4) {
+    if (zeros || mins) {
       hi.resize(xq.q.size());
       lo.resize(xq.q.size());
       for (size_t i = 0; i < xq.q.size(); ++i) {
@@ -598,6 +511,27 @@ struct Panels {
   std::vector<float> xsums;
   std::vector<int8_t> hi;  // int4: the activations' bytes (see above)
   std::vector<uint8_t> lo;
+};
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni")
+
+// 16 floats from fp16 (half) or float32 memory, from element `at`.
+inline __m512 load16(const void* p, bool half, int64_t at) {
+  if (half) {
+    return _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const at::Half*>(p) + at)));
+  }
+  return _mm512_loadu_ps(static_cast<const float*>(p) + at);
+}
+
+template <int Bits>
+struct Panels : PanelWeights {
+  static constexpr int64_t kRows = 16, kBlockBytes = kRows * kBlock * Bits / 8;
+  // activation rows that share one unpacking of the weights: the more, the fewer operations per
+  // product; 3 registers per row and panel (int4: 4, its sums over hi and lo apart)
+  static constexpr int64_t kRowsPerPass = Bits == 4 ? 4 : 8;
+  using PanelWeights::PanelWeights;
 
   // sums[r][c] = block b of panel wp[c] times activation row m0 + r, lane j row j's: int32 and
   // exact (|a lane| <= 32 * 127 * 32767 < 2^31; int4: 32 * 15 * 32767 < 2^24, exact in float too)
@@ -716,38 +650,6 @@ struct Panels {
   }
 };
 
-// R activation rows from m0 times the kPanelStreams panels p, p + step, ...: W panels at a time,
-// the fewer the more rows (registers: see kRowsPerPass)
-template <int R, class Wt>
-void panels_times_rows(const Wt& wt, int64_t m0, int64_t p, int64_t step, const Out& out) {
-  constexpr int W = R <= Wt::kRowsPerPass / 2 ? 2 : 1;
-  for (int c = 0; c < kPanelStreams; c += W) wt.template tile<R, W>(m0, p + c * step, step, out);
-}
-
-// out [M, 16 * panels]: every activation row times every panel, split over threads by panels and
-// read as kPanelStreams streams per thread, as run() reads rows.
-template <class Wt>
-at::Tensor run_panels(const Wt& wt, const at::Tensor& x, int64_t panels) {
-  const int64_t m = x.size(0);
-  at::Tensor out = at::empty({m, panels * Wt::kRows}, x.options());
-  const Out o(out);
-  constexpr int64_t kPass = Wt::kRowsPerPass;
-  at::parallel_for(0, panels, 4, [&](int64_t p0, int64_t p1) {
-    const int64_t step = (p1 - p0) / kPanelStreams;
-    for (int64_t p = p0; p < p0 + step; ++p) {
-      for (int64_t m0 = 0; m0 < m; m0 += kPass) {
-        pagechat::with_count<kPass>(std::min(m - m0, kPass), [&](auto rows) {
-          panels_times_rows<rows()>(wt, m0, p, step, o);
-        });
-      }
-    }
-    for (int64_t p = p0 + kPanelStreams * step; p < p1; ++p) {
-      for (int64_t m0 = 0; m0 < m; ++m0) wt.template tile<1, 1>(m0, p, 0, o);
-    }
-  });
-  return out;
-}
-
 // 16 floats to dst as T: float32 as they are, bf16 rounded to nearest even as torch rounds (the
 // values are finite).
 template <class T>
@@ -800,6 +702,143 @@ void unpanel_rows(const int8_t* w, int64_t panels, int64_t k, const void* scales
   });
 }
 
+#pragma GCC pop_options
+
+// int4 panels on AVX2 (a CPU without AVX512-VNNI): the same layout and the same integer sums as
+// Panels<4>, a panel as two halves of 8 rows (each part's first 32 bytes hold rows 0-7, the last
+// 32 rows 8-15). Without vpdpbusd, vpmaddubsw multiplies the nibbles by the activations' bytes and
+// adds pairs into 16-bit lanes, where a block's products are summed before one vpmaddwd widens
+// them: the 8 products by hi (|each| <= 2 * 15 * 128) fit 16 bits, those by lo (<= 2 * 255 * 15)
+// in two sums of 4. The row layout's tile these replaced widened every block to 16 bits (the
+// shuffle port) and spent four float operations on its scales per row, where a panel shares both
+// among 8 rows: the 135M shape's layers 1.20-1.27x as fast at 1-16 rows, a decode step 1.19-1.35x
+// (Xeon, AVX2 emulated; docs/benchmarks.md). The loops are unrolled by hand-set pragmas: GCC kept
+// the accumulators of loops it left rolled in memory (one row 6% slower).
+struct Int4PanelsAvx2 : PanelWeights {
+  static constexpr int64_t kRows = 16, kBlockBytes = Panels<4>::kBlockBytes;
+  // 16 ymm registers: 3 sums a row and half, 2 accumulators a row and panel
+  static constexpr int64_t kRowsPerPass = 2;
+  using PanelWeights::PanelWeights;
+
+  // 8 floats of the scales or mins (fp16 or float32) from element `at`
+  __m256 load8(const void* p, int64_t at) const {
+    return half ? pagechat::load8(static_cast<const at::Half*>(p) + at)
+                : pagechat::load8(static_cast<const float*>(p) + at);
+  }
+
+  // 4 bytes in every dword: vbroadcastss from memory, a load alone (set1_epi32 of an int went
+  // through a general register and two shuffle-port uops)
+  static __m256i broadcast4(const void* p) {
+    return _mm256_castps_si256(_mm256_broadcast_ss(static_cast<const float*>(p)));
+  }
+
+  // half h of block b of panel wp times activation rows m0 .. m0 + R - 1: exact int32 sums,
+  // lane i row 8h + i's
+  template <int R>
+  __attribute__((always_inline)) inline void block_sums(__m256i (&sums)[R], const uint8_t* wp,
+                                                        int64_t b, int h, int64_t m0) const {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    __m256i sh[R], sl[R][2];
+    for (int r = 0; r < R; ++r) sh[r] = sl[r][0] = sl[r][1] = _mm256_setzero_si256();
+    #pragma GCC unroll 8
+    for (int t = 0; t < 4; ++t) {
+      const __m256i l = _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(wp + b * kBlockBytes + 64 * t + 32 * h));
+      const __m256i v[2] = {_mm256_and_si256(l, low4),
+                            _mm256_and_si256(_mm256_srli_epi16(l, 4), low4)};
+      #pragma GCC unroll 8
+      for (int e = 0; e < 2; ++e) {
+        #pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const int64_t at = (m0 + r) * x.k + b * kBlock + 16 * e + 4 * t;
+          const __m256i xh = broadcast4(&hi[at]), xl = broadcast4(&lo[at]);
+          sh[r] = _mm256_add_epi16(sh[r], _mm256_maddubs_epi16(v[e], xh));
+          sl[r][t / 2] = _mm256_add_epi16(sl[r][t / 2], _mm256_maddubs_epi16(xl, v[e]));
+        }
+      }
+    }
+    const __m256i ones = _mm256_set1_epi16(1);
+    #pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      sums[r] = _mm256_add_epi32(
+          _mm256_madd_epi16(sh[r], _mm256_set1_epi16(256)),
+          _mm256_add_epi32(_mm256_madd_epi16(sl[r][0], ones), _mm256_madd_epi16(sl[r][1], ones)));
+    }
+  }
+
+  // the 16 outputs of each of the W panels p0, p0 + step, ... for R activation rows from m0
+  template <int R, int W>
+  void tile(int64_t m0, int64_t p0, int64_t step, const Out& out) const {
+    const uint8_t* wp[W];
+    for (int c = 0; c < W; ++c) wp[c] = w + (p0 + c * step) * blocks * kBlockBytes;
+    __m256 acc[R][W][2];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < W; ++c) acc[r][c][0] = acc[r][c][1] = _mm256_setzero_ps();
+    // half h of panel c's scales or offsets of group g: loaded where they are used, as registers
+    // kept across a block's sums would be spilled
+    auto at = [&](int c, int h, int64_t g) {
+      return ((p0 + c * step) * groups + g) * kRows + 8 * h;
+    };
+    int64_t g = 0, left = blocks_per_group;
+    for (int64_t b = 0; b < blocks; ++b) {
+      #pragma GCC unroll 8
+      for (int c = 0; c < W; ++c) {
+        const char* wb = reinterpret_cast<const char*>(wp[c] + b * kBlockBytes);
+        for (int64_t l = 0; l < kBlockBytes; l += 64) {
+          _mm_prefetch(wb + l + kPanelPrefetchBytes, _MM_HINT_T1);
+        }
+      }
+      #pragma GCC unroll 8
+      for (int c = 0; c < W; ++c) {
+        #pragma GCC unroll 8
+        for (int h = 0; h < 2; ++h) {
+          __m256i sums[R];
+          block_sums<R>(sums, wp[c], b, h, m0);
+          const __m256 ws = load8(scales, at(c, h, g));
+          #pragma GCC unroll 8
+          for (int r = 0; r < R; ++r) {
+            const __m256 d = _mm256_set1_ps(x.scales[(m0 + r) * blocks + b]);
+            acc[r][c][h] =
+                _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sums[r]), d), ws, acc[r][c][h]);
+          }
+        }
+      }
+      if (--left == 0) {  // the group's offsets' share, once per 8 rows
+        #pragma GCC unroll 8
+        for (int c = 0; c < W; ++c) {
+          #pragma GCC unroll 8
+          for (int h = 0; h < 2; ++h) {
+            const int64_t i = at(c, h, g);
+            const __m256 off =
+                zeros ? _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                                          reinterpret_cast<const __m128i*>(zeros + i)))),
+                                      load8(scales, i))
+                      : load8(mins, i);
+            #pragma GCC unroll 8
+            for (int r = 0; r < R; ++r) {
+              const __m256 xs = _mm256_set1_ps(xsums[(m0 + r) * groups + g]);
+              acc[r][c][h] = zeros ? _mm256_fnmadd_ps(off, xs, acc[r][c][h])
+                                   : _mm256_fmadd_ps(off, xs, acc[r][c][h]);
+            }
+          }
+        }
+        ++g;
+        left = blocks_per_group;
+      }
+    }
+    #pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      #pragma GCC unroll 8
+      for (int c = 0; c < W; ++c) {
+        alignas(32) float o[kRows];
+        _mm256_store_ps(o, acc[r][c][0]);
+        _mm256_store_ps(o + 8, acc[r][c][1]);
+        for (int j = 0; j < kRows; ++j) out.set(m0 + r, (p0 + c * step) * kRows + j, o[j]);
+      }
+    }
+  }
+};
+
 // Block b of row r of an int4 panel (wb: the block's 256 bytes) as 32 values of T: the row's
 // dword of each part (inputs 4t .. 4t + 3 low, 16 + 4t .. high) gathered, so that the 16 bytes'
 // low nibbles are inputs 0-15 and their high ones 16-31; then (q - zero) * scale, or q * scale +
@@ -811,19 +850,61 @@ inline void unpanel_int4_block(const uint8_t* wb, int r, float scale, float zero
                                         _mm_setr_epi32(0, 64, 128, 192), 1);
   for (int h = 0; h < 2; ++h) {
     const __m128i nibbles = _mm_and_si128(h ? _mm_srli_epi16(q, 4) : q, _mm_set1_epi8(0x0F));
-    const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(nibbles));
-    store16(dst + 16 * h,
-            mins ? _mm512_add_ps(_mm512_mul_ps(v, _mm512_set1_ps(scale)), _mm512_set1_ps(min))
-                 : _mm512_mul_ps(_mm512_sub_ps(v, _mm512_set1_ps(zero)), _mm512_set1_ps(scale)));
+    for (int i = 0; i < 2; ++i) {
+      const __m256 v =
+          _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(i ? _mm_srli_si128(nibbles, 8) : nibbles));
+      const __m256 s = _mm256_set1_ps(scale);
+      pagechat::store8(dst + 16 * h + 8 * i,
+                       mins ? _mm256_fmadd_ps(v, s, _mm256_set1_ps(min))
+                            : _mm256_mul_ps(_mm256_sub_ps(v, _mm256_set1_ps(zero)), s));
+    }
   }
 }
 
-#pragma GCC pop_options
+// R activation rows from m0 times the kPanelStreams panels p, p + step, ...: W panels at a time,
+// the fewer the more rows (registers: see kRowsPerPass)
+template <int R, class Wt>
+void panels_times_rows(const Wt& wt, int64_t m0, int64_t p, int64_t step, const Out& out) {
+  constexpr int W = R <= Wt::kRowsPerPass / 2 ? 2 : 1;
+  for (int c = 0; c < kPanelStreams; c += W) wt.template tile<R, W>(m0, p + c * step, step, out);
+}
 
-// Whether this CPU runs panels (AVX512F, BW, VL and VNNI).
+// out [M, 16 * panels]: every activation row times every panel, split over threads by panels and
+// read as kPanelStreams streams per thread, as run() reads rows.
+template <class Wt>
+at::Tensor run_panels(const Wt& wt, const at::Tensor& x, int64_t panels) {
+  const int64_t m = x.size(0);
+  at::Tensor out = at::empty({m, panels * Wt::kRows}, x.options());
+  const Out o(out);
+  constexpr int64_t kPass = Wt::kRowsPerPass;
+  at::parallel_for(0, panels, 4, [&](int64_t p0, int64_t p1) {
+    const int64_t step = (p1 - p0) / kPanelStreams;
+    for (int64_t p = p0; p < p0 + step; ++p) {
+      for (int64_t m0 = 0; m0 < m; m0 += kPass) {
+        pagechat::with_count<kPass>(std::min(m - m0, kPass), [&](auto rows) {
+          panels_times_rows<rows()>(wt, m0, p, step, o);
+        });
+      }
+    }
+    for (int64_t p = p0 + kPanelStreams * step; p < p1; ++p) {
+      for (int64_t m0 = 0; m0 < m; ++m0) wt.template tile<1, 1>(m0, p, 0, o);
+    }
+  });
+  return out;
+}
+
+// Whether this CPU runs the AVX512-VNNI panels (AVX512F, BW, VL and VNNI), unless
+// PAGECHAT_KERNELS=avx2 asks for the AVX2 code alone (as core/native.py's avx2_only reads it).
 bool panels_here() {
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+  static const bool here = [] {
+    std::string env = std::getenv("PAGECHAT_KERNELS") ? std::getenv("PAGECHAT_KERNELS") : "";
+    env.erase(std::remove_if(env.begin(), env.end(), ::isspace), env.end());
+    std::transform(env.begin(), env.end(), env.begin(), ::tolower);
+    return env != "avx2" && __builtin_cpu_supports("avx512f") &&
+           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512vnni");
+  }();
+  return here;
 }
 
 // Whether this CPU runs Bf16DotWeights (AVX512F, BW and BF16).
@@ -905,37 +986,34 @@ at::Tensor int8_unpanel(const at::Tensor& weight, at::ScalarType dtype,
   return out;
 }
 
-// int4 weights as int4_linear and int4_dequantize take them: in rows (packed uint8 [N, K/2], see
-// the top of this file; scales float32 [N, K/g]) or in panels of 16 rows (packed [N/16, K/32, 256],
-// scales fp16 or float32 [N/16, K/g, 16]; see Panels), told apart by packed's dimensions; offsets
-// in the scales' layout, uint8 zeros or mins in the scales' dtype, told apart by their dtype. n
-// counts the rows (in panels, 16 per panel).
+// int4 weights as int4_linear and int4_dequantize take them: in panels of 16 rows (packed [N/16,
+// K/32, 256], scales fp16 or float32 [N/16, K/g, 16]; see Panels); offsets in the scales' layout,
+// uint8 zeros or mins in the scales' dtype, told apart by their dtype. n counts the rows, 16 per
+// panel.
 struct Int4Args {
   Int4Args(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& offsets,
            int64_t group, const char* op)
-      : panels(packed.dim() == 3),
-        half(scales.scalar_type() == at::kHalf),
+      : half(scales.scalar_type() == at::kHalf),
         mins(offsets.scalar_type() != at::kByte),
-        n(panels ? packed.size(0) * Panels<4>::kRows : packed.size(0)),
-        k(panels ? packed.size(1) * kBlock : packed.size(1) * 2),
+        n(packed.dim() == 3 ? packed.size(0) * Panels<4>::kRows : 0),
+        k(packed.dim() == 3 ? packed.size(1) * kBlock : 0),
         group(group),
         pc(packed.contiguous()),
         sc(scales.contiguous()),
         oc(offsets.contiguous()) {
-    TORCH_CHECK(packed.scalar_type() == at::kByte &&
-                    (panels ? packed.size(2) == Panels<4>::kBlockBytes : packed.dim() == 2),
-                op, ": packed uint8 [N, K/2] (rows) or [N/16, K/32, 256] (panels)");
+    TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 &&
+                    packed.size(2) == Panels<4>::kBlockBytes,
+                op, ": packed uint8 in panels [N/16, K/32, 256]");
     TORCH_CHECK(group > 0 && group % kBlock == 0 && k % group == 0, op,
                 ": a group size that is a multiple of 32 and divides K");
-    TORCH_CHECK((scales.scalar_type() == at::kFloat || (panels && half)) &&
+    TORCH_CHECK((scales.scalar_type() == at::kFloat || half) &&
                     (!mins || offsets.scalar_type() == scales.scalar_type()) &&
                     scales.numel() == n * (k / group) && offsets.numel() == n * (k / group),
                 op,
-                ": float32 scales (fp16 too in panels) and uint8 zeros or mins in the scales' "
-                "dtype, a value per row and group");
-    TORCH_CHECK(!panels || panels_here(), op, ": panels need a CPU with AVX512-VNNI");
+                ": float32 or fp16 scales and uint8 zeros or mins in the scales' dtype, a value "
+                "per row and group");
   }
-  const bool panels, half, mins;
+  const bool half, mins;
   const int64_t n, k, group;
   const at::Tensor pc, sc, oc;
   const uint8_t* zeros() const { return mins ? nullptr : oc.data_ptr<uint8_t>(); }
@@ -956,13 +1034,14 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   const at::Tensor xc = x.contiguous();
   const QuantRows xq(xc);
   const uint8_t* w = a.pc.data_ptr<uint8_t>();
-  if (a.panels) {
+  if (panels_here()) {
     return run_panels(
         Panels<4>(xq, w, a.sc.data_ptr(), a.half, a.zeros(), a.min_values(), group), xc,
         a.pc.size(0));
   }
-  const auto* mins = static_cast<const float*>(a.min_values());
-  return run(Int4Weights(xq, w, a.sc.data_ptr<float>(), a.zeros(), mins, group), xc, a.n);
+  return run_panels(
+      Int4PanelsAvx2(xq, w, a.sc.data_ptr(), a.half, a.zeros(), a.min_values(), group), xc,
+      a.pc.size(0));
 }
 
 // int4_dequantize's rows ids [T] into out [T, K].
@@ -974,31 +1053,13 @@ void dequantize_rows(const Int4Args& a, const int64_t* id, int64_t count, T* out
   at::parallel_for(0, count, 16, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t j = id[t];
-      // panels: row j is lane `lane` of panel p (see Panels)
+      // row j is lane `lane` of panel p (see Panels)
       const int64_t p = j / Panels<4>::kRows, lane = j % Panels<4>::kRows;
       for (int64_t b = 0; b < blocks; ++b) {
-        const int64_t g = b * kBlock / a.group;
-        const int64_t at_g = a.panels ? (p * groups + g) * Panels<4>::kRows + lane : j * groups + g;
-        const float scale = a.value(a.sc, at_g);
-        const float zero = a.mins ? 0.0f : zp[at_g], min = a.mins ? a.value(a.oc, at_g) : 0.0f;
-        T* dst = out + t * k + b * kBlock;
-        if (a.panels) {
-          unpanel_int4_block(w + (p * blocks + b) * Panels<4>::kBlockBytes, static_cast<int>(lane),
-                             scale, zero, min, a.mins, dst);
-          continue;
-        }
-        const uint8_t* q = w + j * (k / 2) + b * (kBlock / 2);
-        if (a.mins) {
-          for (int i = 0; i < 16; ++i) {
-            dst[i] = static_cast<T>((q[i] & 0x0F) * scale + min);
-            dst[i + 16] = static_cast<T>((q[i] >> 4) * scale + min);
-          }
-          continue;
-        }
-        for (int i = 0; i < 16; ++i) {
-          dst[i] = static_cast<T>(((q[i] & 0x0F) - zero) * scale);
-          dst[i + 16] = static_cast<T>(((q[i] >> 4) - zero) * scale);
-        }
+        const int64_t at_g = (p * groups + b * kBlock / a.group) * Panels<4>::kRows + lane;
+        unpanel_int4_block(w + (p * blocks + b) * Panels<4>::kBlockBytes, static_cast<int>(lane),
+                           a.value(a.sc, at_g), a.mins ? 0.0f : zp[at_g],
+                           a.mins ? a.value(a.oc, at_g) : 0.0f, a.mins, out + t * k + b * kBlock);
       }
     }
   });

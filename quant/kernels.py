@@ -13,9 +13,9 @@ from pagechat.core import native
 
 SOURCE = Path(__file__).with_name("kernels.cpp")
 PANEL = 16  # int4 and int8 rows per panel (kernels.cpp's Panels)
-# int4 and int8 weights go in panels on a CPU with AVX512F, BW, VL and VNNI, else in rows (AVX2;
-# also where PAGECHAT_KERNELS=avx2)
-PANELS = not native.avx2_only() and {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= (
+# int4 weights go in panels on every CPU; int8 weights on a CPU with AVX512F, BW, VL and VNNI, else
+# in rows (AVX2; also where PAGECHAT_KERNELS=avx2)
+INT8_PANELS = not native.avx2_only() and {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= (
     native.cpu_flags() or frozenset()
 )
 # bf16 weights times bf16 activations by AVX512-BF16's vdpbf16ps (not where PAGECHAT_KERNELS=avx2)
@@ -24,7 +24,7 @@ BF16_DOT = not native.avx2_only() and {"avx512f", "avx512bw", "avx512_bf16"} <= 
 )
 # the paths layers report when they run these kernels (the float one is bf16-wo's, whose float32
 # activations take the AVX2 tile; a bf16 model's dense layers are reported as dense)
-_ISA = "avx512vnni" if PANELS else "avx2"
+_ISA = "avx512vnni" if INT8_PANELS else "avx2"
 INT8_PATH, INT4_PATH, FLOAT_PATH = f"int8-{_ISA}", f"int4-{_ISA}", "avx2"
 # decode and small batches, as measured (1-16 rows); prefill's many rows are a GEMM, torch's part
 MAX_ROWS = 16
@@ -65,19 +65,13 @@ def float_rows(x_dtype: torch.dtype, weight_dtype: torch.dtype) -> int:
 
 
 def int4_pack(
-    q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, panels: bool = PANELS
+    q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q uint8 [N, K] (values 0..15), scales [N, K/g] and offsets [N, K/g] (uint8 zeros: w = (q -
-    zero) * scale; float mins: w = q * scale + min) -> int4_linear's (packed, scales, offsets),
-    laid out as kernels.cpp describes: in rows (float32 scales and mins), or in panels of PANEL
-    rows (fp16 scales kept in fp16, others float32, mins in the scales' dtype; N padded with zero
-    rows to a multiple of PANEL, whose outputs are 0)."""
-    n, k = q.shape
-    mins = offsets.is_floating_point()
-    if not panels:
-        halves = q.reshape(n, k // BLOCK, 2, BLOCK // 2)
-        packed = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2)
-        return packed.contiguous(), scales.float().contiguous(), _offsets(offsets, torch.float32)
+    zero) * scale; float mins: w = q * scale + min) -> int4_linear's (packed, scales, offsets) in
+    panels of PANEL rows, as kernels.cpp describes (fp16 scales kept in fp16, others float32, mins
+    in the scales' dtype; N padded with zero rows to a multiple of PANEL, whose outputs are 0)."""
+    k = q.shape[1]
     dtype = torch.float16 if scales.dtype == torch.float16 else torch.float32
     q, scales, offsets = _pad_rows(q), _pad_rows(scales.to(dtype)), _pad_rows(offsets)
     p = q.shape[0] // PANEL
@@ -85,16 +79,12 @@ def int4_pack(
     # low nibble (h = 0) or high one
     v = q.reshape(p, PANEL, k // BLOCK, 2, 4, 4)
     packed = (v[:, :, :, 0] | (v[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4)
+    mins = offsets.is_floating_point()
     return (
         packed.reshape(p, k // BLOCK, PANEL * BLOCK // 2).contiguous(),
         _panel_groups(scales),
-        _panel_groups(_offsets(offsets, dtype) if mins else offsets),
+        _panel_groups(offsets.to(dtype) if mins else offsets),
     )
-
-
-def _offsets(offsets: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Zeros as they are (uint8), mins in dtype."""
-    return (offsets.to(dtype) if offsets.is_floating_point() else offsets).contiguous()
 
 
 def _panel_groups(t: torch.Tensor) -> torch.Tensor:
@@ -102,8 +92,9 @@ def _panel_groups(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, PANEL, t.shape[1]).transpose(1, 2).contiguous()
 
 
-def stored_rows(n: int, panels: bool = PANELS) -> int:
-    """The rows int4_pack and int8_pack store for n: in panels, n padded to a multiple of PANEL."""
+def stored_rows(n: int, panels: bool = INT8_PANELS) -> int:
+    """The rows int4_pack (panels: True) and int8_pack store for n: in panels, n padded to a
+    multiple of PANEL."""
     return n + (-n % PANEL if panels else 0)
 
 
@@ -114,7 +105,7 @@ def _pad_rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def int8_pack(
-    q: torch.Tensor, scales: torch.Tensor, panels: bool = PANELS
+    q: torch.Tensor, scales: torch.Tensor, panels: bool = INT8_PANELS
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q int8 [N, K], scales [N] (a row's) or [N, G] (a group of K/G inputs') -> int8_linear's
     (weight, scales): as they are (group scales float32), or in panels of PANEL rows, [N/16, K/32,

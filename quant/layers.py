@@ -186,11 +186,9 @@ class Int4Linear(_WeightOnlyLinear):
         group: int,
         device: torch.device,
         path: str | None = None,
-        panels: bool = kernels.PANELS,
     ) -> None:
         """q [K, N] values 0..15, offsets and scales [K/g, N] (AWQ's layout, unpacked): offsets
-        uint8 zeros, or float mins; on pagechat's kernel, `panels` picks its layout
-        (kernels.int4_pack)."""
+        uint8 zeros, or float mins; on pagechat's kernel in its panels (kernels.int4_pack)."""
         super().__init__()
         k, n = q.shape
         self.in_features, self.out_features, self.group = k, n, group
@@ -198,11 +196,11 @@ class Int4Linear(_WeightOnlyLinear):
         self.path = path or awq_path(n, k, group, device)
         if self.path == INT4_KERNEL_PATH:
             offsets = offsets.t() if self.mins else offsets.t().to(torch.uint8)
-            tensors = kernels.int4_pack(q.t().to(torch.uint8), scales.t(), offsets, panels)
+            tensors = kernels.int4_pack(q.t().to(torch.uint8), scales.t(), offsets)
             for name, t in zip(("weight_packed", "scales", "offsets"), tensors, strict=True):
                 self.register_buffer(name, t.to(device))
-            # in panels, the rows past n are padding: their outputs are cut off
-            self.padded = self.weight_packed.dim() == 3 and n % kernels.PANEL != 0
+            # the rows past n are padding: their outputs are cut off
+            self.padded = n % kernels.PANEL != 0
         elif self.path == "int4pack-cpu":
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
                 q.t().contiguous().to(torch.int32), 2
@@ -267,7 +265,7 @@ class Int8WOLinear(_WeightOnlyLinear):
         bias: torch.Tensor | None,
         device: torch.device,
         path: str | None = None,
-        panels: bool = kernels.PANELS,
+        panels: bool = kernels.INT8_PANELS,
     ) -> None:
         """q int8 [N, K], scales [N] (w = q * scale) or [N, G] (groups of K/G inputs). `path`
         forces torch's kernel (int8pack-*, dequant); by default pagechat's kernel runs up to

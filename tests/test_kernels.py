@@ -40,12 +40,13 @@ needs_kernel = pytest.mark.skipif(
     not CAN_BUILD, reason="needs an AVX2 CPU, g++ and ninja, and PAGECHAT_KERNELS unset"
 )
 
-# the int4 and int8 kernels' layouts: both where the CPU runs both (panels: AVX512-VNNI)
-LAYOUTS = [
+# the int8 kernel's layouts: both where the CPU runs both (panels: AVX512-VNNI); int4 is in
+# panels on every CPU
+INT8_LAYOUTS = [
     False,
     pytest.param(
         True,
-        marks=pytest.mark.skipif(not kernels.PANELS, reason="needs AVX512-VNNI"),
+        marks=pytest.mark.skipif(not kernels.INT8_PANELS, reason="needs AVX512-VNNI"),
     ),
 ]
 
@@ -91,7 +92,7 @@ def kernel():
 
 # odd n (tails of the 4-row tiles and of each thread's range), k odd multiples of 32
 @needs_kernel
-@pytest.mark.parametrize("panels", LAYOUTS)
+@pytest.mark.parametrize("panels", INT8_LAYOUTS)
 @pytest.mark.parametrize("n,k", [(1, 32), (7, 96), (13, 160), (48, 64), (257, 544), (1000, 288)])
 def test_kernel_matches_dequantised_matmul_at_every_batch_size(kernel, n, k, panels):
     q, s = int8_weight(n, k, seed=n)
@@ -179,7 +180,7 @@ def test_bf16_dot_kernel_matches_matmul_at_every_batch_size(kernel, n, k):
 
 
 @needs_kernel
-@pytest.mark.parametrize("panels", LAYOUTS)
+@pytest.mark.parametrize("panels", INT8_LAYOUTS)
 @pytest.mark.parametrize("n", [96, 37])  # 37: panels padded to 48 rows, cut off again
 def test_layer_runs_the_kernel_for_up_to_16_rows_and_a_float32_matmul_beyond(kernel, panels, n):
     q, s = int8_weight(n, 256, seed=7)
@@ -198,33 +199,32 @@ def test_layer_runs_the_kernel_for_up_to_16_rows_and_a_float32_matmul_beyond(ker
     assert layer(x[:3].reshape(1, 3, 256)).shape == (1, 3, n)
 
 
-def int4_weight(n: int, k: int, group: int, seed: int, panels: bool = False):
-    """Random AWQ-style groups in the kernel's layout (in rows: packed [N, K/2], scales and zeros
-    [N, K/g]; or in panels of 16 rows, N padded); and the dequantised weight [N, K]."""
+def int4_weight(n: int, k: int, group: int, seed: int):
+    """Random AWQ-style groups in the kernel's panels of 16 rows (N padded), and the dequantised
+    weight [N, K]."""
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
     q, z, s = quantize_groups(w, group)
     s = s.half().float()  # AWQ's scales are fp16
     deq = (
         q.double().reshape(n, k // group, group) - z.double().unsqueeze(-1)
     ) * s.double().unsqueeze(-1)
-    return *kernels.int4_pack(q, s, z, panels), deq.reshape(n, k)
+    return *kernels.int4_pack(q, s, z), deq.reshape(n, k)
 
 
 # odd n (panels: padded), groups of 1-4 blocks (96: three), batch sizes 1-16
 @needs_kernel
-@pytest.mark.parametrize("panels", LAYOUTS)
 @pytest.mark.parametrize(
     "n,k,group",
     [(1, 32, 32), (7, 96, 32), (13, 192, 64), (48, 64, 32), (257, 576, 96), (1000, 512, 128)],
 )
-def test_int4_kernel_matches_dequantised_matmul_at_every_batch_size(kernel, n, k, group, panels):
-    packed, s, z, deq = int4_weight(n, k, group, seed=n, panels=panels)
+def test_int4_kernel_matches_dequantised_matmul_at_every_batch_size(kernel, n, k, group):
+    packed, s, z, deq = int4_weight(n, k, group, seed=n)
     op = kernels.op("int4_linear")
     g = torch.Generator().manual_seed(k)
     for m in range(1, 17):
         x = torch.randn(m, k, generator=g) * torch.rand(m, k, generator=g) * 4
         y = op(x, packed, s, z, group)
-        assert y.shape == (m, n + (-n % 16 if panels else 0)) and y.dtype == torch.float32
+        assert y.shape == (m, n + -n % 16) and y.dtype == torch.float32
         assert torch.all(y[:, n:] == 0)  # the panels' padding rows
         y = y[:, :n]
         # the zero's share is taken off in float: a few float32 roundings of the larger sums
@@ -240,9 +240,8 @@ def test_int4_kernel_matches_dequantised_matmul_at_every_batch_size(kernel, n, k
 
 
 @needs_kernel
-@pytest.mark.parametrize("panels", LAYOUTS)
-def test_int4_kernel_passes_on_nan_and_refuses_bad_shapes(kernel, panels):
-    packed, s, z, _ = int4_weight(16, 64, 32, seed=2, panels=panels)
+def test_int4_kernel_passes_on_nan_and_refuses_bad_shapes(kernel):
+    packed, s, z, _ = int4_weight(16, 64, 32, seed=2)
     op = kernels.op("int4_linear")
     x = torch.randn(2, 64)
     x[0, 5] = float("nan")
@@ -250,8 +249,10 @@ def test_int4_kernel_passes_on_nan_and_refuses_bad_shapes(kernel, panels):
     assert not torch.isfinite(y[0]).any() and torch.isfinite(y[1]).all()
     with pytest.raises(RuntimeError, match="multiple of 32"):
         op(x, packed, s, z, 16)
-    with pytest.raises(RuntimeError, match="float32 scales"):
+    with pytest.raises(RuntimeError, match="float32 or fp16 scales"):
         op(x, packed, s.double(), z, 32)
+    with pytest.raises(RuntimeError, match="in panels"):
+        op(x, packed.reshape(16, 32), s, z, 32)  # a weight in rows, as the old layout was
     with pytest.raises(RuntimeError, match="K inputs"):
         op(torch.randn(2, 96), packed, s, z, 32)
     with pytest.raises(RuntimeError, match="within the weight's 16 rows"):
@@ -272,13 +273,12 @@ def test_float_kernel_matches_matmul_at_every_batch_size(kernel, dtype, n, k):
 
 
 @needs_kernel
-@pytest.mark.parametrize("panels", LAYOUTS)
 @pytest.mark.parametrize("n", [96, 37])  # 37: panels padded to 48 rows, cut off again
-def test_awq_layer_runs_the_int4_kernel_for_up_to_16_rows_and_float32_beyond(kernel, panels, n):
+def test_awq_layer_runs_the_int4_kernel_for_up_to_16_rows_and_float32_beyond(kernel, n):
     *_, deq = int4_weight(n, 256, 64, seed=4)
     q, zt, st = quantize_groups(deq.float(), 64)  # already on the grid: the same groups again
-    layer = Int4Linear(q.t(), zt.t(), st.t(), None, 64, CPU, panels=panels)
-    assert layer.path == INT4_KERNEL_PATH and (layer.weight_packed.dim() == 3) == panels
+    layer = Int4Linear(q.t(), zt.t(), st.t(), None, 64, CPU)
+    assert layer.path == INT4_KERNEL_PATH and layer.weight_packed.dim() == 3
     x = torch.randn(17, 256)
     ref = x.double() @ deq.t()
     assert layer(x[:16]).shape == (16, n) and rel(layer(x[:16]), ref[:16]) <= 1e-4  # the kernel
@@ -470,12 +470,20 @@ def test_a_float_models_dense_layers_run_the_float_kernel_for_decode_rows(kernel
     assert torch.equal(layer(x32), torch.nn.functional.linear(x32, w32, b32))
 
 
-def test_pagechat_kernels_avx2_keeps_the_int_weights_in_rows():
-    """PAGECHAT_KERNELS=avx2 (read at import): the AVX2 tiles, whatever the CPU has."""
-    code = "from pagechat.quant import kernels; print(kernels.PANELS, kernels.INT4_PATH)"
+def test_pagechat_kernels_avx2_runs_the_avx2_code_whatever_the_cpu_has():
+    """PAGECHAT_KERNELS=avx2 (read at import by the Python side, and by the C++ side): int8 in rows,
+    int4 on its AVX2 panel kernel. On a CPU with AVX512-VNNI the tests above ran the VNNI kernels,
+    so the int4 ones run again here, on the AVX2 kernel."""
     env = {**os.environ, "PAGECHAT_KERNELS": "avx2"}
+    code = "from pagechat.quant import kernels; print(kernels.INT8_PANELS, kernels.INT4_PATH)"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.split() == ["False", "int4-avx2"], out.stderr
+    if CAN_BUILD and kernels.INT8_PANELS:
+        args = [__file__, "-q", "-p", "no:cacheprovider", "-k", "int4_kernel"]
+        out = subprocess.run(
+            [sys.executable, "-m", "pytest", *args], env=env, capture_output=True, text=True
+        )
+        assert out.returncode == 0, out.stdout[-2000:]  # 5 where no test was selected
 
 
 def test_a_step_graph_records_every_kernel_layers_few_rows_side():

@@ -59,10 +59,9 @@ def _int4_bytes(
     scales' dtype, as quant/layers.py stores it."""
     groups = k // g
     path = _int4_path(n, k, g, device_type)
-    if path == INT4_KERNEL_PATH:  # in panels, the format's scales as they are; in rows float32
-        stored = scale if kernels.PANELS else 4
-        rows = kernels.stored_rows(n)
-        return path, rows * k // 2 + (stored + (stored if mins else 1)) * rows * groups
+    if path == INT4_KERNEL_PATH:  # in panels, the format's scales as they are
+        rows = kernels.stored_rows(n, panels=True)
+        return path, rows * k // 2 + (scale + (scale if mins else 1)) * rows * groups
     if path != "dequant":  # packed int4 [n, k/2] bytes + bf16 (scale, zero) per group and row
         return path, n * k // 2 + 4 * n * groups
     # AWQ's int32 packing of the values and of zeros; the scales and mins as they are
@@ -160,7 +159,7 @@ def _gguf_linear_bytes(qtype: T, n: int, k: int, elem: int, device_type: str) ->
     # Q8_0, and the types requantised to it: int8 and an fp16 scale per group (float32 in rows)
     if int8_kernel_runs(k, device_type):
         rows = kernels.stored_rows(n)
-        return INT8_KERNEL_PATH, rows * k + (2 if kernels.PANELS else 4) * rows * groups
+        return INT8_KERNEL_PATH, rows * k + (2 if kernels.INT8_PANELS else 4) * rows * groups
     return "dequant", n * k + 2 * n * groups
 
 
