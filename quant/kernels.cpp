@@ -72,6 +72,13 @@ inline void prefetch_ahead(const char* row, int64_t off) {
   if ((off & 63) == 0) _mm_prefetch(row + off + kPrefetchBytes, _MM_HINT_T1);
 }
 
+// Asks for the lines of a panel's block of `bytes` kPanelPrefetchBytes ahead, into L2: the panels'
+// own blocks follow one another, so ahead is the same stream.
+inline void prefetch_panel_block(const uint8_t* block, int64_t bytes) {
+  const char* p = reinterpret_cast<const char*>(block);
+  for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch(p + l + kPanelPrefetchBytes, _MM_HINT_T1);
+}
+
 // The largest |value| of 8 floats, in every lane.
 inline float max_abs8(__m256 v) {
   const __m256 abs = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v);
@@ -598,12 +605,7 @@ struct Panels : PanelWeights {
       for (int c = 0; c < W; ++c) acc[r][c] = grp[r][c] = _mm512_setzero_ps();
     int64_t g = 0, left = blocks_per_group;
     for (int64_t b = 0; b < blocks; ++b) {
-      for (int c = 0; c < W; ++c) {
-        const char* wb = reinterpret_cast<const char*>(wp[c] + b * kBlockBytes);
-        for (int64_t l = 0; l < kBlockBytes; l += 64) {
-          _mm_prefetch(wb + l + kPanelPrefetchBytes, _MM_HINT_T1);
-        }
-      }
+      for (int c = 0; c < W; ++c) prefetch_panel_block(wp[c] + b * kBlockBytes, kBlockBytes);
       __m512i sums[R][W];
       block_sums<R, W>(sums, wp, b, m0);
       for (int r = 0; r < R; ++r) {
@@ -782,12 +784,7 @@ struct Int4PanelsAvx2 : PanelWeights {
     int64_t g = 0, left = blocks_per_group;
     for (int64_t b = 0; b < blocks; ++b) {
       #pragma GCC unroll 8
-      for (int c = 0; c < W; ++c) {
-        const char* wb = reinterpret_cast<const char*>(wp[c] + b * kBlockBytes);
-        for (int64_t l = 0; l < kBlockBytes; l += 64) {
-          _mm_prefetch(wb + l + kPanelPrefetchBytes, _MM_HINT_T1);
-        }
-      }
+      for (int c = 0; c < W; ++c) prefetch_panel_block(wp[c] + b * kBlockBytes, kBlockBytes);
       #pragma GCC unroll 8
       for (int c = 0; c < W; ++c) {
         #pragma GCC unroll 8
