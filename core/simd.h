@@ -5,7 +5,11 @@
 #include <ATen/ATen.h>
 #include <immintrin.h>
 
+#include <algorithm>
+#include <cctype>
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 #include <type_traits>
 
 namespace pagechat {
@@ -62,6 +66,15 @@ inline void with_count(int64_t n, F&& f) {
     if (n == Max) return f(std::integral_constant<int, Max>());
     with_count<Max - 1>(n, f);
   }
+}
+
+// Whether PAGECHAT_KERNELS=avx2 asks for the AVX2 code alone, as core/native.py's avx2_only reads
+// it (spaces dropped, any case): the kernels then leave their AVX512 parts out.
+inline bool avx2_forced() {
+  std::string env = std::getenv("PAGECHAT_KERNELS") ? std::getenv("PAGECHAT_KERNELS") : "";
+  env.erase(std::remove_if(env.begin(), env.end(), ::isspace), env.end());
+  std::transform(env.begin(), env.end(), env.begin(), ::tolower);
+  return env == "avx2";
 }
 
 }  // namespace pagechat

@@ -40,12 +40,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cctype>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
-#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -894,10 +891,7 @@ at::Tensor run_panels(const Wt& wt, const at::Tensor& x, int64_t panels) {
 // PAGECHAT_KERNELS=avx2 asks for the AVX2 code alone (as core/native.py's avx2_only reads it).
 bool panels_here() {
   static const bool here = [] {
-    std::string env = std::getenv("PAGECHAT_KERNELS") ? std::getenv("PAGECHAT_KERNELS") : "";
-    env.erase(std::remove_if(env.begin(), env.end(), ::isspace), env.end());
-    std::transform(env.begin(), env.end(), env.begin(), ::tolower);
-    return env != "avx2" && __builtin_cpu_supports("avx512f") &&
+    return !pagechat::avx2_forced() && __builtin_cpu_supports("avx512f") &&
            __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
            __builtin_cpu_supports("avx512vnni");
   }();

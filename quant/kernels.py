@@ -58,6 +58,19 @@ def float_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.pagechat.float_linear(x, weight, BF16_DOT)
 
 
+GEMM_SOURCE = Path(__file__).with_name("gemm.cpp")
+
+
+def gemm_loaded() -> bool:
+    """Whether the prefill GEMM (gemm.cpp) is loaded, building it first where needed."""
+    return native.library(GEMM_SOURCE, "prefill GEMM")
+
+
+def gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x float32 [M, K] @ weight float32 or bf16 [N, K]^T -> float32 [M, N] on gemm.cpp (loaded)."""
+    return torch.ops.pagechat.gemm(x, weight)
+
+
 def float_rows(x_dtype: torch.dtype, weight_dtype: torch.dtype) -> int:
     """The most activation rows the float kernel takes for these dtypes; more go to torch's GEMM."""
     dot = BF16_DOT and x_dtype == weight_dtype == torch.bfloat16

@@ -331,9 +331,10 @@ class Int8WOLinear(_WeightOnlyLinear):
 class Bf16WOLinear(_WeightOnlyLinear):
     """bf16 weight-only linear for float32 models: the weight is stored in bf16 (half the bytes). A
     few rows (decode) read half the bytes: on a CPU pagechat's float kernel multiplies the bf16
-    weights with the float32 activations as they are (where it builds), else a bf16 matmul; many
-    rows (prefill) upcast the weight and run in float32, because on a CPU without native bf16 a
-    bf16 matmul of many rows is several times slower."""
+    weights with the float32 activations as they are (where it builds), else a bf16 matmul. Many
+    rows (prefill) run in float32, because on a CPU without native bf16 a bf16 matmul of many rows
+    is several times slower: pagechat's GEMM reads the bf16 weight as stored (where it builds),
+    else the weight is upcast for the call."""
 
     quant_format = "bf16-wo"
 
@@ -345,11 +346,14 @@ class Bf16WOLinear(_WeightOnlyLinear):
         self.path = bf16_wo_path(self.in_features, device.type)
         # a traced step records one side of the branch below
         self.max_rows = kernels.MAX_ROWS if self.path == BF16_KERNEL_PATH else MAX_GRAPH_TOKENS
+        self.gemm = device.type == "cpu" and kernels.gemm_loaded()
         self.register_buffer("weight", weight.to(device=device, dtype=_BF16).contiguous())
         self.register_buffer("bias", None if bias is None else bias.to(device))
 
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
         if x2.shape[0] > self.max_rows:
+            if self.gemm and x2.dtype == torch.float32:
+                return kernels.gemm(x2, self.weight)
             return F.linear(x2, self.weight.to(x2.dtype))
         if self.path == BF16_KERNEL_PATH:
             return kernels.float_linear(x2, self.weight)

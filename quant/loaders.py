@@ -35,7 +35,8 @@ MODE_LABELS = {
     "int8": "int8 LLM.int8 (bitsandbytes Linear8bitLt, outlier threshold 6.0)",
     "int8-wo": "int8 weight-only (pagechat's kernel where it builds, else torch's int8pack)",
     "bf16-wo": "bf16 weight-only (decode rows on pagechat's kernel where it builds, else a "
-    "bf16 matmul; prefill a GEMM in the activations' dtype)",
+    "bf16 matmul; prefill in float32 on pagechat's GEMM reading the bf16 weights where it "
+    "builds, else on weights upcast per call)",
     "awq": "AWQ 4-bit (pagechat's int4 kernel where it builds, else torch's int4 matmul)",
     "gguf": "the GGUF's own (Q4_0/Q4_1/Q4_K on pagechat's int4 kernel, Q8_0 on its int8 kernel "
     "where it builds; other types requantised to Q8_0 at load)",

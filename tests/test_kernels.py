@@ -278,6 +278,55 @@ def test_float_kernel_matches_matmul_at_every_batch_size(kernel, dtype, n, k):
         op(torch.randn(1, k + 1), torch.randn(n, k + 1).to(dtype))
 
 
+@pytest.fixture(scope="module")
+def gemm():
+    assert kernels.gemm_loaded(), "the GEMM did not build on a host that can build it (see the log)"
+    return kernels.gemm
+
+
+# n: one AVX512 panel (48), tails of both ISAs' panels; k: tails of their 16- and 8-wide blocks
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k", [(48, 16), (37, 40), (5, 9), (960, 576), (100, 333), (3, 1536)])
+def test_gemm_within_higham_bound_of_the_exact_product(gemm, dtype, n, k):
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(n)).to(dtype)
+    g = torch.Generator().manual_seed(k)
+    ku = k * 2.0**-24  # one float32 sum of k products per output: gamma_k * sum |x_i w_i|
+    for m in (1, 6, 8, 17, 130):  # whole tiles of 6 (AVX2) and 8 rows (AVX512), and the rest
+        x = torch.randn(m, k, generator=g)
+        exact = x.double() @ w.double().t()
+        bound = ku / (1 - ku) * (x.double().abs() @ w.double().abs().t())
+        y = gemm(x, w)
+        assert y.dtype == torch.float32 and y.shape == (m, n)
+        assert torch.all((y.double() - exact).abs() <= bound), (m, n, k)
+
+
+@needs_kernel
+def test_gemm_gives_the_same_bits_on_any_number_of_threads(gemm):
+    """Threads take panels, and parts of the rows where there are few panels: each output is
+    still one sum over k in order."""
+    x, w = torch.randn(300, 64), torch.randn(40, 64).to(torch.bfloat16)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = gemm(x, w)
+        torch.set_num_threads(7)  # more threads than the one panel: the rows in parts
+        assert torch.equal(gemm(x, w), one)
+    finally:
+        torch.set_num_threads(threads)
+    assert gemm(x[:0], w).shape == (0, 40) and gemm(x, w[:0]).shape == (300, 0)
+
+
+@needs_kernel
+def test_gemm_refuses_what_it_does_not_multiply(gemm):
+    with pytest.raises(RuntimeError, match="float32 activations"):
+        gemm(torch.randn(4, 16).to(torch.bfloat16), torch.randn(8, 16))
+    with pytest.raises(RuntimeError, match="float32 or bf16 weight"):
+        gemm(torch.randn(4, 16), torch.randn(8, 16).half())
+    with pytest.raises(RuntimeError, match=r"x \[M, K\] and weight \[N, K\]"):
+        gemm(torch.randn(4, 16), torch.randn(8, 24))
+
+
 @needs_kernel
 @pytest.mark.parametrize("n", [96, 37])  # 37: panels padded to 48 rows, cut off again
 def test_awq_layer_runs_the_int4_kernel_for_up_to_16_rows_and_float32_beyond(kernel, n):
@@ -478,14 +527,14 @@ def test_a_float_models_dense_layers_run_the_float_kernel_for_decode_rows(kernel
 
 def test_pagechat_kernels_avx2_runs_the_avx2_code_whatever_the_cpu_has():
     """PAGECHAT_KERNELS=avx2 (read at import by the Python side, and by the C++ side): int8 in rows,
-    int4 on its AVX2 panel kernel. On a CPU with AVX512-VNNI the tests above ran the VNNI kernels,
-    so the int4 ones run again here, on the AVX2 kernel."""
+    int4 on its AVX2 panel kernel, the GEMM on its AVX2 tile. On a CPU with AVX512-VNNI the tests
+    above ran the VNNI kernels and the AVX512 tile, so those tests run again here, on AVX2."""
     env = {**os.environ, "PAGECHAT_KERNELS": "avx2"}
     code = "from pagechat.quant import kernels; print(kernels.INT8_PANELS, kernels.INT4_PATH)"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.split() == ["False", "int4-avx2"], out.stderr
     if CAN_BUILD and kernels.INT8_PANELS:
-        args = [__file__, "-q", "-p", "no:cacheprovider", "-k", "int4_kernel"]
+        args = [__file__, "-q", "-p", "no:cacheprovider", "-k", "int4_kernel or gemm"]
         out = subprocess.run(
             [sys.executable, "-m", "pytest", *args], env=env, capture_output=True, text=True
         )

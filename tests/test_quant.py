@@ -272,7 +272,7 @@ def test_auto_dtype_keeps_a_bf16_checkpoint_in_bf16_weights_only_where_the_cpu_l
     assert Engine(llama, EngineConfig(kv_blocks=64)).quant.mode is None
 
 
-def test_bf16_wo_linear_decode_rows_on_bf16_weights_prefill_rows_exact():
+def test_bf16_wo_linear_decode_rows_on_bf16_weights_prefill_rows_in_float32():
     w, bias = torch.randn(96, 64), torch.randn(96)
     layer = Bf16WOLinear(w, bias, CPU)
     assert layer.weight.dtype == torch.bfloat16 and layer.weight.nbytes == 96 * 64 * 2
@@ -280,9 +280,13 @@ def test_bf16_wo_linear_decode_rows_on_bf16_weights_prefill_rows_exact():
     assert layer.path == qlayers.bf16_wo_path(64, "cpu")
     wb = w.to(torch.bfloat16).float()
     many = torch.randn(layer.max_rows + 1, 64)
-    assert torch.equal(
-        layer(many), F.linear(many, wb, bias)
-    )  # prefill: float32 math on the stored weight
+    # prefill: float32 math on the stored weight, on pagechat's GEMM where it builds (its sums in
+    # another order than MKL's: within Higham's bound, tests/test_kernels.py), else torch's
+    if layer.gemm:
+        assert torch.equal(layer(many), torch.ops.pagechat.gemm(many, layer.weight) + bias)
+        assert rel(layer(many), F.linear(many, wb, bias)) < 1e-6
+    else:
+        assert torch.equal(layer(many), F.linear(many, wb, bias))
     few = many[:3]
     y = layer(few)
     assert y.dtype == torch.float32
