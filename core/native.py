@@ -94,7 +94,7 @@ INCLUDE = Path(__file__).parent  # simd.h, the helpers both libraries share
 def _load(source: Path) -> None:
     """Load the cached library built from source, building it first where there is none."""
     h = hashlib.sha256(source.read_bytes())
-    for header in sorted(INCLUDE.glob("*.h")):
+    for header in sorted({*INCLUDE.glob("*.h"), *source.parent.glob("*.h")}):
         h.update(header.read_bytes())
     h.update(" ".join(CFLAGS).encode() + torch.__version__.encode())
     name = f"pagechat_{source.stem}_{h.hexdigest()[:16]}"

@@ -46,9 +46,12 @@
 #include <type_traits>
 #include <vector>
 
+#include "gemm.h"
 #include "simd.h"
 
 namespace {
+
+namespace gemm = pagechat::gemm;
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kMaxRowsPerPass = 4;    // activation rows that share one load of a weight block
@@ -664,40 +667,44 @@ inline void store16(T* dst, __m512 v) {
   }
 }
 
-// int8 panels back to rows [16 * panels, K] of T (float32 or bf16), for prefill's GEMM: per row
-// and block, its 16 pairs gathered from the block's 512 bytes (the dwords at 4-byte boundaries, so
-// that no read passes the block's end; an odd row's pair is the high half), narrowed to 32 bytes and
-// widened to T; times the group's scale where scales are given (exact in float32: an int8 times an
-// fp16), else the values as they are (exact in both).
+// Row j of int8 panels as K values of T (float32 or bf16), for prefill: per block, the row's 16
+// pairs gathered from the block's 512 bytes (the dwords at 4-byte boundaries, so that no read
+// passes the block's end; an odd row's pair is the high half), narrowed to 32 bytes and widened to
+// T; times the group's scale where scales are given (exact in float32: an int8 times an fp16),
+// else the values as they are (exact in both).
+template <class T>
+void unpanel_row(const int8_t* w, int64_t j, int64_t k, const void* scales, bool half,
+                 int64_t groups, T* dst) {
+  const int64_t blocks = k / kBlock, blocks_per_group = blocks / groups;
+  const int64_t p = j / Panels<8>::kRows, r = j % Panels<8>::kRows;
+  alignas(64) int32_t at[16];
+  for (int i = 0; i < 16; ++i) at[i] = 32 * i + 4 * (r / 2);
+  const __m512i offsets = _mm512_load_si512(at);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int8_t* wb = w + (p * blocks + b) * Panels<8>::kBlockBytes;
+    __m512i pairs = _mm512_i32gather_epi32(offsets, wb, 1);
+    if (r % 2) pairs = _mm512_srli_epi32(pairs, 16);
+    const __m256i q = _mm512_cvtepi32_epi16(pairs);  // the row's 32 int8 values, in order
+    const int64_t g = b / blocks_per_group, at_g = (p * groups + g) * Panels<8>::kRows + r;
+    const __m512 scale = _mm512_set1_ps(
+        !scales ? 1.0f
+        : half  ? static_cast<float>(static_cast<const at::Half*>(scales)[at_g])
+                : static_cast<const float*>(scales)[at_g]);
+    for (int h = 0; h < 2; ++h) {
+      __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+          h ? _mm256_extracti128_si256(q, 1) : _mm256_castsi256_si128(q)));
+      if (scales) v = _mm512_mul_ps(v, scale);
+      store16(dst + b * kBlock + 16 * h, v);
+    }
+  }
+}
+
+// int8 panels back to rows [16 * panels, K] of T, every row at once (int8_unpanel).
 template <class T>
 void unpanel_rows(const int8_t* w, int64_t panels, int64_t k, const void* scales, bool half,
                   int64_t groups, T* out) {
-  const int64_t blocks = k / kBlock, blocks_per_group = blocks / groups;
   at::parallel_for(0, panels * Panels<8>::kRows, 16, [&](int64_t j0, int64_t j1) {
-    for (int64_t j = j0; j < j1; ++j) {
-      const int64_t p = j / Panels<8>::kRows, r = j % Panels<8>::kRows;
-      alignas(64) int32_t at[16];
-      for (int i = 0; i < 16; ++i) at[i] = 32 * i + 4 * (r / 2);
-      const __m512i offsets = _mm512_load_si512(at);
-      T* dst = out + j * k;
-      for (int64_t b = 0; b < blocks; ++b) {
-        const int8_t* wb = w + (p * blocks + b) * Panels<8>::kBlockBytes;
-        __m512i pairs = _mm512_i32gather_epi32(offsets, wb, 1);
-        if (r % 2) pairs = _mm512_srli_epi32(pairs, 16);
-        const __m256i q = _mm512_cvtepi32_epi16(pairs);  // the row's 32 int8 values, in order
-        const int64_t g = b / blocks_per_group, at_g = (p * groups + g) * Panels<8>::kRows + r;
-        const __m512 scale = _mm512_set1_ps(
-            !scales ? 1.0f
-            : half  ? static_cast<float>(static_cast<const at::Half*>(scales)[at_g])
-                    : static_cast<const float*>(scales)[at_g]);
-        for (int h = 0; h < 2; ++h) {
-          __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-              h ? _mm256_extracti128_si256(q, 1) : _mm256_castsi256_si128(q)));
-          if (scales) v = _mm512_mul_ps(v, scale);
-          store16(dst + b * kBlock + 16 * h, v);
-        }
-      }
-    }
+    for (int64_t j = j0; j < j1; ++j) unpanel_row(w, j, k, scales, half, groups, out + j * k);
   });
 }
 
@@ -921,33 +928,103 @@ int64_t scale_groups(const at::Tensor& scales, int64_t n, int64_t k, const char*
   return g;
 }
 
+// int8_linear's weight in either layout and its scales, checked for K inputs: what int8_linear
+// and int8_gemm take. Panels read fp16 scales as they are (Q8_0's), every other dtype as float32.
+struct Int8Args {
+  Int8Args(const at::Tensor& weight, const at::Tensor& scales, int64_t k, const char* op)
+      : panels(weight.dim() == 3),
+        half(panels && scales.scalar_type() == at::kHalf),
+        k(k),
+        n(weight.size(0) * (panels ? Panels<8>::kRows : 1)),
+        wc(weight.contiguous()) {
+    TORCH_CHECK(weight.scalar_type() == at::kChar, op, ": an int8 weight [N, K]");
+    TORCH_CHECK(k % kBlock == 0 && (panels ? weight.size(1) * kBlock == k &&
+                                                 weight.size(2) == Panels<8>::kBlockBytes
+                                           : weight.size(1) == k),
+                op, ": weight [N, K] (in panels [N/16, K/32, 512]) with K a multiple of 32");
+    groups = scale_groups(scales, n, k, op);
+    TORCH_CHECK(!panels || panels_here(), op, ": panels need a CPU with AVX512-VNNI");
+    sc = half ? scales.contiguous() : scales.to(at::kFloat).contiguous();
+  }
+  const bool panels, half;
+  const int64_t k, n;
+  int64_t groups;
+  const at::Tensor wc;
+  at::Tensor sc;
+};
+
 // y [M, N] = x [M, K] @ (weight int8 [N, K] * scales)^T, scales [N] or [N, G] (groups of K/G).
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
   check_rows(x, weight, "int8_linear", true);
-  const bool panels = weight.dim() == 3;
-  const int64_t k = x.size(1), n = weight.size(0) * (panels ? Panels<8>::kRows : 1);
-  TORCH_CHECK(weight.scalar_type() == at::kChar, "int8_linear: an int8 weight [N, K]");
-  TORCH_CHECK(k % kBlock == 0 &&
-                  (panels ? weight.size(1) * kBlock == k && weight.size(2) == Panels<8>::kBlockBytes
-                          : weight.size(1) == k),
-              "int8_linear: weight [N, K] (in panels [N/16, K/32, 512]) with K a multiple of 32");
-  const int64_t groups = scale_groups(scales, n, k, "int8_linear");
-  TORCH_CHECK(!panels || panels_here(), "int8_linear: panels need a CPU with AVX512-VNNI");
+  const Int8Args a(weight, scales, x.size(1), "int8_linear");
   const at::Tensor xc = x.contiguous();
-  const at::Tensor wc = weight.contiguous();
-  // panels read fp16 scales as they are (Q8_0's), every other dtype as float32
-  const bool half = panels && scales.scalar_type() == at::kHalf;
-  const at::Tensor sc = half ? scales.contiguous() : scales.to(at::kFloat).contiguous();
   const QuantRows xq(xc);
-  if (panels) {
-    const auto* w = reinterpret_cast<const uint8_t*>(wc.data_ptr<int8_t>());
-    return run_panels(Panels<8>(xq, w, sc.data_ptr(), half, nullptr, nullptr, k / groups), xc,
-                      weight.size(0));
+  const int8_t* w = a.wc.data_ptr<int8_t>();
+  if (a.panels) {
+    return run_panels(Panels<8>(xq, reinterpret_cast<const uint8_t*>(w), a.sc.data_ptr(), a.half,
+                                nullptr, nullptr, a.k / a.groups),
+                      xc, a.wc.size(0));
   }
-  const float* sp = sc.data_ptr<float>();
-  if (groups == 1) return run(Int8Weights<false>{xq, wc.data_ptr<int8_t>(), sp, k, 1, 1}, xc, n);
-  return run(Int8Weights<true>{xq, wc.data_ptr<int8_t>(), sp, k, k / groups / kBlock, groups},
-             xc, n);
+  const float* sp = a.sc.data_ptr<float>();
+  if (a.groups == 1) return run(Int8Weights<false>{xq, w, sp, a.k, 1, 1}, xc, a.n);
+  return run(Int8Weights<true>{xq, w, sp, a.k, a.k / a.groups / kBlock, a.groups}, xc, a.n);
+}
+
+// x as the prefill GEMM takes it: float32 rows, contiguous.
+at::Tensor gemm_rows(const at::Tensor& x, const at::Tensor& weight, const char* op,
+                     bool panels = false) {
+  check_rows(x, weight, op, panels);
+  TORCH_CHECK(x.scalar_type() == at::kFloat, op, ": float32 activations, not ", x.dtype());
+  return x.contiguous();
+}
+
+// y [M, N] = x [M, K] @ weight^T for a float32 or bf16 weight [N, K]: prefill's many rows on
+// gemm.h's GEMM, the weight read as it is stored.
+at::Tensor float_gemm(const at::Tensor& x, const at::Tensor& weight) {
+  const at::Tensor xc = gemm_rows(x, weight, "float_gemm");
+  TORCH_CHECK(weight.size(1) == x.size(1), "float_gemm: x [M, K] and weight [N, K]");
+  const at::Tensor wc = weight.contiguous();
+  const int64_t k = wc.size(1), n = wc.size(0);
+  if (wc.scalar_type() == at::kBFloat16) {
+    return gemm::gemm_here(xc, n, gemm::FloatSource<at::BFloat16>{wc.data_ptr<at::BFloat16>(), k});
+  }
+  TORCH_CHECK(wc.scalar_type() == at::kFloat, "float_gemm: a float32 or bf16 weight, not ",
+              wc.dtype());
+  return gemm::gemm_here(xc, n, gemm::FloatSource<float>{wc.data_ptr<float>(), k});
+}
+
+// Row j of int8 rows [N, K] times its scales (G a row, float32) as K floats.
+void int8_row(const int8_t* q, int64_t j, int64_t k, const float* scales, int64_t groups,
+              float* dst) {
+  const int64_t per_group = k / groups;
+  for (int64_t i = 0; i < k; i += 8) {
+    const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + j * k + i));
+    const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+    _mm256_storeu_ps(dst + i, _mm256_mul_ps(w, _mm256_set1_ps(scales[j * groups + i / per_group])));
+  }
+}
+
+// y [M, N] = x [M, K] @ (weight * scales)^T for int8_linear's weights (either layout) on the
+// prefill GEMM: each panel's rows dequantised (as int8_unpanel's, exact in float32) into a
+// thread's scratch, then packed. In panels N counts the padded rows.
+at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
+  const at::Tensor xc = gemm_rows(x, weight, "int8_gemm", true);
+  const Int8Args a(weight, scales, x.size(1), "int8_gemm");
+  const int8_t* w = a.wc.data_ptr<int8_t>();
+  const char* base = reinterpret_cast<const char*>(w);
+  const void* sp = a.sc.data_ptr();
+  if (a.panels) {
+    const auto rows = [&a, w, sp](int64_t j0, int64_t count, float* dst) {
+      for (int64_t i = 0; i < count; ++i)
+        unpanel_row(w, j0 + i, a.k, sp, a.half, a.groups, dst + i * a.k);
+    };
+    return gemm::gemm_here(xc, a.n, gemm::DequantisedSource<decltype(rows)>{rows, base, a.k, a.k});
+  }
+  const auto rows = [&a, w](int64_t j0, int64_t count, float* dst) {
+    for (int64_t i = 0; i < count; ++i)
+      int8_row(w, j0 + i, a.k, a.sc.data_ptr<float>(), a.groups, dst + i * a.k);
+  };
+  return gemm::gemm_here(xc, a.n, gemm::DequantisedSource<decltype(rows)>{rows, base, a.k, a.k});
 }
 
 // int8_linear's weight in panels as rows [N, K] of dtype (float32 or bf16), for prefill's GEMM:
@@ -1035,24 +1112,27 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
       a.pc.size(0));
 }
 
-// int4_dequantize's rows ids [T] into out [T, K].
+// Row j of int4_linear's weights as K values of T (row j is lane j % 16 of panel j / 16; see
+// Panels).
 template <class T>
-void dequantize_rows(const Int4Args& a, const int64_t* id, int64_t count, T* out) {
+void dequantize_row(const Int4Args& a, int64_t j, T* dst) {
   const int64_t k = a.k, groups = k / a.group, blocks = k / kBlock;
   const uint8_t* w = a.pc.data_ptr<uint8_t>();
   const uint8_t* zp = a.zeros();
+  const int64_t p = j / Panels<4>::kRows, lane = j % Panels<4>::kRows;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t at_g = (p * groups + b * kBlock / a.group) * Panels<4>::kRows + lane;
+    unpanel_int4_block(w + (p * blocks + b) * Panels<4>::kBlockBytes, static_cast<int>(lane),
+                       a.value(a.sc, at_g), a.mins ? 0.0f : zp[at_g],
+                       a.mins ? a.value(a.oc, at_g) : 0.0f, a.mins, dst + b * kBlock);
+  }
+}
+
+// int4_dequantize's rows ids [T] into out [T, K].
+template <class T>
+void dequantize_rows(const Int4Args& a, const int64_t* id, int64_t count, T* out) {
   at::parallel_for(0, count, 16, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t j = id[t];
-      // row j is lane `lane` of panel p (see Panels)
-      const int64_t p = j / Panels<4>::kRows, lane = j % Panels<4>::kRows;
-      for (int64_t b = 0; b < blocks; ++b) {
-        const int64_t at_g = (p * groups + b * kBlock / a.group) * Panels<4>::kRows + lane;
-        unpanel_int4_block(w + (p * blocks + b) * Panels<4>::kBlockBytes, static_cast<int>(lane),
-                           a.value(a.sc, at_g), a.mins ? 0.0f : zp[at_g],
-                           a.mins ? a.value(a.oc, at_g) : 0.0f, a.mins, out + t * k + b * kBlock);
-      }
-    }
+    for (int64_t t = t0; t < t1; ++t) dequantize_row(a, id[t], out + t * a.k);
   });
 }
 
@@ -1078,6 +1158,21 @@ at::Tensor int4_dequantize(const at::Tensor& packed, const at::Tensor& scales,
     dequantize_rows(a, ids.data_ptr<int64_t>(), ids.numel(), out.data_ptr<at::BFloat16>());
   }
   return out;
+}
+
+// y [M, N] = x [M, K] @ W^T for int4_linear's weights on the prefill GEMM: each panel's rows
+// dequantised (as int4_dequantize's) into a thread's scratch, then packed. N counts the padded
+// rows.
+at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                     const at::Tensor& offsets, int64_t group) {
+  const at::Tensor xc = gemm_rows(x, packed, "int4_gemm", true);
+  const Int4Args a(packed, scales, offsets, group, "int4_gemm");
+  TORCH_CHECK(a.k == x.size(1), "int4_gemm: x [M, K] and weights of K inputs");
+  const auto rows = [&a](int64_t j0, int64_t count, float* dst) {
+    for (int64_t i = 0; i < count; ++i) dequantize_row(a, j0 + i, dst + i * a.k);
+  };
+  const char* base = reinterpret_cast<const char*>(a.pc.data_ptr<uint8_t>());
+  return gemm::gemm_here(xc, a.n, gemm::DequantisedSource<decltype(rows)>{rows, base, a.k, a.k / 2});
 }
 
 // y [M, N] = x [M, K] @ weight^T for a float32 or bf16 weight, K a multiple of 8.
@@ -1150,6 +1245,9 @@ TORCH_LIBRARY_FRAGMENT(pagechat, m) {
       "int4_dequantize(Tensor packed, Tensor scales, Tensor offsets, int group, Tensor? rows=None, "
       "ScalarType? dtype=None) -> Tensor");
   m.def("float_linear(Tensor x, Tensor weight, bool dot=False) -> Tensor");
+  m.def("float_gemm(Tensor x, Tensor weight) -> Tensor");
+  m.def("int8_gemm(Tensor x, Tensor weight, Tensor scales) -> Tensor");
+  m.def("int4_gemm(Tensor x, Tensor packed, Tensor scales, Tensor offsets, int group) -> Tensor");
   m.def("stream_read(Tensor t) -> int");
 }
 
@@ -1159,5 +1257,8 @@ TORCH_LIBRARY_IMPL(pagechat, CPU, m) {
   m.impl("int4_linear", &int4_linear);
   m.impl("int4_dequantize", &int4_dequantize);
   m.impl("float_linear", &float_linear);
+  m.impl("float_gemm", &float_gemm);
+  m.impl("int8_gemm", &int8_gemm);
+  m.impl("int4_gemm", &int4_gemm);
   m.impl("stream_read", &stream_read);
 }

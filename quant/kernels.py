@@ -58,17 +58,10 @@ def float_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.pagechat.float_linear(x, weight, BF16_DOT)
 
 
-GEMM_SOURCE = Path(__file__).with_name("gemm.cpp")
-
-
-def gemm_loaded() -> bool:
-    """Whether the prefill GEMM (gemm.cpp) is loaded, building it first where needed."""
-    return native.library(GEMM_SOURCE, "prefill GEMM")
-
-
-def gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x float32 [M, K] @ weight float32 or bf16 [N, K]^T -> float32 [M, N] on gemm.cpp (loaded)."""
-    return torch.ops.pagechat.gemm(x, weight)
+def float_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x float32 [M, K] @ weight float32 or bf16 [N, K]^T -> float32 [M, N] on gemm.h's prefill
+    GEMM, which reads the weight as stored (loaded)."""
+    return torch.ops.pagechat.float_gemm(x, weight)
 
 
 def float_rows(x_dtype: torch.dtype, weight_dtype: torch.dtype) -> int:

@@ -41,9 +41,10 @@ BF16_TORCH_PATH = f"bf16 <= {MAX_GRAPH_TOKENS} rows, else GEMM"
 
 
 def gemm_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype of prefill's GEMM on weights dequantised for the call: bf16 where the activations
-    are bf16 on a CPU that computes bf16 natively (AMX: several times float32's speed), else
-    float32 (MKL), since a bf16 GEMM without native bf16 is several times slower than float32."""
+    """The dtype of prefill's GEMM: bf16 (on weights dequantised for the call) where the
+    activations are bf16 on a CPU that computes bf16 natively (AMX: several times float32's
+    speed), else float32 (pagechat's GEMM, kernels.cpp's int8_gemm / int4_gemm), since a bf16
+    GEMM without native bf16 is several times slower than float32."""
     return _BF16 if x.dtype == _BF16 and cpu_has_native_bf16() else torch.float32
 
 
@@ -230,8 +231,11 @@ class Int4Linear(_WeightOnlyLinear):
                 y = torch.ops.pagechat.int4_linear(x2, *args)
                 # the fused ops after a layer take dense rows
                 return y[:, : self.out_features].contiguous() if self.padded else y
-            # many rows are a GEMM on the weights dequantised for this call
             dtype = gemm_dtype(x2)
+            if dtype == torch.float32:  # many rows: pagechat's GEMM, the weights read as stored
+                y = torch.ops.pagechat.int4_gemm(x2.to(dtype), *args).to(x2.dtype)
+                return y[:, : self.out_features].contiguous() if self.padded else y
+            # a bf16 GEMM (AMX's) on the weights dequantised for this call
             w = torch.ops.pagechat.int4_dequantize(*args, dtype=dtype)
             return F.linear(x2.to(dtype), w[: self.out_features]).to(x2.dtype)
         if self.path == "dequant":
@@ -303,14 +307,16 @@ class Int8WOLinear(_WeightOnlyLinear):
 
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
+            dtype = gemm_dtype(x2)
             if x2.shape[0] <= kernels.MAX_ROWS:
                 y = self.kernel(x2, self.weight, self.scales)
-            elif self.grouped:  # a GEMM on the weights dequantised for this call
-                dtype = gemm_dtype(x2)
+            elif dtype == torch.float32:  # pagechat's GEMM, the weights read as stored
+                y = torch.ops.pagechat.int8_gemm(x2.to(dtype), self.weight, self.scales)
+                y = y.to(x2.dtype)
+            elif self.grouped:  # a bf16 GEMM on the weights dequantised for this call
                 w = kernels.int8_dequantize(self.weight, self.scales, dtype=dtype)
                 y = F.linear(x2.to(dtype), w).to(x2.dtype)
-            else:  # a GEMM (faster than int8pack's) on the int8 values, exact in bf16 too
-                dtype = gemm_dtype(x2)
+            else:  # a bf16 GEMM (faster than int8pack's) on the int8 values, exact in bf16
                 w = kernels.int8_rows(self.weight, dtype=dtype)
                 y = (F.linear(x2.to(dtype), w) * self.scales.to(dtype)).to(x2.dtype)
             return y[:, : self.out_features].contiguous() if self.padded else y
@@ -346,14 +352,14 @@ class Bf16WOLinear(_WeightOnlyLinear):
         self.path = bf16_wo_path(self.in_features, device.type)
         # a traced step records one side of the branch below
         self.max_rows = kernels.MAX_ROWS if self.path == BF16_KERNEL_PATH else MAX_GRAPH_TOKENS
-        self.gemm = device.type == "cpu" and kernels.gemm_loaded()
+        self.gemm = device.type == "cpu" and kernels.loaded()
         self.register_buffer("weight", weight.to(device=device, dtype=_BF16).contiguous())
         self.register_buffer("bias", None if bias is None else bias.to(device))
 
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
         if x2.shape[0] > self.max_rows:
             if self.gemm and x2.dtype == torch.float32:
-                return kernels.gemm(x2, self.weight)
+                return kernels.float_gemm(x2, self.weight)
             return F.linear(x2, self.weight.to(x2.dtype))
         if self.path == BF16_KERNEL_PATH:
             return kernels.float_linear(x2, self.weight)

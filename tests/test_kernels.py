@@ -278,53 +278,101 @@ def test_float_kernel_matches_matmul_at_every_batch_size(kernel, dtype, n, k):
         op(torch.randn(1, k + 1), torch.randn(n, k + 1).to(dtype))
 
 
-@pytest.fixture(scope="module")
-def gemm():
-    assert kernels.gemm_loaded(), "the GEMM did not build on a host that can build it (see the log)"
-    return kernels.gemm
+def within_higham_bound(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> bool:
+    """y = x @ w^T as float32 sums of k products in any order: each output within gamma_k * sum
+    |x_i w_i| of the exact product (Higham's bound), which holds for a single output under
+    cancellation, as rel does not."""
+    ku = x.shape[1] * 2.0**-24
+    exact = x.double() @ w.double().t()
+    bound = ku / (1 - ku) * (x.double().abs() @ w.double().abs().t())
+    return y.shape == exact.shape and bool(torch.all((y.double() - exact).abs() <= bound))
+
+
+# prefill's GEMM: whole tiles of 6 (AVX2) and 8 rows (AVX512), and the rest; more rows than the
+# decode kernels take
+GEMM_ROWS = (1, 6, 8, 17, 130)
 
 
 # n: one AVX512 panel (48), tails of both ISAs' panels; k: tails of their 16- and 8-wide blocks
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n,k", [(48, 16), (37, 40), (5, 9), (960, 576), (100, 333), (3, 1536)])
-def test_gemm_within_higham_bound_of_the_exact_product(gemm, dtype, n, k):
+def test_float_gemm_within_higham_bound_of_the_exact_product(kernel, dtype, n, k):
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(n)).to(dtype)
     g = torch.Generator().manual_seed(k)
-    ku = k * 2.0**-24  # one float32 sum of k products per output: gamma_k * sum |x_i w_i|
-    for m in (1, 6, 8, 17, 130):  # whole tiles of 6 (AVX2) and 8 rows (AVX512), and the rest
+    for m in GEMM_ROWS:
         x = torch.randn(m, k, generator=g)
-        exact = x.double() @ w.double().t()
-        bound = ku / (1 - ku) * (x.double().abs() @ w.double().abs().t())
-        y = gemm(x, w)
-        assert y.dtype == torch.float32 and y.shape == (m, n)
-        assert torch.all((y.double() - exact).abs() <= bound), (m, n, k)
+        y = kernels.float_gemm(x, w)
+        assert y.dtype == torch.float32 and within_higham_bound(y, x, w), (m, n, k)
 
 
 @needs_kernel
-def test_gemm_gives_the_same_bits_on_any_number_of_threads(gemm):
+@pytest.mark.parametrize("panels", INT8_LAYOUTS)
+@pytest.mark.parametrize("grouped", [False, True])
+@pytest.mark.parametrize("n,k", [(5, 32), (37, 64), (96, 576)])
+def test_int8_gemm_within_higham_bound_of_the_dequantised_product(kernel, panels, grouped, n, k):
+    g = torch.Generator().manual_seed(n)
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    # a row's bf16 scale (int8-wo), or Q8_0's fp16 one per group of 32
+    s = (
+        torch.rand(n, k // 32, generator=g).half()
+        if grouped
+        else torch.rand(n, generator=g).bfloat16()
+    )
+    w, scales = kernels.int8_pack(q, s, panels)
+    deq = kernels.int8_dequantize(w, scales)  # exact: an int8 times an fp16 or bf16 scale
+    for m in GEMM_ROWS:
+        x = torch.randn(m, k, generator=g)
+        assert within_higham_bound(kernels.op("int8_gemm")(x, w, scales), x, deq), m
+
+
+@needs_kernel
+@pytest.mark.parametrize("n,k,group", [(7, 96, 32), (48, 64, 32), (257, 576, 96)])
+def test_int4_gemm_within_higham_bound_of_the_dequantised_product(kernel, n, k, group):
+    packed, s, z, deq = int4_weight(n, k, group, seed=n)
+    rows = kernels.stored_rows(n, True)  # the padded rows' outputs are 0
+    padded = torch.cat([deq, deq.new_zeros(rows - n, k)])
+    g = torch.Generator().manual_seed(k)
+    for m in GEMM_ROWS:
+        x = torch.randn(m, k, generator=g)
+        y = kernels.op("int4_gemm")(x, packed, s, z, group)
+        assert within_higham_bound(y, x, padded), m
+
+
+@needs_kernel
+def test_gemm_gives_the_same_bits_on_any_number_of_threads(kernel):
     """Threads take panels, and parts of the rows where there are few panels: each output is
     still one sum over k in order."""
     x, w = torch.randn(300, 64), torch.randn(40, 64).to(torch.bfloat16)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = gemm(x, w)
+        one = kernels.float_gemm(x, w)
         torch.set_num_threads(7)  # more threads than the one panel: the rows in parts
-        assert torch.equal(gemm(x, w), one)
+        assert torch.equal(kernels.float_gemm(x, w), one)
     finally:
         torch.set_num_threads(threads)
-    assert gemm(x[:0], w).shape == (0, 40) and gemm(x, w[:0]).shape == (300, 0)
+    assert kernels.float_gemm(x[:0], w).shape == (0, 40)
+    assert kernels.float_gemm(x, w[:0]).shape == (300, 0)
 
 
 @needs_kernel
-def test_gemm_refuses_what_it_does_not_multiply(gemm):
-    with pytest.raises(RuntimeError, match="float32 activations"):
+def test_gemms_refuse_what_they_do_not_multiply(kernel):
+    gemm = kernels.float_gemm
+    with pytest.raises(RuntimeError, match="float_gemm: float32 activations"):
         gemm(torch.randn(4, 16).to(torch.bfloat16), torch.randn(8, 16))
     with pytest.raises(RuntimeError, match="float32 or bf16 weight"):
         gemm(torch.randn(4, 16), torch.randn(8, 16).half())
     with pytest.raises(RuntimeError, match=r"x \[M, K\] and weight \[N, K\]"):
         gemm(torch.randn(4, 16), torch.randn(8, 24))
+    w, scales = kernels.int8_pack(torch.ones(16, 64, dtype=torch.int8), torch.ones(16))
+    with pytest.raises(RuntimeError, match="int8_gemm: float32 activations"):
+        kernels.op("int8_gemm")(torch.randn(4, 64).half(), w, scales)
+    with pytest.raises(RuntimeError, match="int8_gemm: weight"):
+        kernels.op("int8_gemm")(torch.randn(4, 96), w, scales)
+    packed, s, z, _ = int4_weight(16, 64, 32, seed=1)
+    with pytest.raises(RuntimeError, match="int4_gemm: x \\[M, K\\] and weights of K inputs"):
+        kernels.op("int4_gemm")(torch.randn(4, 96), packed, s, z, 32)
 
 
 @needs_kernel
@@ -358,9 +406,11 @@ def test_prefill_rows_of_bf16_activations_run_a_bf16_gemm_only_where_the_cpu_has
     if native_bf16:  # AMX's bf16 GEMM on the dequantised weights (int8 values exact in bf16)
         want8 = F.linear(x, w8.bfloat16()) * s8.bfloat16()
         want4 = F.linear(x, w4.bfloat16())
-    else:  # float32's, rounded to the activations' bf16 once
-        want8 = (F.linear(x.float(), w8) * s8).bfloat16()
-        want4 = F.linear(x.float(), w4).bfloat16()
+    else:  # pagechat's float32 GEMM on the weights as stored, rounded to bf16 once
+        ops = torch.ops.pagechat
+        want8 = ops.int8_gemm(x.float(), int8.weight, int8.scales).bfloat16()
+        want4 = ops.int4_gemm(x.float(), awq.weight_packed, awq.scales, awq.offsets, 64).bfloat16()
+
     assert torch.equal(int8(x), want8) and torch.equal(awq(x), want4)
     assert int8(x.float()).dtype == awq(x.float()).dtype == torch.float32  # float32: float32's
 

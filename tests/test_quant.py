@@ -283,7 +283,7 @@ def test_bf16_wo_linear_decode_rows_on_bf16_weights_prefill_rows_in_float32():
     # prefill: float32 math on the stored weight, on pagechat's GEMM where it builds (its sums in
     # another order than MKL's: within Higham's bound, tests/test_kernels.py), else torch's
     if layer.gemm:
-        assert torch.equal(layer(many), torch.ops.pagechat.gemm(many, layer.weight) + bias)
+        assert torch.equal(layer(many), torch.ops.pagechat.float_gemm(many, layer.weight) + bias)
         assert rel(layer(many), F.linear(many, wb, bias)) < 1e-6
     else:
         assert torch.equal(layer(many), F.linear(many, wb, bias))

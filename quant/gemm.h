@@ -1,27 +1,30 @@
-// pagechat's GEMM for prefill: many float32 activation rows times a float32 or bf16 weight [N, K].
+// pagechat's GEMM for prefill: many float32 activation rows times a weight [N, K] read as it is
+// stored (float32, bf16, and kernels.cpp's int8 and int4 layouts), for quant/kernels.cpp.
 //
-// A bf16 weight-only layer (bf16-wo, the default for a bf16 checkpoint on a CPU without native
-// bf16) used to widen its whole weight to a fresh float32 copy on every prefill call before
-// torch's GEMM: twice the bytes written and read again, 16% of a 128-token prefill of the 135M
-// shape. Here the weights are read as they are stored, a panel at a time.
+// A weight-only layer (bf16-wo, the default for a bf16 checkpoint on a CPU without native bf16;
+// int8 and int4 ones) used to dequantise its whole weight to a fresh float32 copy on every prefill
+// call before torch's GEMM: twice a bf16 weight's bytes written and read again, 16% of a
+// 128-token prefill of the 135M shape. Here the weights are read as they are stored, a panel at
+// a time.
 //
 // The design is GotoBLAS's, made smaller. The weight's rows are cut into panels of NR rows. A
-// thread packs one panel transposed, as [K][NR] floats (bf16 widened on the way), into a buffer
-// that stays in L2, and asks for the next panel's bytes while it multiplies this one (without
-// that the packing waited on memory: 15% of the time). The activations are not packed: MR rows
-// at a time go through a register tile of MR x NR sums, each k one broadcast per row and NR/W
-// vector loads for MR * NR/W FMAs.
+// thread packs one panel transposed, as [K][NR] floats (bf16 widened, int8 and int4 dequantised
+// on the way), into a buffer that stays in L2, and asks for the next panel's bytes while it
+// multiplies this one (without that the packing waited on memory: 15% of the time). The
+// activations are not packed: MR rows at a time go through a register tile of MR x NR sums, each
+// k one broadcast per row and NR/W vector loads for MR * NR/W FMAs.
 //
 // Every output is one float32 sum over k in order, by FMA, as a dot product's: the error is within
-// Higham's bound for such sums, and the result does not depend on the number of threads.
+// Higham's bound for such sums, and the result depends neither on the number of threads nor on the
+// tile (AVX2's and AVX512's give the same bits).
 //
-// Compiled on first use by core/native.py with -mavx2 -mfma -mf16c; the AVX512 tile alone under a
-// target pragma, run only where the CPU has AVX512F (and not under PAGECHAT_KERNELS=avx2).
+// The AVX512 tile alone is compiled under a target pragma, and runs only where the CPU has AVX512F
+// (and not under PAGECHAT_KERNELS=avx2).
+#pragma once
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -30,9 +33,8 @@
 
 #include "simd.h"
 
-namespace {
+namespace pagechat::gemm {
 
-using pagechat::with_count;
 
 // Asks for bytes [from, to) of `base` a cache line at a time, into L2: the next panel's weights,
 // spread over this panel's row tiles.
@@ -258,11 +260,15 @@ void panel_times_rows(const float* x, int64_t k, const float* bp, int64_t rows, 
   }
 }
 
-// y [M, N] = x [M, K] times w [N, K]^T on the tile Isa. A task is one panel times one part of
-// the rows: the rows are cut in parts only where there are too few panels for every thread to
-// have two (a thread packs a panel once for consecutive parts of it).
-template <class Isa, class T>
-at::Tensor gemm_on(const at::Tensor& x, const T* w, int64_t n) {
+// y [M, N] = x [M, K] times w [N, K]^T on the tile Isa, w as a Source gives it:
+//   template <class Isa> void pack(j0, rows, float* bp): rows [j0, j0 + rows) into a panel;
+//   const char* address(j): where row j's bytes start (a panel's rows are contiguous);
+//   int64_t bytes(rows): how many bytes that many rows take.
+// A task is one panel times one part of the rows: the rows are cut in parts only where there are
+// too few panels for every thread to have two (a thread packs a panel once for consecutive parts
+// of it).
+template <class Isa, class Source>
+at::Tensor gemm_on(const at::Tensor& x, int64_t n, const Source& w) {
   constexpr int NR = Isa::NR, MR = Isa::MR;
   const int64_t m = x.size(0), k = x.size(1);
   at::Tensor out = at::empty({m, n}, x.options());
@@ -281,46 +287,59 @@ at::Tensor gemm_on(const at::Tensor& x, const T* w, int64_t n) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t p = t / parts, part = t % parts;
       const int64_t rows = std::min<int64_t>(NR, n - p * NR);
-      if (t == t0 || part == 0) Isa::pack(w + p * NR * k, k, rows, bp);
+      if (t == t0 || part == 0) w.template pack<Isa>(p * NR, rows, bp);
       // the next panel, when this task is the last of this one and this thread takes the next
       const bool ahead = part == parts - 1 && t + 1 < t1;
-      const int64_t next_rows = ahead ? std::min<int64_t>(NR, n - (p + 1) * NR) : 0;
-      const int64_t next_bytes = next_rows * k * static_cast<int64_t>(sizeof(T));
+      const int64_t next_bytes = ahead ? w.bytes(std::min<int64_t>(NR, n - (p + 1) * NR)) : 0;
       const int64_t m0 = part * part_rows, m1 = std::min(m, m0 + part_rows);
       panel_times_rows<Isa>(xp, k, bp, rows, yp + p * NR, n, m0, m1,
-                            reinterpret_cast<const char*>(w + (p + 1) * NR * k), next_bytes);
+                            ahead ? w.address((p + 1) * NR) : nullptr, next_bytes);
     }
   });
   return out;
 }
 
+// A float32 or bf16 weight [N, K]: packed straight from its rows.
+template <class T>
+struct FloatSource {
+  const T* w;
+  int64_t k;
+  template <class Isa>
+  void pack(int64_t j0, int64_t rows, float* bp) const {
+    Isa::pack(w + j0 * k, k, rows, bp);
+  }
+  const char* address(int64_t j) const { return reinterpret_cast<const char*>(w + j * k); }
+  int64_t bytes(int64_t rows) const { return rows * k * static_cast<int64_t>(sizeof(T)); }
+};
+
+// A weight whose rows are dequantised first, `rows(j0, count, dst)` writing rows [j0, j0 + count)
+// as floats [count][K]: packed from those (a thread's scratch, in L2).
+template <class Dequantise>
+struct DequantisedSource {
+  Dequantise rows;
+  const char* base;  // row 0's bytes
+  int64_t k, row_bytes;
+  template <class Isa>
+  void pack(int64_t j0, int64_t count, float* bp) const {
+    thread_local std::vector<float> scratch;
+    scratch.resize(Isa::NR * k);
+    rows(j0, count, scratch.data());
+    Isa::pack(scratch.data(), k, count, bp);
+  }
+  const char* address(int64_t j) const { return base + j * row_bytes; }
+  int64_t bytes(int64_t count) const { return count * row_bytes; }
+};
+
 // Whether this CPU runs the AVX512 tile (AVX512F), unless PAGECHAT_KERNELS=avx2.
-bool avx512_here() {
+inline bool avx512_here() {
   static const bool here = !pagechat::avx2_forced() && __builtin_cpu_supports("avx512f");
   return here;
 }
 
-at::Tensor gemm(const at::Tensor& x, const at::Tensor& weight) {
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && weight.size(1) == x.size(1),
-              "gemm: x [M, K] and weight [N, K]");
-  TORCH_CHECK(x.scalar_type() == at::kFloat, "gemm: float32 activations, not ", x.dtype());
-  const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
-  const int64_t n = wc.size(0);
-  const bool wide = avx512_here();
-  if (wc.scalar_type() == at::kBFloat16) {
-    const auto* w = wc.data_ptr<at::BFloat16>();
-    return wide ? gemm_on<Avx512>(xc, w, n) : gemm_on<Avx2>(xc, w, n);
-  }
-  TORCH_CHECK(wc.scalar_type() == at::kFloat, "gemm: a float32 or bf16 weight, not ",
-              wc.dtype());
-  const auto* w = wc.data_ptr<float>();
-  return wide ? gemm_on<Avx512>(xc, w, n) : gemm_on<Avx2>(xc, w, n);
+// y = x times the weight w on the tile this CPU runs.
+template <class Source>
+at::Tensor gemm_here(const at::Tensor& x, int64_t n, const Source& w) {
+  return avx512_here() ? gemm_on<Avx512>(x, n, w) : gemm_on<Avx2>(x, n, w);
 }
 
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(pagechat, m) {
-  m.def("gemm(Tensor x, Tensor weight) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(pagechat, CPU, m) { m.impl("gemm", &gemm); }
+}  // namespace pagechat::gemm
