@@ -1172,7 +1172,8 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Te
     for (int64_t i = 0; i < count; ++i) dequantize_row(a, j0 + i, dst + i * a.k);
   };
   const char* base = reinterpret_cast<const char*>(a.pc.data_ptr<uint8_t>());
-  return gemm::gemm_here(xc, a.n, gemm::DequantisedSource<decltype(rows)>{rows, base, a.k, a.k / 2});
+  const gemm::DequantisedSource<decltype(rows)> source{rows, base, a.k, a.k / 2};
+  return gemm::gemm_here(xc, a.n, source);
 }
 
 // y [M, N] = x [M, K] @ weight^T for a float32 or bf16 weight, K a multiple of 8.
