@@ -1004,29 +1004,6 @@ void int8_row(const int8_t* q, int64_t j, int64_t k, const float* scales, int64_
   }
 }
 
-// y [M, N] = x [M, K] @ (weight * scales)^T for int8_linear's weights (either layout) on the
-// prefill GEMM: each panel's rows dequantised (as int8_unpanel's, exact in float32) into a
-// thread's scratch, then packed. In panels N counts the padded rows.
-at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
-  const at::Tensor xc = gemm_rows(x, weight, "int8_gemm", true);
-  const Int8Args a(weight, scales, x.size(1), "int8_gemm");
-  const int8_t* w = a.wc.data_ptr<int8_t>();
-  const char* base = reinterpret_cast<const char*>(w);
-  const void* sp = a.sc.data_ptr();
-  if (a.panels) {
-    const auto rows = [&a, w, sp](int64_t j0, int64_t count, float* dst) {
-      for (int64_t i = 0; i < count; ++i)
-        unpanel_row(w, j0 + i, a.k, sp, a.half, a.groups, dst + i * a.k);
-    };
-    return gemm::gemm_here(xc, a.n, gemm::DequantisedSource<decltype(rows)>{rows, base, a.k, a.k});
-  }
-  const auto rows = [&a, w](int64_t j0, int64_t count, float* dst) {
-    for (int64_t i = 0; i < count; ++i)
-      int8_row(w, j0 + i, a.k, a.sc.data_ptr<float>(), a.groups, dst + i * a.k);
-  };
-  return gemm::gemm_here(xc, a.n, gemm::DequantisedSource<decltype(rows)>{rows, base, a.k, a.k});
-}
-
 // int8_linear's weight in panels as rows [N, K] of dtype (float32 or bf16), for prefill's GEMM:
 // the values times their scales where scales are given ([N] or [N, G] in the panels' layout),
 // else the values as they are.
@@ -1160,20 +1137,165 @@ at::Tensor int4_dequantize(const at::Tensor& packed, const at::Tensor& scales,
   return out;
 }
 
-// y [M, N] = x [M, K] @ W^T for int4_linear's weights on the prefill GEMM: each panel's rows
-// dequantised (as int4_dequantize's) into a thread's scratch, then packed. N counts the padded
-// rows.
+// int4 panel p packed for the prefill GEMM: dst[kk * ld + r] = row r's weight kk, as
+// int4_dequantize gives it (the same float operations). No transpose is needed: part t of a block
+// (64 bytes) holds each row's dword in lane r, whose byte j has inputs 4t + j (low nibble) and
+// 16 + 4t + j (high), so a shift and a mask give one input of every row. AVX2: two halves of 8.
+void int4_panel_avx2(const Int4Args& a, int64_t p, float* dst, int64_t ld) {
+  const int64_t blocks = a.k / kBlock, groups = a.k / a.group;
+  const uint8_t* w = a.pc.data_ptr<uint8_t>() + p * blocks * Panels<4>::kBlockBytes;
+  const __m256i nibble = _mm256_set1_epi32(0x0F);
+  for (int h = 0; h < 2; ++h) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t at = (p * groups + b * kBlock / a.group) * Panels<4>::kRows + 8 * h;
+      const auto load8 = [&a, at](const at::Tensor& t) {
+        if (!a.half) return _mm256_loadu_ps(t.const_data_ptr<float>() + at);
+        return _mm256_cvtph_ps(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(t.const_data_ptr<at::Half>() + at)));
+      };
+      const __m256 scale = load8(a.sc);
+      const __m256 offset = a.mins ? load8(a.oc)
+                                   : _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                                         reinterpret_cast<const __m128i*>(a.zeros() + at))));
+      for (int t = 0; t < 4; ++t) {
+        const __m256i part = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(w + b * Panels<4>::kBlockBytes + 64 * t + 32 * h));
+        for (int j = 0; j < 8; ++j) {  // j < 4: byte j's low nibbles; else byte j - 4's high ones
+          const __m256 q = _mm256_cvtepi32_ps(
+              _mm256_and_si256(_mm256_srli_epi32(part, 8 * (j % 4) + 4 * (j / 4)), nibble));
+          const int64_t kk = b * kBlock + 16 * (j / 4) + 4 * t + j % 4;
+          _mm256_storeu_ps(dst + kk * ld + 8 * h,
+                           a.mins ? _mm256_fmadd_ps(q, scale, offset)
+                                  : _mm256_mul_ps(_mm256_sub_ps(q, offset), scale));
+        }
+      }
+    }
+  }
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl")
+
+// The same, 16 rows a vector.
+void int4_panel_avx512(const Int4Args& a, int64_t p, float* dst, int64_t ld) {
+  const int64_t blocks = a.k / kBlock, groups = a.k / a.group;
+  const uint8_t* w = a.pc.data_ptr<uint8_t>() + p * blocks * Panels<4>::kBlockBytes;
+  const __m512i nibble = _mm512_set1_epi32(0x0F);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t at = (p * groups + b * kBlock / a.group) * Panels<4>::kRows;
+    const __m512 scale = load16(a.sc.const_data_ptr(), a.half, at);
+    const __m512 offset =
+        a.mins ? load16(a.oc.const_data_ptr(), a.half, at)
+               : _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(a.zeros() + at))));
+    for (int t = 0; t < 4; ++t) {
+      const __m512i part = _mm512_loadu_si512(w + b * Panels<4>::kBlockBytes + 64 * t);
+      for (int j = 0; j < 8; ++j) {
+        const __m512 q = _mm512_cvtepi32_ps(
+            _mm512_and_si512(_mm512_srli_epi32(part, 8 * (j % 4) + 4 * (j / 4)), nibble));
+        const int64_t kk = b * kBlock + 16 * (j / 4) + 4 * t + j % 4;
+        _mm512_storeu_ps(dst + kk * ld, a.mins ? _mm512_fmadd_ps(q, scale, offset)
+                                               : _mm512_mul_ps(_mm512_sub_ps(q, offset), scale));
+      }
+    }
+  }
+}
+
+// int8 panel p packed for the prefill GEMM (dst[kk * ld + r] = row r's value kk times its scale,
+// as int8_unpanel gives it): pair i of a block (32 bytes) holds inputs 2i and 2i + 1 of every row,
+// row r's in bytes 2r and 2r + 1, so one widening load and a shift give one input of every row.
+void int8_panel_avx512(const Int8Args& a, int64_t p, float* dst, int64_t ld) {
+  const int64_t blocks = a.k / kBlock, per_group = blocks / a.groups;
+  const int8_t* w = a.wc.data_ptr<int8_t>() + p * blocks * Panels<8>::kBlockBytes;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const __m512 scale = load16(a.sc.const_data_ptr(), a.half,
+                                (p * a.groups + b / per_group) * Panels<8>::kRows);
+    for (int i = 0; i < kBlock / 2; ++i) {
+      const __m512i pairs = _mm512_cvtepi16_epi32(_mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(w + b * Panels<8>::kBlockBytes + 32 * i)));
+      const __m512i even = _mm512_srai_epi32(_mm512_slli_epi32(pairs, 24), 24);
+      const __m512i odd = _mm512_srai_epi32(pairs, 8);
+      float* at = dst + (b * kBlock + 2 * i) * ld;
+      _mm512_storeu_ps(at, _mm512_mul_ps(_mm512_cvtepi32_ps(even), scale));
+      _mm512_storeu_ps(at + ld, _mm512_mul_ps(_mm512_cvtepi32_ps(odd), scale));
+    }
+  }
+}
+
+#pragma GCC pop_options
+
+// A prefill GEMM panel of NR rows (from row j0, `rows` of them) made of 16-row panels side by
+// side: pack_one(panel, dst) packs each that holds rows, zeros fill past the last.
+template <int64_t NR, class F>
+void pack_panels(int64_t j0, int64_t rows, int64_t k, float* bp, F&& pack_one) {
+  for (int64_t s = 0; s < NR / Panels<8>::kRows; ++s) {
+    float* dst = bp + s * Panels<8>::kRows;
+    if (s * Panels<8>::kRows < rows) {
+      pack_one(j0 / Panels<8>::kRows + s, dst);
+    } else {
+      for (int64_t kk = 0; kk < k; ++kk) std::fill_n(dst + kk * NR, Panels<8>::kRows, 0.0f);
+    }
+  }
+}
+
+// int8_linear's weights in panels as the prefill GEMM reads them. Panels exist only where AVX512
+// runs.
+struct Int8PanelSource {
+  const Int8Args& a;
+  template <class Isa>
+  void pack(int64_t j0, int64_t rows, float* bp) const {
+    pack_panels<Isa::NR>(j0, rows, a.k, bp,
+                         [this](int64_t p, float* dst) { int8_panel_avx512(a, p, dst, Isa::NR); });
+  }
+  const char* address(int64_t j) const {
+    return reinterpret_cast<const char*>(a.wc.data_ptr<int8_t>()) + j * a.k;
+  }
+  int64_t bytes(int64_t rows) const { return rows * a.k; }
+};
+
+// y [M, N] = x [M, K] @ (weight * scales)^T for int8_linear's weights on the prefill GEMM: panels
+// packed as they are stored; rows dequantised (exact in float32) into a thread's scratch first.
+// In panels N counts the padded rows.
+at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
+  const at::Tensor xc = gemm_rows(x, weight, "int8_gemm", true);
+  const Int8Args a(weight, scales, x.size(1), "int8_gemm");
+  if (a.panels) return gemm::gemm_on<gemm::Avx512>(xc, a.n, Int8PanelSource{a});
+  const int8_t* w = a.wc.data_ptr<int8_t>();
+  const auto rows = [&a, w](int64_t j0, int64_t count, float* dst) {
+    for (int64_t i = 0; i < count; ++i)
+      int8_row(w, j0 + i, a.k, a.sc.data_ptr<float>(), a.groups, dst + i * a.k);
+  };
+  const char* base = reinterpret_cast<const char*>(w);
+  return gemm::gemm_here(xc, a.n, gemm::DequantisedSource<decltype(rows)>{rows, base, a.k, a.k});
+}
+
+// int4_linear's weights as the prefill GEMM reads them.
+struct Int4Source {
+  const Int4Args& a;
+  template <class Isa>
+  void pack(int64_t j0, int64_t rows, float* bp) const {
+    pack_panels<Isa::NR>(j0, rows, a.k, bp, [this](int64_t p, float* dst) {
+      if constexpr (Isa::W == 16) {
+        int4_panel_avx512(a, p, dst, Isa::NR);
+      } else {
+        int4_panel_avx2(a, p, dst, Isa::NR);
+      }
+    });
+  }
+  const char* address(int64_t j) const {
+    return reinterpret_cast<const char*>(a.pc.data_ptr<uint8_t>()) + j * a.k / 2;
+  }
+  int64_t bytes(int64_t rows) const { return rows * a.k / 2; }
+};
+
+// y [M, N] = x [M, K] @ W^T for int4_linear's weights on the prefill GEMM, packed from the
+// panels as they are stored. N counts the padded rows.
 at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                      const at::Tensor& offsets, int64_t group) {
   const at::Tensor xc = gemm_rows(x, packed, "int4_gemm", true);
   const Int4Args a(packed, scales, offsets, group, "int4_gemm");
   TORCH_CHECK(a.k == x.size(1), "int4_gemm: x [M, K] and weights of K inputs");
-  const auto rows = [&a](int64_t j0, int64_t count, float* dst) {
-    for (int64_t i = 0; i < count; ++i) dequantize_row(a, j0 + i, dst + i * a.k);
-  };
-  const char* base = reinterpret_cast<const char*>(a.pc.data_ptr<uint8_t>());
-  const gemm::DequantisedSource<decltype(rows)> source{rows, base, a.k, a.k / 2};
-  return gemm::gemm_here(xc, a.n, source);
+  return gemm::gemm_here(xc, a.n, Int4Source{a});
 }
 
 // y [M, N] = x [M, K] @ weight^T for a float32 or bf16 weight, K a multiple of 8.
