@@ -307,10 +307,9 @@ class Int8WOLinear(_WeightOnlyLinear):
 
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
-            dtype = gemm_dtype(x2)
             if x2.shape[0] <= kernels.MAX_ROWS:
                 y = self.kernel(x2, self.weight, self.scales)
-            elif dtype == torch.float32:  # pagechat's GEMM, the weights read as stored
+            elif (dtype := gemm_dtype(x2)) == torch.float32:  # pagechat's GEMM, weights as stored
                 y = torch.ops.pagechat.int8_gemm(x2.to(dtype), self.weight, self.scales)
                 y = y.to(x2.dtype)
             elif self.grouped:  # a bf16 GEMM on the weights dequantised for this call
