@@ -179,6 +179,8 @@ struct Avx512 {
     }
   }
 
+  // Avx2::pack's steps on 16-wide vectors (and tile below, Avx2::tile's): one template cannot
+  // serve both, as AVX512 code must stay inside its target pragma and AVX2 code outside it.
   template <class T>
   static void pack(const T* w, int64_t k, int64_t rows, float* bp) {
     const int64_t full = rows == NR ? k / W * W : 0;  // blocks with nothing to pad: no branches
