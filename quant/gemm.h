@@ -112,6 +112,7 @@ struct Avx2 {
 #pragma GCC unroll 8
     for (int i = 0; i < R; ++i)
       for (int v = 0; v < NV; ++v) acc[i][v] = _mm256_setzero_ps();
+#pragma GCC unroll 4
     for (int64_t kk = 0; kk < k; ++kk) {
       const __m256 b0 = _mm256_load_ps(bp + kk * NR), b1 = _mm256_load_ps(bp + kk * NR + W);
 #pragma GCC unroll 8
@@ -215,6 +216,7 @@ struct Avx512 {
     for (int i = 0; i < R; ++i)
 #pragma GCC unroll 3
       for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
+#pragma GCC unroll 4
     for (int64_t kk = 0; kk < k; ++kk) {
       __m512 b[NV];
 #pragma GCC unroll 3
