@@ -20,6 +20,12 @@ def test_bench_json_vs_hf(tiny_llama, capsys):
             assert key in data[side], (side, key)
         assert len(data[side]["turn_ttft_ms"]) == 8 and data[side]["decode_tok_s"] > 0
     assert data["transformers"]["dtype"] in ("float32", "bfloat16")
+    # each figure against transformers' best dtype for it
+    theirs = data["transformers"]["all_dtypes"]
+    assert data["transformers"]["prefill_tok_s"] == max(r["prefill_tok_s"] for r in theirs.values())
+    assert data["transformers"]["ttft_ms"] == min(r["ttft_ms"] for r in theirs.values())
+    best = data["transformers"]["dtypes"]["batch8_tok_s"]
+    assert data["transformers"]["batch8_tok_s"] == theirs[best]["batch8_tok_s"]
     assert (
         abs(
             data["ratios"]["decode_tok_s"]

@@ -263,13 +263,28 @@ def run_bench(
     result = BenchResult(p, machine=_machine(engine))
     if hf:
         per = median_of(theirs)
+        for name, r in per.items():
+            r["weight_bytes"] = sum(x.nbytes for x in hf[name].parameters())
+            r["mbu"] = 1000 * r["weight_bytes"] / bandwidth / r["decode_ms"]
         best = max(per, key=lambda k: per[k]["decode_tok_s"])
         t = dict(per[best], dtype=best, all_dtypes=per)
-        t["weight_bytes"] = sum(x.nbytes for x in hf[best].parameters())
-        t["mbu"] = 1000 * t["weight_bytes"] / bandwidth / t["decode_ms"]
+        # each figure against transformers' best dtype for it: its faster decode's dtype can
+        # prefill several times slower (bf16 on a CPU without native bf16)
+        t["dtypes"] = {}
+        for key in KEYS:
+            t["dtypes"][key] = _best_dtype(per, key)
+            t[key] = per[t["dtypes"][key]][key]
         result.transformers = t
         result.ratios = {k: _ratio(p[k], t[k]) for k in KEYS}
     return result
+
+
+def _best_dtype(per: dict, key: str) -> str:
+    """The dtype whose figure `key` is best: the most tok/s or MBU, the least ms (a list of turns:
+    by the last turn)."""
+    value = {name: r[key][-1] if isinstance(r[key], list) else r[key] for name, r in per.items()}
+    pick = min if key.endswith("_ms") else max
+    return pick(value, key=value.get)
 
 
 def _ratio(a, b):
