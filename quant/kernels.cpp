@@ -710,6 +710,13 @@ void unpanel_rows(const int8_t* w, int64_t panels, int64_t k, const void* scales
 
 #pragma GCC pop_options
 
+// 8 floats of scales or mins from fp16 (half) or float32 memory, from element `at` (load16's, on
+// AVX2).
+inline __m256 load8(const void* p, bool half, int64_t at) {
+  return half ? pagechat::load8(static_cast<const at::Half*>(p) + at)
+              : pagechat::load8(static_cast<const float*>(p) + at);
+}
+
 // int4 panels on AVX2 (a CPU without AVX512-VNNI): the same layout and the same integer sums as
 // Panels<4>, a panel as two halves of 8 rows (each part's first 32 bytes hold rows 0-7, the last
 // 32 rows 8-15). Without vpdpbusd, vpmaddubsw multiplies the nibbles by the activations' bytes and
@@ -725,12 +732,6 @@ struct Int4PanelsAvx2 : PanelWeights {
   // 16 ymm registers: 3 sums a row and half, 2 accumulators a row and panel
   static constexpr int64_t kRowsPerPass = 2;
   using PanelWeights::PanelWeights;
-
-  // 8 floats of the scales or mins (fp16 or float32) from element `at`
-  __m256 load8(const void* p, int64_t at) const {
-    return half ? pagechat::load8(static_cast<const at::Half*>(p) + at)
-                : pagechat::load8(static_cast<const float*>(p) + at);
-  }
 
   // 4 bytes in every dword: vbroadcastss from memory, a load alone (set1_epi32 of an int went
   // through a general register and two shuffle-port uops)
@@ -795,7 +796,7 @@ struct Int4PanelsAvx2 : PanelWeights {
         for (int h = 0; h < 2; ++h) {
           __m256i sums[R];
           block_sums<R>(sums, wp[c], b, h, m0);
-          const __m256 ws = load8(scales, at(c, h, g));
+          const __m256 ws = load8(scales, half, at(c, h, g));
           #pragma GCC unroll 8
           for (int r = 0; r < R; ++r) {
             const __m256 d = _mm256_set1_ps(x.scales[(m0 + r) * blocks + b]);
@@ -813,8 +814,8 @@ struct Int4PanelsAvx2 : PanelWeights {
             const __m256 off =
                 zeros ? _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
                                           reinterpret_cast<const __m128i*>(zeros + i)))),
-                                      load8(scales, i))
-                      : load8(mins, i);
+                                      load8(scales, half, i))
+                      : load8(mins, half, i);
             #pragma GCC unroll 8
             for (int r = 0; r < R; ++r) {
               const __m256 xs = _mm256_set1_ps(xsums[(m0 + r) * groups + g]);
@@ -1148,13 +1149,8 @@ void int4_panel_avx2(const Int4Args& a, int64_t p, float* dst, int64_t ld) {
   for (int h = 0; h < 2; ++h) {
     for (int64_t b = 0; b < blocks; ++b) {
       const int64_t at = (p * groups + b * kBlock / a.group) * Panels<4>::kRows + 8 * h;
-      const auto load8 = [&a, at](const at::Tensor& t) {
-        if (!a.half) return _mm256_loadu_ps(t.const_data_ptr<float>() + at);
-        return _mm256_cvtph_ps(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(t.const_data_ptr<at::Half>() + at)));
-      };
-      const __m256 scale = load8(a.sc);
-      const __m256 offset = a.mins ? load8(a.oc)
+      const __m256 scale = load8(a.sc.const_data_ptr(), a.half, at);
+      const __m256 offset = a.mins ? load8(a.oc.const_data_ptr(), a.half, at)
                                    : _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
                                          reinterpret_cast<const __m128i*>(a.zeros() + at))));
       for (int t = 0; t < 4; ++t) {
