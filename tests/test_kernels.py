@@ -259,25 +259,6 @@ def test_int4_kernel_passes_on_nan_and_refuses_bad_shapes(kernel):
         kernels.op("int4_dequantize")(packed, s, z, 32, torch.tensor([16]))
 
 
-@needs_kernel
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n,k", [(1, 8), (7, 40), (13, 200), (257, 576), (1000, 296)])
-def test_float_kernel_matches_matmul_at_every_batch_size(kernel, dtype, n, k):
-    w = torch.randn(n, k, generator=torch.Generator().manual_seed(n)).to(dtype)
-    op = kernels.op("float_linear")
-    g = torch.Generator().manual_seed(k)
-    # float32 sums of k products in any order: each output within gamma_k * sum |x_i w_i|
-    # (Higham's bound), which holds for a single output under cancellation, as rel does not
-    ku = k * 2.0**-24
-    for m in range(1, 17):
-        x = torch.randn(m, k, generator=g)
-        exact = x.double() @ w.double().t()
-        bound = ku / (1 - ku) * (x.double().abs() @ w.double().abs().t())
-        assert torch.all((op(x, w).double() - exact).abs() <= bound), (m, n, k)
-    with pytest.raises(RuntimeError, match="multiple of 8"):
-        op(torch.randn(1, k + 1), torch.randn(n, k + 1).to(dtype))
-
-
 def within_higham_bound(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> bool:
     """y = x @ w^T as float32 sums of k products in any order: each output within gamma_k * sum
     |x_i w_i| of the exact product (Higham's bound), which holds for a single output under
@@ -286,6 +267,20 @@ def within_higham_bound(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> bo
     exact = x.double() @ w.double().t()
     bound = ku / (1 - ku) * (x.double().abs() @ w.double().abs().t())
     return y.shape == exact.shape and bool(torch.all((y.double() - exact).abs() <= bound))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k", [(1, 8), (7, 40), (13, 200), (257, 576), (1000, 296)])
+def test_float_kernel_matches_matmul_at_every_batch_size(kernel, dtype, n, k):
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(n)).to(dtype)
+    op = kernels.op("float_linear")
+    g = torch.Generator().manual_seed(k)
+    for m in range(1, 17):
+        x = torch.randn(m, k, generator=g)
+        assert within_higham_bound(op(x, w), x, w), (m, n, k)
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        op(torch.randn(1, k + 1), torch.randn(n, k + 1).to(dtype))
 
 
 # prefill's GEMM: whole tiles of 6 (AVX2) and 8 rows (AVX512), and the rest; more rows than the
