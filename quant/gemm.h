@@ -36,7 +36,6 @@
 
 namespace pagechat::gemm {
 
-
 // Asks for bytes [from, to) of `base` a cache line at a time, into L2: the next panel's weights,
 // spread over this panel's row tiles.
 inline void prefetch_lines(const char* base, int64_t from, int64_t to) {
