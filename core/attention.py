@@ -6,7 +6,8 @@ layer), then runs scaled_dot_product_attention. A step whose sequences compute s
 (prefill chunks, with or without decodes beside them) attends each sequence apart: padded, eight
 prompts of 32 to 512 tokens were one [8, 512, 512] masked attention per layer, a third of their
 prefill's time, where each prompt alone is causal without a mask, which SDPA's flash kernel
-computes in triangles.
+computes in triangles. On a CPU, ops.cpp's prefill attention does the same in place, for a prompt's
+later chunks too (no mask made), at 1.4-2x SDPA's speed.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from pagechat.core import paged_triton
 # A sequence's new tokens up to this many (a draft's verification, MAX_GRAPH_TOKENS at most, so
 # that a step graph and the eager step attend alike) run ops.cpp's decode attention, reading the
 # context in place: 5 rows over 1,000 keys 275 us against 514 for the gather and SDPA (SmolLM2's
-# shape, bf16, 2 threads, EPYC Zen 4), 16 rows 488 against 535. A longer prompt chunk keeps SDPA's
-# flash kernel, blocked into GEMMs: 2,000 rows in the op took 1.2x SDPA's time.
+# shape, bf16, 2 threads, EPYC Zen 4), 16 rows 488 against 535. A longer prompt chunk runs ops.cpp's
+# prefill attention, blocked into tiles (2,000 rows in the decode op took 1.2x SDPA's time).
 IN_PLACE_ROWS = 16
 # enable_gqa arrived in torch 2.5; older torch repeats the K/V heads instead
 _SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
@@ -164,9 +165,10 @@ def _decode_in_place(q, k, v, k_cache, v_cache, slot_mapping, q_pos, meta, windo
 
 def _ragged_attention(q, k, v, k_cache, v_cache, meta, window: int | None, fused: bool):
     """Each sequence's queries against its own context (_attend_one; fused: ops.cpp's
-    decode_attention where they are few, see IN_PLACE_ROWS). fused or paged (a block table): the
-    one-token sequences in one decode attention call (a call per sequence, 30 layers a step, cost a
-    serving step beside a prompt chunk far more than its decodes)."""
+    decode_attention where they are few, see IN_PLACE_ROWS, else its prefill_attention). fused or
+    paged (a block table): the one-token sequences in one decode attention call (a call per
+    sequence, 30 layers a step, cost a serving step beside a prompt chunk far more than its
+    decodes)."""
     max_ctx = meta.gather.shape[0] // len(meta.spans)
     firsts = [0]
     for _, count in meta.spans:
@@ -193,6 +195,10 @@ def _ragged_attention(q, k, v, k_cache, v_cache, meta, window: int | None, fused
                     q[rows], k[rows], v[rows], k_cache, v_cache, meta.slot_mapping[rows], slots,
                     positions, window or 0,
                 )  # fmt: skip
+            elif fused:  # ops.cpp's prefill attention: no mask, the context read in place
+                out[rows] = torch.ops.pagechat.prefill_attention(
+                    q[rows], k_cache, v_cache, slots, start, window or 0
+                )
             else:
                 out[rows] = _attend_one(q[rows], k_cache, v_cache, slots, start, window)
     return out

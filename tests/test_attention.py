@@ -85,14 +85,16 @@ def test_ragged_steps_attend_each_sequence_to_its_own_context(window, path):
     """Prompts from their start, chunks after cached tokens and decodes in one step, GQA (6 query
     heads on 2 KV heads): each query's output is its own sequence's keys up to its position (within
     the window) weighed by softmax, as the definition computes it in float64; fused and paged: the
-    decodes beside the chunks in one decode attention call (ops.cpp's, paged_triton's)."""
+    decodes beside the chunks in one decode attention call (ops.cpp's, paged_triton's); fused: a
+    few new tokens on ops.cpp's decode attention, more than IN_PLACE_ROWS on its prefill one."""
     rng = random.Random(7)
     torch.manual_seed(7)
     heads, kv_heads, d, bs = 6, 2, 16, 4
     for _ in range(20):
         starts, counts, tables, used = [], [], [], set()
         for _ in range(rng.randint(1, 4)):
-            s, c = rng.choice([0, 0, rng.randint(1, 20)]), rng.choice([1, rng.randint(2, 12)])
+            s = rng.choice([0, 0, rng.randint(1, 20)])
+            c = rng.choice([1, rng.randint(2, 12), rng.randint(17, 40)])
             table = rng.sample(sorted(set(range(64)) - used), -(-(s + c) // bs))
             used |= set(table)
             starts.append(s)
