@@ -15,10 +15,10 @@
 // keys after the rescale, each row's total over keys), with the same exponential: the two give
 // the same bits.
 //
-// V gives: R (a vector of W floats), MR and NV (a tile's broadcast elements and row vectors),
-// zero, set1, load, store, add, sub, mul, fmadd, min, max, round (to nearest), pow2 (2^n of a
-// whole-valued vector), and le(a, b, x, y): a <= b ? x : y, lane by lane. Block (a task's
-// buffers) is ops.cpp's.
+// V (simd.h's Vec8, Vec16) gives: R (a vector of W floats), MR and NV (a tile's broadcast
+// elements and row vectors), zero, set1, load, store, add, sub, mul, fmadd, min, max, round (to
+// nearest), pow2 (2^n of a whole-valued vector), and le(a, b, x, y): a <= b ? x : y, lane by
+// lane. Block (a task's buffers) is ops.cpp's.
 
 // e^x to about an ulp: x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor series to r^6 (the
 // next term is under 1.2e-7 of it), times 2^n built in the exponent bits. x is clamped so that n

@@ -68,6 +68,15 @@ void with_type(const at::Tensor& x, F&& f) {
   f(static_cast<at::BFloat16*>(nullptr));
 }
 
+// Calls f with a null pointer of a KV cache's element type: float32, float16 or bf16 (the ops
+// check for those).
+template <class F>
+void with_cache_type(at::ScalarType cache, F&& f) {
+  if (cache == at::kFloat) return f(static_cast<float*>(nullptr));
+  if (cache == at::kHalf) return f(static_cast<at::Half*>(nullptr));
+  f(static_cast<at::BFloat16*>(nullptr));
+}
+
 template <class F>
 void for_rows(int64_t rows, int64_t width, const F& body) {
   at::parallel_for(0, rows, std::max<int64_t>(1, kGrainElems / std::max<int64_t>(width, 1)),
@@ -152,30 +161,8 @@ struct Block {
   const float* pos;    // [rows]: each row's position
 };
 
-// attention_tiles.h's vector of 8 floats: tiles of 6 keys (or dimensions) by 2 row vectors, 12
-// sums, 2 row vectors and a broadcast in 15 of the 16 ymm registers.
-struct Vec8 {
-  using R = __m256;
-  static constexpr int W = 8, MR = 6, NV = 2;
-  static R zero() { return _mm256_setzero_ps(); }
-  static R set1(float x) { return _mm256_set1_ps(x); }
-  static R load(const float* p) { return _mm256_loadu_ps(p); }
-  static void store(float* p, R v) { _mm256_storeu_ps(p, v); }
-  static R add(R a, R b) { return _mm256_add_ps(a, b); }
-  static R sub(R a, R b) { return _mm256_sub_ps(a, b); }
-  static R mul(R a, R b) { return _mm256_mul_ps(a, b); }
-  static R fmadd(R a, R b, R c) { return _mm256_fmadd_ps(a, b, c); }
-  static R min(R a, R b) { return _mm256_min_ps(a, b); }
-  static R max(R a, R b) { return _mm256_max_ps(a, b); }
-  static R round(R x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-  static R pow2(R n) {
-    const __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(e, 23));
-  }
-  static R le(R a, R b, R x, R y) {
-    return _mm256_blendv_ps(y, x, _mm256_cmp_ps(a, b, _CMP_LE_OQ));
-  }
-};
+using pagechat::Vec8;
+using pagechat::Vec16;
 
 namespace avx2 {
 using V = Vec8;
@@ -184,33 +171,6 @@ using V = Vec8;
 
 #pragma GCC push_options
 #pragma GCC target("avx512f")
-// 16 floats: tiles of 8 by 3 row vectors, 24 sums, 3 row vectors and a broadcast in 28 of the 32
-// zmm registers.
-struct Vec16 {
-  using R = __m512;
-  static constexpr int W = 16, MR = 8, NV = 3;
-  static R zero() { return _mm512_setzero_ps(); }
-  static R set1(float x) { return _mm512_set1_ps(x); }
-  static R load(const float* p) { return _mm512_loadu_ps(p); }
-  static void store(float* p, R v) { _mm512_storeu_ps(p, v); }
-  static R add(R a, R b) { return _mm512_add_ps(a, b); }
-  static R sub(R a, R b) { return _mm512_sub_ps(a, b); }
-  static R mul(R a, R b) { return _mm512_mul_ps(a, b); }
-  static R fmadd(R a, R b, R c) { return _mm512_fmadd_ps(a, b, c); }
-  static R min(R a, R b) { return _mm512_min_ps(a, b); }
-  static R max(R a, R b) { return _mm512_max_ps(a, b); }
-  static R round(R x) {
-    return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  }
-  static R pow2(R n) {
-    const __m512i e = _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(e, 23));
-  }
-  static R le(R a, R b, R x, R y) {
-    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_LE_OQ), y, x);
-  }
-};
-
 namespace avx512 {
 using V = Vec16;
 #include "attention_tiles.h"
@@ -597,20 +557,13 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
               "decode_attention: a float32, float16 or bf16 cache");
   with_type(q, [&](auto* type) {
     using scalar_t = std::remove_pointer_t<decltype(type)>;
-    // the cache's element type, given as a null pointer of it
     auto attend = [&](auto* cache_type) {
       using C = std::remove_pointer_t<decltype(cache_type)>;
       decode_attention_impl<scalar_t, C>(q, k, v, k_cache, v_cache, sm.data_ptr<int64_t>(),
                                          ga.data_ptr<int64_t>(), ctx, q_pos.size(1), pos, window,
                                          out);
     };
-    if (cache == at::kFloat) {
-      attend(static_cast<float*>(nullptr));
-    } else if (cache == at::kHalf) {
-      attend(static_cast<at::Half*>(nullptr));
-    } else {
-      attend(static_cast<at::BFloat16*>(nullptr));
-    }
+    with_cache_type(cache, attend);
   });
   return out;
 }
@@ -800,13 +753,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
       prefill_attention_impl<T, C>(q, k_cache.data_ptr<C>(), v_cache.data_ptr<C>(),
                                    k_cache.size(1), sp, start, window, out);
     };
-    if (cache == at::kFloat) {
-      attend(static_cast<float*>(nullptr));
-    } else if (cache == at::kHalf) {
-      attend(static_cast<at::Half*>(nullptr));
-    } else {
-      attend(static_cast<at::BFloat16*>(nullptr));
-    }
+    with_cache_type(cache, attend);
   });
   return out;
 }

@@ -48,198 +48,26 @@ void tail_copy(const T* src, int64_t count, float* dst) {
   for (int i = 0; i < W; ++i) dst[i] = i < count ? static_cast<float>(src[i]) : 0.0f;
 }
 
-// The AVX2 tile: 8 floats a vector, panels of 16 rows, 6 activation rows (12 sums, 2 weight
-// vectors and a broadcast: 15 of the 16 ymm registers).
-struct Avx2 {
-  static constexpr int W = 8, NV = 2, NR = W * NV, MR = 6;
-
-  static __m256 load(const float* p) { return _mm256_loadu_ps(p); }
-  static __m256 load(const at::BFloat16* p) { return pagechat::load8(p); }
-
-  // 8 x 8 floats transposed in registers.
-  static void transpose(__m256 r[8]) {
-    __m256 t[8];
-    for (int i = 0; i < 8; i += 2) {
-      t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-      t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 8; i += 4) {
-      r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-      r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
-      r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-      r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-    }
-    for (int i = 0; i < 4; ++i) {
-      t[i] = _mm256_permute2f128_ps(r[i], r[i + 4], 0x20);
-      t[i + 4] = _mm256_permute2f128_ps(r[i], r[i + 4], 0x31);
-    }
-    for (int i = 0; i < 8; ++i) r[i] = t[i];
-  }
-
-  // Weight rows [0, rows) of a panel (row stride k) -> bp [k][NR], rows past `rows` as zeros.
-  template <class T>
-  static void pack(const T* w, int64_t k, int64_t rows, float* bp) {
-    const int64_t full = rows == NR ? k / W * W : 0;  // blocks with nothing to pad: no branches
-    for (int v = 0; v < NV; ++v) {
-      for (int64_t k0 = 0; k0 < full; k0 += W) {
-        __m256 r[W];
-#pragma GCC unroll 16
-        for (int i = 0; i < W; ++i) r[i] = load(w + (v * W + i) * k + k0);
-        transpose(r);
-#pragma GCC unroll 16
-        for (int i = 0; i < W; ++i) _mm256_store_ps(bp + (k0 + i) * NR + v * W, r[i]);
-      }
-      for (int64_t k0 = full; k0 < k; k0 += W) {
-        __m256 r[W];
-        for (int i = 0; i < W; ++i) {
-          alignas(32) float tail[W];
-          const int64_t row = v * W + i;
-          tail_copy<W>(w + row * k + k0, row < rows ? std::min<int64_t>(W, k - k0) : 0, tail);
-          r[i] = _mm256_load_ps(tail);
-        }
-        transpose(r);
-        for (int i = 0; i < W && k0 + i < k; ++i) _mm256_store_ps(bp + (k0 + i) * NR + v * W, r[i]);
-      }
-    }
-  }
-
-  // c[R][cols] = a[R][k] (row stride lda) times the packed panel bp; c's row stride ldc.
-  template <int R>
-  static void tile(const float* a, int64_t lda, const float* bp, int64_t k, float* c,
-                   int64_t ldc, int64_t cols) {
-    __m256 acc[R][NV];
-#pragma GCC unroll 8
-    for (int i = 0; i < R; ++i)
-      for (int v = 0; v < NV; ++v) acc[i][v] = _mm256_setzero_ps();
-#pragma GCC unroll 4
-    for (int64_t kk = 0; kk < k; ++kk) {
-      const __m256 b0 = _mm256_load_ps(bp + kk * NR), b1 = _mm256_load_ps(bp + kk * NR + W);
-#pragma GCC unroll 8
-      for (int i = 0; i < R; ++i) {
-        const __m256 ai = _mm256_broadcast_ss(a + i * lda + kk);
-        acc[i][0] = _mm256_fmadd_ps(ai, b0, acc[i][0]);
-        acc[i][1] = _mm256_fmadd_ps(ai, b1, acc[i][1]);
-      }
-    }
-    for (int i = 0; i < R; ++i) {
-      for (int v = 0; v < NV; ++v) {
-        const int64_t left = cols - v * W;
-        if (left >= W) {
-          _mm256_storeu_ps(c + i * ldc + v * W, acc[i][v]);
-        } else if (left > 0) {
-          alignas(32) float out[W];
-          _mm256_store_ps(out, acc[i][v]);
-          std::memcpy(c + i * ldc + v * W, out, left * sizeof(float));
-        }
-      }
-    }
-  }
-};
+// The tiles (gemm_tile.h). AVX2: 8 floats a vector, panels of 16 rows, 6 activation rows (12 sums,
+// 2 weight vectors and a broadcast: 15 of the 16 ymm registers). AVX512: 16 floats, panels of 48
+// rows, 8 activation rows (24 sums and 3 weight vectors of the 32 zmm registers; the broadcasts
+// come from memory inside the FMAs); 8 x 48 and 7 x 64 were the fastest of the tiles tried (135M
+// shape, 128 rows, bf16 weights: docs/benchmarks.md).
+namespace avx2 {
+using V = pagechat::Vec8;
+#include "gemm_tile.h"
+}  // namespace avx2
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl")
-
-// The AVX512 tile: 16 floats a vector, panels of 48 rows, 8 activation rows (24 sums and 3 weight
-// vectors of the 32 zmm registers; the broadcasts come from memory inside the FMAs). 8 x 48 and
-// 7 x 64 were the fastest of the tiles tried (135M shape, 128 rows, bf16 weights:
-// docs/benchmarks.md).
-struct Avx512 {
-  static constexpr int W = 16, NV = 3, NR = W * NV, MR = 8;
-
-  static __m512 load(const float* p) { return _mm512_loadu_ps(p); }
-  static __m512 load(const at::BFloat16* p) {  // bf16 is a float's high half: widen and shift
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  }
-
-  // 16 x 16 floats transposed in registers.
-  static void transpose(__m512 r[16]) {
-    __m512 t[16];
-    for (int i = 0; i < 16; i += 2) {
-      t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-      t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) {
-      r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
-      r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
-      r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-      r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-    }
-    for (int i = 0; i < 4; ++i) {
-      t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
-      t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xDD);
-      t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
-      t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xDD);
-    }
-    for (int i = 0; i < 4; ++i) {
-      r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
-      r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
-      r[i + 4] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0x88);
-      r[i + 12] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0xDD);
-    }
-  }
-
-  // Avx2::pack's steps on 16-wide vectors (and tile below, Avx2::tile's): one template cannot
-  // serve both, as AVX512 code must stay inside its target pragma and AVX2 code outside it.
-  template <class T>
-  static void pack(const T* w, int64_t k, int64_t rows, float* bp) {
-    const int64_t full = rows == NR ? k / W * W : 0;  // blocks with nothing to pad: no branches
-    for (int v = 0; v < NV; ++v) {
-      for (int64_t k0 = 0; k0 < full; k0 += W) {
-        __m512 r[W];
-#pragma GCC unroll 16
-        for (int i = 0; i < W; ++i) r[i] = load(w + (v * W + i) * k + k0);
-        transpose(r);
-#pragma GCC unroll 16
-        for (int i = 0; i < W; ++i) _mm512_store_ps(bp + (k0 + i) * NR + v * W, r[i]);
-      }
-      for (int64_t k0 = full; k0 < k; k0 += W) {
-        __m512 r[W];
-        for (int i = 0; i < W; ++i) {
-          alignas(64) float tail[W];
-          const int64_t row = v * W + i;
-          tail_copy<W>(w + row * k + k0, row < rows ? std::min<int64_t>(W, k - k0) : 0, tail);
-          r[i] = _mm512_load_ps(tail);
-        }
-        transpose(r);
-        for (int i = 0; i < W && k0 + i < k; ++i) _mm512_store_ps(bp + (k0 + i) * NR + v * W, r[i]);
-      }
-    }
-  }
-
-  template <int R>
-  static void tile(const float* a, int64_t lda, const float* bp, int64_t k, float* c,
-                   int64_t ldc, int64_t cols) {
-    __m512 acc[R][NV];
-#pragma GCC unroll 8
-    for (int i = 0; i < R; ++i)
-#pragma GCC unroll 3
-      for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
-#pragma GCC unroll 4
-    for (int64_t kk = 0; kk < k; ++kk) {
-      __m512 b[NV];
-#pragma GCC unroll 3
-      for (int v = 0; v < NV; ++v) b[v] = _mm512_load_ps(bp + kk * NR + v * W);
-#pragma GCC unroll 8
-      for (int i = 0; i < R; ++i) {
-        const __m512 ai = _mm512_set1_ps(a[i * lda + kk]);
-#pragma GCC unroll 3
-        for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(ai, b[v], acc[i][v]);
-      }
-    }
-    for (int i = 0; i < R; ++i) {
-      for (int v = 0; v < NV; ++v) {
-        const int64_t left = std::min<int64_t>(cols - v * W, W);
-        if (left > 0) {
-          const __mmask16 mask = static_cast<__mmask16>((1u << left) - 1);
-          _mm512_mask_storeu_ps(c + i * ldc + v * W, mask, acc[i][v]);
-        }
-      }
-    }
-  }
-};
-
+namespace avx512 {
+using V = pagechat::Vec16;
+#include "gemm_tile.h"
+}  // namespace avx512
 #pragma GCC pop_options
+
+using Avx2 = avx2::Tile;
+using Avx512 = avx512::Tile;
 
 // Rows [m0, m1) of y [M, N] = x [M, K] times w [N, K]^T for panel p, packed in bp already:
 // MR rows at a time, asking for `next_bytes` of `next` (the next panel's weights) on the way.
