@@ -175,7 +175,8 @@ struct QuantRows {
 // a scale per group of inputs (Grouped: applied to each group's sum, as int4's are).
 template <bool Grouped>
 struct Int8Weights {
-  static constexpr int kPassWidth = 2;  // 16 ymm registers: 4 x 2 sums, the blocks unpacked
+  // 16 ymm registers: 4 x 2 sums, the blocks unpacked
+  static constexpr int kPassWidth = 2, kRowsPerPass = kMaxRowsPerPass;
   static constexpr bool kGroupScales = Grouped;
   static constexpr int64_t kBlockBytes = kBlock;
   const QuantRows& x;
@@ -268,7 +269,7 @@ void Int8Weights<Grouped>::tile(int64_t m0, int64_t j0, int64_t step, const Out&
 
 // float32 rows times float32 activations, tiled as int_tile.
 struct Fp32Weights {
-  static constexpr int kPassWidth = 2;
+  static constexpr int kPassWidth = 2, kRowsPerPass = kMaxRowsPerPass;
   const float* x;
   const float* w;
   int64_t k;
@@ -294,6 +295,27 @@ struct Fp32Weights {
   }
 };
 
+// Activations [M, K] as floats split for bf16 weights loaded 2H at a time: per 2H inputs, the H
+// at even places, then the H at odd ones; a tail of fewer than 2H as it is.
+template <int H>
+std::vector<float> split_pairs(const at::Tensor& xt) {
+  const int64_t rows = xt.size(0), k = xt.size(1);
+  std::vector<float> x(xt.numel());
+  with_rows(xt, [&](const auto* src) {
+    for (int64_t r = 0; r < rows; ++r) {
+      int64_t i = 0;
+      for (; i + 2 * H <= k; i += 2 * H) {
+        for (int e = 0; e < H; ++e) {
+          x[r * k + i + e] = src[r * k + i + 2 * e];
+          x[r * k + i + H + e] = src[r * k + i + 2 * e + 1];
+        }
+      }
+      for (; i < k; ++i) x[r * k + i] = src[r * k + i];
+    }
+  });
+  return x;
+}
+
 // bf16 rows times float32 activations. A bf16 is a float's high half, so 16 weights loaded at once
 // are 8 floats at the even places once shifted left by 16 bits, and 8 at the odd places once their
 // low halves are masked off: two ALU ops, none on the shuffle port that widening 8 at a time needs
@@ -301,24 +323,9 @@ struct Fp32Weights {
 // are split the same way once per call: per 16, the 8 even ones, then the 8 odd ones; a tail of 8
 // is widened.
 struct Bf16Weights {
-  static constexpr int kPassWidth = 2;
+  static constexpr int kPassWidth = 2, kRowsPerPass = kMaxRowsPerPass;
   Bf16Weights(const at::Tensor& xt, const at::BFloat16* w)
-      : w(reinterpret_cast<const uint16_t*>(w)), k(xt.size(1)), x(xt.numel()) {
-    with_rows(xt, [&](const auto* src) { split(src, xt.size(0)); });
-  }
-  template <class T>
-  void split(const T* src, int64_t rows) {
-    for (int64_t r = 0; r < rows; ++r) {
-      int64_t i = 0;
-      for (; i + 16 <= k; i += 16) {
-        for (int e = 0; e < 8; ++e) {
-          x[r * k + i + e] = src[r * k + i + 2 * e];
-          x[r * k + i + 8 + e] = src[r * k + i + 2 * e + 1];
-        }
-      }
-      for (; i < k; ++i) x[r * k + i] = src[r * k + i];
-    }
-  }
+      : w(reinterpret_cast<const uint16_t*>(w)), k(xt.size(1)), x(split_pairs<8>(xt)) {}
   const uint16_t* w;
   const int64_t k;
   std::vector<float> x;
@@ -360,6 +367,83 @@ struct Bf16Weights {
   }
 };
 
+// float32 or bf16 rows (T: float or uint16_t) times float32 activations on AVX512 (wide_here()):
+// the AVX2 tiles' steps (Fp32Weights, Bf16Weights) on 16 floats a vector, with 32 registers, so
+// that 8 activation rows share each load of the weights (8 x 2 sums, 2 weight rows split in 4,
+// 2 activation vectors). Several rows of a batched decode were bound by the AVX2 tiles'
+// arithmetic: 8 rows of the 135M shape's bf16 layers took 2.7x one row's time (26.7 against 10.0
+// ms, 2 threads), against 1.3x here (docs/benchmarks.md). bf16: 32 weights loaded at once split
+// into 16 even and 16 odd floats, the activations split per 32 (split_pairs<16>); a tail of 8, 16
+// or 24 inputs is read masked and widened, the activations there as they are.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl")
+template <class T>
+struct WideWeights {
+  static constexpr bool kBf16 = std::is_same_v<T, uint16_t>;
+  static constexpr int kPassWidth = 2, kRowsPerPass = 8;
+  static constexpr int64_t kStep = kBf16 ? 32 : 16;  // inputs a step
+  const float* x;  // [M, K], split per 32 for bf16
+  const T* w;
+  int64_t k;
+  // inputs [i, i + count < 16) of a weight row, as floats (zeros past count)
+  static __m512 tail(const T* wr, int64_t i, int64_t count) {
+    const __mmask16 keep = static_cast<__mmask16>((1u << count) - 1);
+    if constexpr (kBf16) {
+      const __m256i h = _mm256_maskz_loadu_epi16(keep, wr + i);
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    } else {
+      return _mm512_maskz_loadu_ps(keep, wr + i);
+    }
+  }
+  template <int R, int W>
+  void tile(int64_t m0, int64_t j0, int64_t step, const Out& out) const {
+    __m512 acc[R][W];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < W; ++c) acc[r][c] = _mm512_setzero_ps();
+    const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+    int64_t i = 0;
+    for (; i + kStep <= k; i += kStep) {
+      __m512 lo[W], hi[W];  // bf16: the even and odd weights; float32: the weights (lo)
+      for (int c = 0; c < W; ++c) {
+        const T* wr = w + (j0 + c * step) * k;
+        prefetch_ahead(reinterpret_cast<const char*>(wr), i * static_cast<int64_t>(sizeof(T)));
+        if constexpr (kBf16) {
+          const __m512i v = _mm512_loadu_si512(wr + i);
+          lo[c] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+          hi[c] = _mm512_castsi512_ps(_mm512_and_si512(v, high));
+        } else {
+          lo[c] = _mm512_loadu_ps(wr + i);
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const float* xr = x + (m0 + r) * k + i;
+        const __m512 xe = _mm512_loadu_ps(xr);
+        if constexpr (kBf16) {
+          const __m512 xo = _mm512_loadu_ps(xr + 16);
+          for (int c = 0; c < W; ++c)
+            acc[r][c] = _mm512_fmadd_ps(hi[c], xo, _mm512_fmadd_ps(lo[c], xe, acc[r][c]));
+        } else {
+          for (int c = 0; c < W; ++c) acc[r][c] = _mm512_fmadd_ps(lo[c], xe, acc[r][c]);
+        }
+      }
+    }
+    for (; i < k; i += 16) {  // k % kStep: 8, 16 or 24
+      const int64_t count = std::min<int64_t>(16, k - i);
+      const __mmask16 keep = static_cast<__mmask16>((1u << count) - 1);
+      for (int c = 0; c < W; ++c) {
+        const __m512 wv = tail(w + (j0 + c * step) * k, i, count);
+        for (int r = 0; r < R; ++r) {
+          const __m512 xv = _mm512_maskz_loadu_ps(keep, x + (m0 + r) * k + i);
+          acc[r][c] = _mm512_fmadd_ps(wv, xv, acc[r][c]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < W; ++c) out.set(m0 + r, j0 + c * step, _mm512_reduce_add_ps(acc[r][c]));
+  }
+};
+#pragma GCC pop_options
+
 // R activation rows from m0 times the kStreams weight rows j, j + step, ...: in tiles of W of
 // those rows (the more activation rows, the fewer weight rows per tile: registers).
 template <int R, int W, class Wt>
@@ -373,9 +457,11 @@ void rows_times_streams(const Wt& wt, int64_t m0, int64_t j, int64_t step, const
 // lines in flight as the hardware prefetcher follows streams, and a tile of adjacent rows is one
 // stream to it (the 0.5B shape's layers, bf16, one row, 2 threads: 18 GB/s with adjacent rows,
 // 24-27 with four streams, a plain read 28-30).
-// Wt::kPassWidth: the weight rows a tile of 3 or kMaxRowsPerPass activation rows takes (registers).
+// Wt::kRowsPerPass: the activation rows that share a tile's weight loads; Wt::kPassWidth: the
+// weight rows such a tile takes, and one of 3 rows or more (registers; 1 or 2 take kStreams).
 template <class Wt>
 at::Tensor run(const Wt& wt, const at::Tensor& x, int64_t n) {
+  constexpr int RP = Wt::kRowsPerPass;
   const int64_t m = x.size(0);
   at::Tensor out = at::empty({m, n}, x.options());
   const Out o(out);
@@ -386,21 +472,12 @@ at::Tensor run(const Wt& wt, const at::Tensor& x, int64_t n) {
     // them, so the weights are read from memory once however many rows x has
     for (int64_t j = n0; j < n0 + step; ++j) {
       int64_t m0 = 0;
-      for (; m0 + kMaxRowsPerPass <= m; m0 += kMaxRowsPerPass) {
-        rows_times_streams<kMaxRowsPerPass, Wt::kPassWidth>(wt, m0, j, step, o);
-      }
-      switch (m - m0) {
-        case 3:
-          rows_times_streams<3, Wt::kPassWidth>(wt, m0, j, step, o);
-          break;
-        case 2:
-          rows_times_streams<2, kStreams>(wt, m0, j, step, o);
-          break;
-        case 1:
-          rows_times_streams<1, kStreams>(wt, m0, j, step, o);
-          break;
-        default:
-          break;
+      for (; m0 + RP <= m; m0 += RP) rows_times_streams<RP, Wt::kPassWidth>(wt, m0, j, step, o);
+      if (m0 < m) {
+        pagechat::with_count<RP - 1>(m - m0, [&](auto r) {
+          constexpr int R = decltype(r)::value;
+          rows_times_streams<R, R <= 2 ? kStreams : Wt::kPassWidth>(wt, m0, j, step, o);
+        });
       }
     }
     for (int64_t j = n0 + kStreams * step; j < n1; ++j) {
@@ -420,7 +497,7 @@ at::Tensor run(const Wt& wt, const at::Tensor& x, int64_t n) {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16")
 struct Bf16DotWeights {
-  static constexpr int kPassWidth = 4;
+  static constexpr int kPassWidth = 4, kRowsPerPass = kMaxRowsPerPass;
   const uint16_t* x;  // bf16 activations [M, K]
   const uint16_t* w;  // bf16 weights [N, K]
   int64_t k;
@@ -906,6 +983,14 @@ bool panels_here() {
   return here;
 }
 
+// Whether this CPU runs WideWeights (AVX512F, BW and VL), unless PAGECHAT_KERNELS=avx2.
+bool wide_here() {
+  static const bool here = !pagechat::avx2_forced() && __builtin_cpu_supports("avx512f") &&
+                           __builtin_cpu_supports("avx512bw") &&
+                           __builtin_cpu_supports("avx512vl");
+  return here;
+}
+
 // Whether this CPU runs Bf16DotWeights (AVX512F, BW and BF16).
 bool bf16_dot_here() {
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -1308,10 +1393,18 @@ at::Tensor float_linear(const at::Tensor& x, const at::Tensor& weight, bool dot)
     const auto* wp = reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>());
     return run(Bf16DotWeights{xp, wp, k}, xc, n);
   }
-  if (wc.scalar_type() == at::kBFloat16)
-    return run(Bf16Weights(xc, wc.data_ptr<at::BFloat16>()), xc, n);
-  TORCH_CHECK(wc.scalar_type() == at::kFloat, "float_linear: a float32 or bf16 weight");
+  const bool bf16 = wc.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf16 || wc.scalar_type() == at::kFloat, "float_linear: a float32 or bf16 weight");
+  if (wide_here() && bf16) {
+    const std::vector<float> xs = split_pairs<16>(xc);
+    const auto* wp = reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>());
+    return run(WideWeights<uint16_t>{xs.data(), wp, k}, xc, n);
+  }
+  if (bf16) return run(Bf16Weights(xc, wc.data_ptr<at::BFloat16>()), xc, n);
   const at::Tensor xf = x.to(at::kFloat).contiguous();  // a float32 model's are already
+  if (wide_here()) {
+    return run(WideWeights<float>{xf.data_ptr<float>(), wc.data_ptr<float>(), k}, xc, n);
+  }
   return run(Fp32Weights{xf.data_ptr<float>(), wc.data_ptr<float>(), k}, xc, n);
 }
 

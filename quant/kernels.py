@@ -22,10 +22,16 @@ INT8_PANELS = not native.avx2_only() and {"avx512f", "avx512bw", "avx512vl", "av
 BF16_DOT = not native.avx2_only() and {"avx512f", "avx512bw", "avx512_bf16"} <= (
     native.cpu_flags() or frozenset()
 )
+# float32 and bf16 weights times float32 activations in AVX512 tiles of 8 rows on a CPU with
+# AVX512F, BW and VL, else AVX2's of 4 (also where PAGECHAT_KERNELS=avx2)
+FLOAT_WIDE = not native.avx2_only() and {"avx512f", "avx512bw", "avx512vl"} <= (
+    native.cpu_flags() or frozenset()
+)
 # the paths layers report when they run these kernels (the float one is bf16-wo's, whose float32
-# activations take the AVX2 tile; a bf16 model's dense layers are reported as dense)
+# activations take the float tile; a bf16 model's dense layers are reported as dense)
 _ISA = "avx512vnni" if INT8_PANELS else "avx2"
-INT8_PATH, INT4_PATH, FLOAT_PATH = f"int8-{_ISA}", f"int4-{_ISA}", "avx2"
+INT8_PATH, INT4_PATH = f"int8-{_ISA}", f"int4-{_ISA}"
+FLOAT_PATH = "avx512" if FLOAT_WIDE else "avx2"
 # decode and small batches, as measured (1-16 rows); prefill's many rows are a GEMM, torch's part
 MAX_ROWS = 16
 # bf16 rows on vdpbf16ps beat oneDNN's bf16 GEMM up to 32-48 (the 135M shape's layers, 2 threads,

@@ -269,9 +269,12 @@ def within_higham_bound(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> bo
     return y.shape == exact.shape and bool(torch.all((y.double() - exact).abs() <= bound))
 
 
+# k: tails of 8 (every k here but 576), 16 (48) and 24 (56) past the AVX512 tile's 32 bf16 inputs
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n,k", [(1, 8), (7, 40), (13, 200), (257, 576), (1000, 296)])
+@pytest.mark.parametrize(
+    "n,k", [(1, 8), (7, 40), (13, 200), (257, 576), (1000, 296), (9, 48), (5, 56)]
+)
 def test_float_kernel_matches_matmul_at_every_batch_size(kernel, dtype, n, k):
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(n)).to(dtype)
     op = kernels.op("float_linear")
@@ -572,14 +575,18 @@ def test_a_float_models_dense_layers_run_the_float_kernel_for_decode_rows(kernel
 
 def test_pagechat_kernels_avx2_runs_the_avx2_code_whatever_the_cpu_has():
     """PAGECHAT_KERNELS=avx2 (read at import by the Python side, and by the C++ side): int8 in rows,
-    int4 on its AVX2 panel kernel, the GEMM on its AVX2 tile. On a CPU with AVX512-VNNI the tests
-    above ran the VNNI kernels and the AVX512 tile, so those tests run again here, on AVX2."""
+    int4 on its AVX2 panel kernel, float rows and the GEMM on their AVX2 tiles. On a CPU with
+    AVX512-VNNI the tests above ran the VNNI kernels and the AVX512 tiles, so those tests run
+    again here, on AVX2."""
     env = {**os.environ, "PAGECHAT_KERNELS": "avx2"}
-    code = "from pagechat.quant import kernels; print(kernels.INT8_PANELS, kernels.INT4_PATH)"
+    code = (
+        "from pagechat.quant import kernels as k; print(k.INT8_PANELS, k.INT4_PATH, k.FLOAT_PATH)"
+    )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert out.returncode == 0 and out.stdout.split() == ["False", "int4-avx2"], out.stderr
+    assert out.returncode == 0 and out.stdout.split() == ["False", "int4-avx2", "avx2"], out.stderr
     if CAN_BUILD and kernels.INT8_PANELS:
-        args = [__file__, "-q", "-p", "no:cacheprovider", "-k", "int4_kernel or gemm"]
+        tests = "int4_kernel or gemm or float_kernel"
+        args = [__file__, "-q", "-p", "no:cacheprovider", "-k", tests]
         out = subprocess.run(
             [sys.executable, "-m", "pytest", *args], env=env, capture_output=True, text=True
         )
