@@ -66,18 +66,13 @@ def bench_command(
     for label, key, fmt in ROWS:
         row = [label, fmt.format(p[key])]
         if t:
-            # a figure taken at transformers' other dtype, where that one is better at it
-            other = t["dtypes"].get(key, t["dtype"])
-            mark = f" ({other})" if other != t["dtype"] else ""
-            row += [fmt.format(t[key]) + mark, f"{r[key]:.2f}x" if key in r else ""]
+            row += [fmt.format(t[key]) + _other_dtype(t, key), f"{r[key]:.2f}x" if key in r else ""]
         table.add_row(*row)
     turns = " ".join(f"{x:.0f}" for x in p["turn_ttft_ms"])
     row = ["turn 1..8 TTFT ms", turns]
     if t:
-        other = t["dtypes"]["turn_ttft_ms"]
         row += [
-            " ".join(f"{x:.0f}" for x in t["turn_ttft_ms"])
-            + (f" ({other})" if other != t["dtype"] else ""),
+            " ".join(f"{x:.0f}" for x in t["turn_ttft_ms"]) + _other_dtype(t, "turn_ttft_ms"),
             f"turn 8: {r['turn_ttft_ms'][-1]:.2f}x",
         ]
     table.add_row(*row)
@@ -111,3 +106,10 @@ def bench_command(
             f"{spec['target_forwards_per_token']:.2f}"
         )
     sys.stdout.flush()
+
+
+def _other_dtype(t: dict, key: str) -> str:
+    """The mark after transformers' figure `key` where it was taken at its other dtype, the one
+    better at it: " (bfloat16)", say; else nothing."""
+    other = t["dtypes"].get(key, t["dtype"])
+    return f" ({other})" if other != t["dtype"] else ""

@@ -266,7 +266,7 @@ def run_bench(
         for name, r in per.items():
             r["weight_bytes"] = sum(x.nbytes for x in hf[name].parameters())
             r["mbu"] = 1000 * r["weight_bytes"] / bandwidth / r["decode_ms"]
-        best = max(per, key=lambda k: per[k]["decode_tok_s"])
+        best = _best_dtype(per, "decode_tok_s")
         t = dict(per[best], dtype=best, all_dtypes=per)
         # each figure against transformers' best dtype for it: its faster decode's dtype can
         # prefill several times slower (bf16 on a CPU without native bf16)
