@@ -683,12 +683,6 @@ void prefill_task(const at::Tensor& q, const float* kf, const float* vf, int64_t
   }
 }
 
-// Whether attention_tiles.h's AVX512 width runs here.
-bool avx512_attention() {
-  static const bool here = !pagechat::avx2_forced() && __builtin_cpu_supports("avx512f");
-  return here;
-}
-
 // q [count, H, D] (rows may be strided), caches [slots, KV, D], slots [start + count] (the
 // sequence's context, position by position; its last count are the queries'), window (0: none)
 // -> [count, H, D] in q's dtype. The tasks, the longest contexts first, go to whichever thread is
@@ -703,7 +697,7 @@ void prefill_attention_impl(const at::Tensor& q, const C* kc, const C* vc, int64
   for (int64_t q1 = count; q1 > 0; q1 -= per) {
     for (int64_t g = 0; g < kv_heads; ++g) tasks.push_back({g, std::max<int64_t>(0, q1 - per), q1});
   }
-  const Chunk chunk = avx512_attention() ? avx512::attend_chunk : avx2::attend_chunk;
+  const Chunk chunk = pagechat::avx512_here() ? avx512::attend_chunk : avx2::attend_chunk;
   const int64_t ctx = start + count, d = q.size(2);
   // the context as floats: in a buffer this thread keeps, up to kKeptFloats (a fresh one faulted
   // its pages in anew on every call), else in one of its own

@@ -194,4 +194,11 @@ inline bool avx2_forced() {
   return env == "avx2";
 }
 
+// Whether this CPU runs the Vec16 code (AVX512F: the GEMM's and the prefill attention's tiles),
+// unless PAGECHAT_KERNELS=avx2.
+inline bool avx512_here() {
+  static const bool here = !avx2_forced() && __builtin_cpu_supports("avx512f");
+  return here;
+}
+
 }  // namespace pagechat

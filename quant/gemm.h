@@ -163,16 +163,10 @@ struct DequantisedSource {
   int64_t bytes(int64_t count) const { return count * row_bytes; }
 };
 
-// Whether this CPU runs the AVX512 tile (AVX512F), unless PAGECHAT_KERNELS=avx2.
-inline bool avx512_here() {
-  static const bool here = !pagechat::avx2_forced() && __builtin_cpu_supports("avx512f");
-  return here;
-}
-
 // y = x times the weight w on the tile this CPU runs.
 template <class Source>
 at::Tensor gemm_here(const at::Tensor& x, int64_t n, const Source& w) {
-  return avx512_here() ? gemm_on<Avx512>(x, n, w) : gemm_on<Avx2>(x, n, w);
+  return pagechat::avx512_here() ? gemm_on<Avx512>(x, n, w) : gemm_on<Avx2>(x, n, w);
 }
 
 }  // namespace pagechat::gemm
