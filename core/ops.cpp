@@ -632,17 +632,19 @@ void gather_queries(const at::Tensor& q, const PrefillTask& t, int64_t group, in
 // One chunk of attention_tiles.h, on the CPU's widest vectors.
 using Chunk = void (*)(const Block&, float, bool, float);
 
-// The context's keys (or values) as floats, by kv head: kf [kv_heads][ctx][d], once for every task
-// (gathered by each task, the copies took 11% of the op at 2,000 tokens).
+// The context's keys and values as floats, by kv head: kf [kv_heads][ctx][d] and vf the same,
+// once for every task (gathered by each task, the copies took 11% of the op at 2,000 tokens).
 template <class C>
-void gather_context(const C* cache, const int64_t* slots, int64_t ctx, int64_t kv_heads,
-                    int64_t d, float* kf) {
+void gather_context(const C* kc, const C* vc, const int64_t* slots, int64_t ctx,
+                    int64_t kv_heads, int64_t d, float* kf, float* vf) {
   at::parallel_for(0, ctx, 64, [&](int64_t j0, int64_t j1) {
     for (int64_t j = j0; j < j1; ++j) {
       for (int64_t g = 0; g < kv_heads; ++g) {
-        const C* row = cache + (slots[j] * kv_heads + g) * d;
-        float* dst = kf + (g * ctx + j) * d;
-        for (int64_t e = 0; e < d; e += 8) store8(dst + e, load8(row + e));
+        const int64_t from = (slots[j] * kv_heads + g) * d, to = (g * ctx + j) * d;
+        for (int64_t e = 0; e < d; e += 8) {
+          store8(kf + to + e, load8(kc + from + e));
+          store8(vf + to + e, load8(vc + from + e));
+        }
       }
     }
   });
@@ -707,8 +709,7 @@ void prefill_attention_impl(const at::Tensor& q, const C* kc, const C* vc, int64
   std::vector<float>& context = size <= kKeptFloats ? kept : own;
   context.resize(size);
   float *kf = context.data(), *vf = kf + kv_heads * ctx * d;
-  gather_context(kc, slots, ctx, kv_heads, d, kf);
-  gather_context(vc, slots, ctx, kv_heads, d, vf);
+  gather_context(kc, vc, slots, ctx, kv_heads, d, kf, vf);
   std::atomic<int64_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> buf;
