@@ -62,8 +62,9 @@ inline void store8(at::BFloat16* p, __m256 v) {
 }
 
 // The vectors of floats that code written once for both widths takes as V (ops.cpp's
-// attention_tiles.h, quant/gemm_tile.h; each included once per width): a tile of MR broadcast
-// elements by NV vectors holds MR x NV sums, beside NV vectors and a broadcast in the registers.
+// attention_tiles.h, quant/gemm_tile.h and quant/float_rows.h; each included once per width): a
+// GEMM tile of MR broadcast elements by NV vectors holds MR x NV sums, beside NV vectors and a
+// broadcast in the registers.
 // AVX2: 8 floats, 6 x 2 (15 of the 16 ymm registers).
 struct Vec8 {
   using R = __m256;
@@ -72,6 +73,14 @@ struct Vec8 {
   static R set1(float x) { return _mm256_set1_ps(x); }
   static R load(const float* p) { return _mm256_loadu_ps(p); }
   static R load(const at::BFloat16* p) { return load8(p); }
+  // 2W bf16 values as the W at even places and the W at odd places, in floats: a bf16 is a float's
+  // high half, so a shift and a mask, no shuffle
+  static void split_bf16(const at::BFloat16* p, R& even, R& odd) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+    odd = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+  }
   static void store(float* p, R v) { _mm256_storeu_ps(p, v); }
   static void store_first(float* p, R v, int64_t count) {  // lanes [0, count < W)
     alignas(32) float out[W];
@@ -82,6 +91,7 @@ struct Vec8 {
   static R sub(R a, R b) { return _mm256_sub_ps(a, b); }
   static R mul(R a, R b) { return _mm256_mul_ps(a, b); }
   static R fmadd(R a, R b, R c) { return _mm256_fmadd_ps(a, b, c); }
+  static float sum(R v) { return sum8(v); }
   static R min(R a, R b) { return _mm256_min_ps(a, b); }
   static R max(R a, R b) { return _mm256_max_ps(a, b); }
   static R round(R x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
@@ -126,6 +136,12 @@ struct Vec16 {
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   }
+  static void split_bf16(const at::BFloat16* p, R& even, R& odd) {
+    const __m512i v = _mm512_loadu_si512(p);
+    even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+    odd = _mm512_castsi512_ps(_mm512_and_si512(v, high));
+  }
   static void store(float* p, R v) { _mm512_storeu_ps(p, v); }
   static void store_first(float* p, R v, int64_t count) {
     _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << count) - 1), v);
@@ -134,6 +150,7 @@ struct Vec16 {
   static R sub(R a, R b) { return _mm512_sub_ps(a, b); }
   static R mul(R a, R b) { return _mm512_mul_ps(a, b); }
   static R fmadd(R a, R b, R c) { return _mm512_fmadd_ps(a, b, c); }
+  static float sum(R v) { return _mm512_reduce_add_ps(v); }
   static R min(R a, R b) { return _mm512_min_ps(a, b); }
   static R max(R a, R b) { return _mm512_max_ps(a, b); }
   static R round(R x) {

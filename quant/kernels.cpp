@@ -267,34 +267,6 @@ void Int8Weights<Grouped>::tile(int64_t m0, int64_t j0, int64_t step, const Out&
   int_tile<Int8Weights, R, W>(*this, m0, j0, step, out);
 }
 
-// float32 rows times float32 activations, tiled as int_tile.
-struct Fp32Weights {
-  static constexpr int kPassWidth = 2, kRowsPerPass = kMaxRowsPerPass;
-  const float* x;
-  const float* w;
-  int64_t k;
-  template <int R, int W>
-  void tile(int64_t m0, int64_t j0, int64_t step, const Out& out) const {
-    __m256 acc[R][W];
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < W; ++c) acc[r][c] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < k; i += 8) {
-      __m256 wv[W];
-      for (int c = 0; c < W; ++c) {
-        const float* wr = w + (j0 + c * step) * k;
-        prefetch_ahead(reinterpret_cast<const char*>(wr), i * 4);
-        wv[c] = _mm256_loadu_ps(wr + i);
-      }
-      for (int r = 0; r < R; ++r) {
-        const __m256 xv = _mm256_loadu_ps(x + (m0 + r) * k + i);
-        for (int c = 0; c < W; ++c) acc[r][c] = _mm256_fmadd_ps(wv[c], xv, acc[r][c]);
-      }
-    }
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < W; ++c) out.set(m0 + r, j0 + c * step, sum8(acc[r][c]));
-  }
-};
-
 // Activations [M, K] as floats split for bf16 weights loaded 2H at a time: per 2H inputs, the H
 // at even places, then the H at odd ones; a tail of fewer than 2H as it is.
 template <int H>
@@ -316,132 +288,18 @@ std::vector<float> split_pairs(const at::Tensor& xt) {
   return x;
 }
 
-// bf16 rows times float32 activations. A bf16 is a float's high half, so 16 weights loaded at once
-// are 8 floats at the even places once shifted left by 16 bits, and 8 at the odd places once their
-// low halves are masked off: two ALU ops, none on the shuffle port that widening 8 at a time needs
-// (the limit at one row: 20.4 vs 13.7 GB/s for torch's bf16 matmul, 2 threads). The activations
-// are split the same way once per call: per 16, the 8 even ones, then the 8 odd ones; a tail of 8
-// is widened.
-struct Bf16Weights {
-  static constexpr int kPassWidth = 2, kRowsPerPass = kMaxRowsPerPass;
-  Bf16Weights(const at::Tensor& xt, const at::BFloat16* w)
-      : w(reinterpret_cast<const uint16_t*>(w)), k(xt.size(1)), x(split_pairs<8>(xt)) {}
-  const uint16_t* w;
-  const int64_t k;
-  std::vector<float> x;
-  template <int R, int W>
-  void tile(int64_t m0, int64_t j0, int64_t step, const Out& out) const {
-    const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
-    __m256 acc[R][W];
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < W; ++c) acc[r][c] = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 16 <= k; i += 16) {
-      __m256 even[W], odd[W];
-      for (int c = 0; c < W; ++c) {
-        const uint16_t* wr = w + (j0 + c * step) * k;
-        prefetch_ahead(reinterpret_cast<const char*>(wr), i * 2);
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + i));
-        even[c] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-        odd[c] = _mm256_castsi256_ps(_mm256_and_si256(v, high));
-      }
-      for (int r = 0; r < R; ++r) {
-        const __m256 xe = _mm256_loadu_ps(&x[(m0 + r) * k + i]);
-        const __m256 xo = _mm256_loadu_ps(&x[(m0 + r) * k + i + 8]);
-        for (int c = 0; c < W; ++c) {
-          acc[r][c] = _mm256_fmadd_ps(odd[c], xo, _mm256_fmadd_ps(even[c], xe, acc[r][c]));
-        }
-      }
-    }
-    if (i < k) {  // k % 16 == 8
-      for (int c = 0; c < W; ++c) {
-        const __m256 wv =
-            pagechat::load8(reinterpret_cast<const at::BFloat16*>(w + (j0 + c * step) * k + i));
-        for (int r = 0; r < R; ++r) {
-          acc[r][c] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(&x[(m0 + r) * k + i]), acc[r][c]);
-        }
-      }
-    }
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < W; ++c) out.set(m0 + r, j0 + c * step, sum8(acc[r][c]));
-  }
-};
+// float_linear's tiles (float_rows.h), once per width: AVX512's where avx512_here().
+namespace avx2 {
+using V = pagechat::Vec8;
+#include "float_rows.h"
+}  // namespace avx2
 
-// float32 or bf16 rows (T: float or uint16_t) times float32 activations on AVX512 (wide_here()):
-// the AVX2 tiles' steps (Fp32Weights, Bf16Weights) on 16 floats a vector, with 32 registers, so
-// that 8 activation rows share each load of the weights (8 x 2 sums, 2 weight rows split in 4,
-// 2 activation vectors). Several rows of a batched decode were bound by the AVX2 tiles'
-// arithmetic: 8 rows of the 135M shape's bf16 layers took 2.7x one row's time (26.7 against 10.0
-// ms, 2 threads), against 1.3x here (docs/benchmarks.md). bf16: 32 weights loaded at once split
-// into 16 even and 16 odd floats, the activations split per 32 (split_pairs<16>); a tail of 8, 16
-// or 24 inputs is read masked and widened, the activations there as they are.
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl")
-template <class T>
-struct WideWeights {
-  static constexpr bool kBf16 = std::is_same_v<T, uint16_t>;
-  static constexpr int kPassWidth = 2, kRowsPerPass = 8;
-  static constexpr int64_t kStep = kBf16 ? 32 : 16;  // inputs a step
-  const float* x;  // [M, K], split per 32 for bf16
-  const T* w;
-  int64_t k;
-  // inputs [i, i + count < 16) of a weight row, as floats (zeros past count)
-  static __m512 tail(const T* wr, int64_t i, int64_t count) {
-    const __mmask16 keep = static_cast<__mmask16>((1u << count) - 1);
-    if constexpr (kBf16) {
-      const __m256i h = _mm256_maskz_loadu_epi16(keep, wr + i);
-      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    } else {
-      return _mm512_maskz_loadu_ps(keep, wr + i);
-    }
-  }
-  template <int R, int W>
-  void tile(int64_t m0, int64_t j0, int64_t step, const Out& out) const {
-    __m512 acc[R][W];
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < W; ++c) acc[r][c] = _mm512_setzero_ps();
-    const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-    int64_t i = 0;
-    for (; i + kStep <= k; i += kStep) {
-      __m512 lo[W], hi[W];  // bf16: the even and odd weights; float32: the weights (lo)
-      for (int c = 0; c < W; ++c) {
-        const T* wr = w + (j0 + c * step) * k;
-        prefetch_ahead(reinterpret_cast<const char*>(wr), i * static_cast<int64_t>(sizeof(T)));
-        if constexpr (kBf16) {
-          const __m512i v = _mm512_loadu_si512(wr + i);
-          lo[c] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-          hi[c] = _mm512_castsi512_ps(_mm512_and_si512(v, high));
-        } else {
-          lo[c] = _mm512_loadu_ps(wr + i);
-        }
-      }
-      for (int r = 0; r < R; ++r) {
-        const float* xr = x + (m0 + r) * k + i;
-        const __m512 xe = _mm512_loadu_ps(xr);
-        if constexpr (kBf16) {
-          const __m512 xo = _mm512_loadu_ps(xr + 16);
-          for (int c = 0; c < W; ++c)
-            acc[r][c] = _mm512_fmadd_ps(hi[c], xo, _mm512_fmadd_ps(lo[c], xe, acc[r][c]));
-        } else {
-          for (int c = 0; c < W; ++c) acc[r][c] = _mm512_fmadd_ps(lo[c], xe, acc[r][c]);
-        }
-      }
-    }
-    for (; i < k; i += 16) {  // k % kStep: 8, 16 or 24
-      const int64_t count = std::min<int64_t>(16, k - i);
-      const __mmask16 keep = static_cast<__mmask16>((1u << count) - 1);
-      for (int c = 0; c < W; ++c) {
-        const __m512 wv = tail(w + (j0 + c * step) * k, i, count);
-        for (int r = 0; r < R; ++r) {
-          const __m512 xv = _mm512_maskz_loadu_ps(keep, x + (m0 + r) * k + i);
-          acc[r][c] = _mm512_fmadd_ps(wv, xv, acc[r][c]);
-        }
-      }
-    }
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < W; ++c) out.set(m0 + r, j0 + c * step, _mm512_reduce_add_ps(acc[r][c]));
-  }
-};
+#pragma GCC target("avx512f")
+namespace avx512 {
+using V = pagechat::Vec16;
+#include "float_rows.h"
+}  // namespace avx512
 #pragma GCC pop_options
 
 // R activation rows from m0 times the kStreams weight rows j, j + step, ...: in tiles of W of
@@ -489,11 +347,12 @@ at::Tensor run(const Wt& wt, const at::Tensor& x, int64_t n) {
 
 // bf16 rows times bf16 activations on a CPU with AVX512-BF16 (bf16_dot_here()): vdpbf16ps
 // multiplies 32 weights by 32 activations and adds the pairs' products into 16 float sums, in one
-// instruction, where the AVX2 tile above widens each operand and spends two FMAs per 16 products;
-// several rows of a batched decode were bound by that arithmetic (8 rows of the 135M shape's
-// layers: 0.49 ms with it, 0.35 ms for torch's oneDNN bf16 GEMM). The products of bf16 values are
-// exact in float32, as in the AVX2 tile; the sums are float32, added pairwise. A tail of 8, 16 or
-// 24 inputs is read masked. Registers: 32 zmm, so tiles of 4 activation rows by 4 weight rows.
+// instruction, where float_rows.h's AVX2 tile splits each operand and spends two FMAs per 16
+// products; several rows of a batched decode were bound by that arithmetic (8 rows of the 135M
+// shape's layers: 0.49 ms with it, 0.35 ms for torch's oneDNN bf16 GEMM). The products of bf16
+// values are exact in float32, as in float_rows.h; the sums are float32, added pairwise. A tail of
+// 8, 16 or 24 inputs is read masked. Registers: 32 zmm, so tiles of 4 activation rows by 4 weight
+// rows.
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16")
 struct Bf16DotWeights {
@@ -983,14 +842,6 @@ bool panels_here() {
   return here;
 }
 
-// Whether this CPU runs WideWeights (AVX512F, BW and VL), unless PAGECHAT_KERNELS=avx2.
-bool wide_here() {
-  static const bool here = !pagechat::avx2_forced() && __builtin_cpu_supports("avx512f") &&
-                           __builtin_cpu_supports("avx512bw") &&
-                           __builtin_cpu_supports("avx512vl");
-  return here;
-}
-
 // Whether this CPU runs Bf16DotWeights (AVX512F, BW and BF16).
 bool bf16_dot_here() {
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -1379,6 +1230,18 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Te
   return gemm::gemm_here(xc, a.n, Int4Source{a});
 }
 
+// float_linear's bf16 or float32 weight wc times xc [M, K] in Rows' tiles of one width.
+template <template <class> class Rows>
+at::Tensor float_rows(const at::Tensor& xc, const at::Tensor& wc) {
+  const int64_t k = xc.size(1), n = wc.size(0);
+  if (wc.scalar_type() == at::kBFloat16) {
+    const std::vector<float> xs = split_pairs<Rows<float>::kLanes>(xc);
+    return run(Rows<at::BFloat16>{xs.data(), wc.data_ptr<at::BFloat16>(), k}, xc, n);
+  }
+  const at::Tensor xf = xc.to(at::kFloat).contiguous();  // a float32 model's are already
+  return run(Rows<float>{xf.data_ptr<float>(), wc.data_ptr<float>(), k}, xc, n);
+}
+
 // y [M, N] = x [M, K] @ weight^T for a float32 or bf16 weight, K a multiple of 8.
 // dot: bf16 weights and activations multiplied by AVX512-BF16's vdpbf16ps (Bf16DotWeights).
 at::Tensor float_linear(const at::Tensor& x, const at::Tensor& weight, bool dot) {
@@ -1393,19 +1256,10 @@ at::Tensor float_linear(const at::Tensor& x, const at::Tensor& weight, bool dot)
     const auto* wp = reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>());
     return run(Bf16DotWeights{xp, wp, k}, xc, n);
   }
-  const bool bf16 = wc.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(bf16 || wc.scalar_type() == at::kFloat, "float_linear: a float32 or bf16 weight");
-  if (wide_here() && bf16) {
-    const std::vector<float> xs = split_pairs<16>(xc);
-    const auto* wp = reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>());
-    return run(WideWeights<uint16_t>{xs.data(), wp, k}, xc, n);
-  }
-  if (bf16) return run(Bf16Weights(xc, wc.data_ptr<at::BFloat16>()), xc, n);
-  const at::Tensor xf = x.to(at::kFloat).contiguous();  // a float32 model's are already
-  if (wide_here()) {
-    return run(WideWeights<float>{xf.data_ptr<float>(), wc.data_ptr<float>(), k}, xc, n);
-  }
-  return run(Fp32Weights{xf.data_ptr<float>(), wc.data_ptr<float>(), k}, xc, n);
+  TORCH_CHECK(wc.scalar_type() == at::kBFloat16 || wc.scalar_type() == at::kFloat,
+              "float_linear: a float32 or bf16 weight");
+  return pagechat::avx512_here() ? float_rows<avx512::FloatRows>(xc, wc)
+                                 : float_rows<avx2::FloatRows>(xc, wc);
 }
 
 // Reads every byte of t once (a plain streaming read, split over threads as the matmuls are) and

@@ -23,10 +23,8 @@ BF16_DOT = not native.avx2_only() and {"avx512f", "avx512bw", "avx512_bf16"} <= 
     native.cpu_flags() or frozenset()
 )
 # float32 and bf16 weights times float32 activations in AVX512 tiles of 8 rows on a CPU with
-# AVX512F, BW and VL, else AVX2's of 4 (also where PAGECHAT_KERNELS=avx2)
-FLOAT_WIDE = not native.avx2_only() and {"avx512f", "avx512bw", "avx512vl"} <= (
-    native.cpu_flags() or frozenset()
-)
+# AVX512F, else AVX2's of 4 (also where PAGECHAT_KERNELS=avx2)
+FLOAT_WIDE = not native.avx2_only() and "avx512f" in (native.cpu_flags() or frozenset())
 # the paths layers report when they run these kernels (the float one is bf16-wo's, whose float32
 # activations take the float tile; a bf16 model's dense layers are reported as dense)
 _ISA = "avx512vnni" if INT8_PANELS else "avx2"
