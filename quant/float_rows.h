@@ -11,15 +11,17 @@
 // split the same way once a call (split_pairs<kLanes>). A tail of fewer inputs than a step is read
 // a vector at a time, zeros past its end, the activations there as they are.
 //
-// Rows a pass: AVX2's 16 registers hold tiles of 4 x 2 (8 sums, 2 weight rows split in 4, 2
-// activation vectors); AVX512's 32 hold 8 x 2, so that 8 activation rows share each load of the
-// weights. Several rows of a batched decode were bound by the AVX2 tiles' arithmetic: 8 rows of the
-// 135M shape's bf16 layers took 2.7x one row's time (26.7 against 10.0 ms, 2 threads), against 1.3x
-// with AVX512's (docs/benchmarks.md).
+// Tiles: AVX2's 16 registers hold 4 activation rows x 2 weight rows (8 sums, 2 weight rows split
+// in 4, 2 activation vectors); AVX512's 32 hold 4 x 4 (16 sums, 8 weight vectors, 2 activation
+// vectors), so that each activation vector loaded serves 4 weight rows and each weight vector 4
+// activation rows. Several rows of a batched decode were bound by the AVX2 tiles' arithmetic: 8
+// rows of the 135M shape's bf16 layers took 2.7x one row's time (26.7 against 10.0 ms, 2 threads),
+// against 1.3x with AVX512's (docs/benchmarks.md); 4 x 4 took 0.84-0.93x the time of 8 x 2 at 8-16
+// rows (bf16 and float32), and 6 x 4 (float32's registers allow it) no less than 4 x 4.
 template <class T>
 struct FloatRows {
   static constexpr bool kBf16 = std::is_same_v<T, at::BFloat16>;
-  static constexpr int kLanes = V::W, kPassWidth = 2, kRowsPerPass = V::W == 16 ? 8 : 4;
+  static constexpr int kLanes = V::W, kPassWidth = V::W == 16 ? 4 : 2, kRowsPerPass = 4;
   static constexpr int64_t kStep = kBf16 ? 2 * V::W : V::W;  // inputs a step
   const float* x;  // [M, K], split per kStep for bf16
   const T* w;
