@@ -268,6 +268,44 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   return y;
 }
 
+// One row's largest value and the index of its first occurrence: strictly greater replaces, so
+// each lane keeps its first maximum, and ties between lanes go to the lower index. A NaN anywhere
+// makes the value NaN.
+void row_max_one(const float* x, int64_t n, float* value, int64_t* index) {
+  float best = -INFINITY;
+  int64_t at = 0;
+  bool nan = false;
+  int64_t i = 0;
+  if (n >= 8) {
+    __m256 top = _mm256_set1_ps(-INFINITY), unordered = _mm256_setzero_ps();
+    __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), where = lane;
+    for (; i + 8 <= n; i += 8) {
+      const __m256 v = _mm256_loadu_ps(x + i);
+      unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+      const __m256 gt = _mm256_cmp_ps(v, top, _CMP_GT_OQ);
+      top = _mm256_blendv_ps(top, v, gt);
+      where = _mm256_castps_si256(
+          _mm256_blendv_ps(_mm256_castsi256_ps(where), _mm256_castsi256_ps(lane), gt));
+      lane = _mm256_add_epi32(lane, _mm256_set1_epi32(8));
+    }
+    alignas(32) float tops[8];
+    alignas(32) int32_t wheres[8];
+    _mm256_store_ps(tops, top);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(wheres), where);
+    best = tops[0], at = wheres[0];
+    for (int l = 1; l < 8; ++l) {
+      if (tops[l] > best || (tops[l] == best && wheres[l] < at)) best = tops[l], at = wheres[l];
+    }
+    nan = _mm256_movemask_ps(unordered) != 0;
+  }
+  for (; i < n; ++i) {
+    nan = nan || std::isnan(x[i]);
+    if (x[i] > best) best = x[i], at = i;
+  }
+  *value = nan ? NAN : best;
+  *index = at;
+}
+
 // Scores of H query heads (qf: [H, d], scaled) against one key row: each 8 of the key's values
 // widened once for all H heads.
 template <int H, class C>
@@ -382,7 +420,8 @@ void attend_piece(const T* qrow, int64_t q_head_stride, float scale, const C* kc
   }
   for (int64_t h = 0; h < group; ++h) {  // the exponentials 8 at a time, as silu_mul's
     float* sc = &scores[h * n];
-    top[h] = *std::max_element(sc, sc + n);
+    int64_t at;  // the first index of the largest: unused here
+    row_max_one(sc, n, &top[h], &at);
     __m256 sum = _mm256_setzero_ps();
     int64_t t = 0;
     for (; t + 8 <= n; t += 8) {
@@ -751,44 +790,6 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
     with_cache_type(cache, attend);
   });
   return out;
-}
-
-// One row's largest value and the index of its first occurrence: strictly greater replaces, so
-// each lane keeps its first maximum, and ties between lanes go to the lower index. A NaN anywhere
-// makes the value NaN.
-void row_max_one(const float* x, int64_t n, float* value, int64_t* index) {
-  float best = -INFINITY;
-  int64_t at = 0;
-  bool nan = false;
-  int64_t i = 0;
-  if (n >= 8) {
-    __m256 top = _mm256_set1_ps(-INFINITY), unordered = _mm256_setzero_ps();
-    __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), where = lane;
-    for (; i + 8 <= n; i += 8) {
-      const __m256 v = _mm256_loadu_ps(x + i);
-      unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-      const __m256 gt = _mm256_cmp_ps(v, top, _CMP_GT_OQ);
-      top = _mm256_blendv_ps(top, v, gt);
-      where = _mm256_castps_si256(
-          _mm256_blendv_ps(_mm256_castsi256_ps(where), _mm256_castsi256_ps(lane), gt));
-      lane = _mm256_add_epi32(lane, _mm256_set1_epi32(8));
-    }
-    alignas(32) float tops[8];
-    alignas(32) int32_t wheres[8];
-    _mm256_store_ps(tops, top);
-    _mm256_store_si256(reinterpret_cast<__m256i*>(wheres), where);
-    best = tops[0], at = wheres[0];
-    for (int l = 1; l < 8; ++l) {
-      if (tops[l] > best || (tops[l] == best && wheres[l] < at)) best = tops[l], at = wheres[l];
-    }
-    nan = _mm256_movemask_ps(unordered) != 0;
-  }
-  for (; i < n; ++i) {
-    nan = nan || std::isnan(x[i]);
-    if (x[i] > best) best = x[i], at = i;
-  }
-  *value = nan ? NAN : best;
-  *index = at;
 }
 
 // x float32 [N, V] -> (each row's largest value [N, 1], its first index [N] int64) in one pass:
