@@ -73,6 +73,17 @@ struct Vec8 {
   static R set1(float x) { return _mm256_set1_ps(x); }
   static R load(const float* p) { return _mm256_loadu_ps(p); }
   static R load(const at::BFloat16* p) { return load8(p); }
+  static R load(const at::Half* p) { return load8(p); }
+  static R load_bytes(const uint8_t* p) {  // W unsigned bytes as floats
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+  }
+  // W 32-bit lanes of bits, and one 4-bit field of each (bits [shift, shift + 4)) as floats
+  using I = __m256i;
+  static I load_bits(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+  static R nibble(I v, int shift) {
+    return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, shift), _mm256_set1_epi32(15)));
+  }
   // 2W bf16 values as the W at even places and the W at odd places, in floats: a bf16 is a float's
   // high half, so a shift and a mask, no shuffle
   static void split_bf16(const at::BFloat16* p, R& even, R& odd) {
@@ -135,6 +146,18 @@ struct Vec16 {
   static R load(const at::BFloat16* p) {  // bf16 is a float's high half: widen and shift
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  static R load(const at::Half* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static R load_bytes(const uint8_t* p) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes));
+  }
+  using I = __m512i;
+  static I load_bits(const void* p) { return _mm512_loadu_si512(p); }
+  static R nibble(I v, int shift) {
+    return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, shift), _mm512_set1_epi32(15)));
   }
   static void split_bf16(const at::BFloat16* p, R& even, R& odd) {
     const __m512i v = _mm512_loadu_si512(p);

@@ -1074,64 +1074,16 @@ at::Tensor int4_dequantize(const at::Tensor& packed, const at::Tensor& scales,
   return out;
 }
 
-// int4 panel p packed for the prefill GEMM: dst[kk * ld + r] = row r's weight kk, as
-// int4_dequantize gives it (the same float operations). No transpose is needed: part t of a block
-// (64 bytes) holds each row's dword in lane r, whose byte j has inputs 4t + j (low nibble) and
-// 16 + 4t + j (high), so a shift and a mask give one input of every row. AVX2: two halves of 8.
-void int4_panel_avx2(const Int4Args& a, int64_t p, float* dst, int64_t ld) {
-  const int64_t blocks = a.k / kBlock, groups = a.k / a.group;
-  const uint8_t* w = a.pc.data_ptr<uint8_t>() + p * blocks * Panels<4>::kBlockBytes;
-  const __m256i nibble = _mm256_set1_epi32(0x0F);
-  for (int h = 0; h < 2; ++h) {
-    for (int64_t b = 0; b < blocks; ++b) {
-      const int64_t at = (p * groups + b * kBlock / a.group) * Panels<4>::kRows + 8 * h;
-      const __m256 scale = load8(a.sc.const_data_ptr(), a.half, at);
-      const __m256 offset = a.mins ? load8(a.oc.const_data_ptr(), a.half, at)
-                                   : _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
-                                         reinterpret_cast<const __m128i*>(a.zeros() + at))));
-      for (int t = 0; t < 4; ++t) {
-        const __m256i part = _mm256_loadu_si256(
-            reinterpret_cast<const __m256i*>(w + b * Panels<4>::kBlockBytes + 64 * t + 32 * h));
-        for (int j = 0; j < 8; ++j) {  // j < 4: byte j's low nibbles; else byte j - 4's high ones
-          const __m256 q = _mm256_cvtepi32_ps(
-              _mm256_and_si256(_mm256_srli_epi32(part, 8 * (j % 4) + 4 * (j / 4)), nibble));
-          const int64_t kk = b * kBlock + 16 * (j / 4) + 4 * t + j % 4;
-          _mm256_storeu_ps(dst + kk * ld + 8 * h,
-                           a.mins ? _mm256_fmadd_ps(q, scale, offset)
-                                  : _mm256_mul_ps(_mm256_sub_ps(q, offset), scale));
-        }
-      }
-    }
-  }
-}
+// int4 panels unpacked for the prefill GEMM (int4_panel.h), once per width.
+namespace avx2 {
+#include "int4_panel.h"
+}  // namespace avx2
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl")
-
-// The same, 16 rows a vector.
-void int4_panel_avx512(const Int4Args& a, int64_t p, float* dst, int64_t ld) {
-  const int64_t blocks = a.k / kBlock, groups = a.k / a.group;
-  const uint8_t* w = a.pc.data_ptr<uint8_t>() + p * blocks * Panels<4>::kBlockBytes;
-  const __m512i nibble = _mm512_set1_epi32(0x0F);
-  for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t at = (p * groups + b * kBlock / a.group) * Panels<4>::kRows;
-    const __m512 scale = load16(a.sc.const_data_ptr(), a.half, at);
-    const __m512 offset =
-        a.mins ? load16(a.oc.const_data_ptr(), a.half, at)
-               : _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(a.zeros() + at))));
-    for (int t = 0; t < 4; ++t) {
-      const __m512i part = _mm512_loadu_si512(w + b * Panels<4>::kBlockBytes + 64 * t);
-      for (int j = 0; j < 8; ++j) {
-        const __m512 q = _mm512_cvtepi32_ps(
-            _mm512_and_si512(_mm512_srli_epi32(part, 8 * (j % 4) + 4 * (j / 4)), nibble));
-        const int64_t kk = b * kBlock + 16 * (j / 4) + 4 * t + j % 4;
-        _mm512_storeu_ps(dst + kk * ld, a.mins ? _mm512_fmadd_ps(q, scale, offset)
-                                               : _mm512_mul_ps(_mm512_sub_ps(q, offset), scale));
-      }
-    }
-  }
-}
+namespace avx512 {
+#include "int4_panel.h"
+}  // namespace avx512
 
 // int8 panel p packed for the prefill GEMM (dst[kk * ld + r] = row r's value kk times its scale,
 // as int8_unpanel gives it): pair i of a block (32 bytes) holds inputs 2i and 2i + 1 of every row,
@@ -1208,9 +1160,9 @@ struct Int4Source {
   void pack(int64_t j0, int64_t rows, float* bp) const {
     pack_panels<Isa::NR>(j0, rows, a.k, bp, [this](int64_t p, float* dst) {
       if constexpr (Isa::W == 16) {
-        int4_panel_avx512(a, p, dst, Isa::NR);
+        avx512::int4_panel(a, p, dst, Isa::NR);
       } else {
-        int4_panel_avx2(a, p, dst, Isa::NR);
+        avx2::int4_panel(a, p, dst, Isa::NR);
       }
     });
   }
