@@ -62,9 +62,9 @@ inline void store8(at::BFloat16* p, __m256 v) {
 }
 
 // The vectors of floats that code written once for both widths takes as V (ops.cpp's
-// attention_tiles.h, quant/gemm_tile.h and quant/float_rows.h; each included once per width): a
-// GEMM tile of MR broadcast elements by NV vectors holds MR x NV sums, beside NV vectors and a
-// broadcast in the registers.
+// attention_tiles.h, quant/gemm_tile.h, quant/float_rows.h and quant/int4_panel.h; each included
+// once per width): a GEMM tile of MR broadcast elements by NV vectors holds MR x NV sums, beside NV
+// vectors and a broadcast in the registers.
 // AVX2: 8 floats, 6 x 2 (15 of the 16 ymm registers).
 struct Vec8 {
   using R = __m256;

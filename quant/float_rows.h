@@ -16,7 +16,7 @@
 // vectors), so that each activation vector loaded serves 4 weight rows and each weight vector 4
 // activation rows. Several rows of a batched decode were bound by the AVX2 tiles' arithmetic: 8
 // rows of the 135M shape's bf16 layers took 2.7x one row's time (26.7 against 10.0 ms, 2 threads),
-// against 1.3x with AVX512's (docs/benchmarks.md); 4 x 4 took 0.84-0.93x the time of 8 x 2 at 8-16
+// against 1.3x with AVX512's (docs/benchmarks.md); 4 x 4 took 0.83-0.98x the time of 8 x 2 at 8-16
 // rows (bf16 and float32), and 6 x 4 (float32's registers allow it) no less than 4 x 4.
 template <class T>
 struct FloatRows {
