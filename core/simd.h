@@ -74,6 +74,10 @@ struct Vec8 {
   static R load(const float* p) { return _mm256_loadu_ps(p); }
   static R load(const at::BFloat16* p) { return load8(p); }
   static R load(const at::Half* p) { return load8(p); }
+  static R load(const void* p, bool half, int64_t at) {  // fp16 (half) or float32, from element at
+    return half ? load(static_cast<const at::Half*>(p) + at)
+                : load(static_cast<const float*>(p) + at);
+  }
   static R load_bytes(const uint8_t* p) {  // W unsigned bytes as floats
     const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
@@ -149,6 +153,10 @@ struct Vec16 {
   }
   static R load(const at::Half* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static R load(const void* p, bool half, int64_t at) {
+    return half ? load(static_cast<const at::Half*>(p) + at)
+                : load(static_cast<const float*>(p) + at);
   }
   static R load_bytes(const uint8_t* p) {
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));

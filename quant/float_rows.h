@@ -31,8 +31,8 @@ struct FloatRows {
   template <class E>
   static typename V::R part(const E* row, int64_t i, int64_t count) {
     if (count == V::W) return V::load(row + i);
-    E tail[V::W] = {};
-    std::copy_n(row + i, count, tail);
+    float tail[V::W];
+    gemm::tail_copy<V::W>(row + i, count, tail);
     return V::load(tail);
   }
 

@@ -8,15 +8,12 @@
 inline void int4_panel(const Int4Args& a, int64_t p, float* dst, int64_t ld) {
   const int64_t blocks = a.k / kBlock, groups = a.k / a.group;
   const uint8_t* w = a.pc.data_ptr<uint8_t>() + p * blocks * Panels<4>::kBlockBytes;
-  const auto scales = [&a](const at::Tensor& t, int64_t at) {  // fp16 or float32
-    return a.half ? V::load(t.const_data_ptr<at::Half>() + at)
-                  : V::load(t.const_data_ptr<float>() + at);
-  };
   for (int h = 0; h < Panels<4>::kRows / V::W; ++h) {
     for (int64_t b = 0; b < blocks; ++b) {
       const int64_t at = (p * groups + b * kBlock / a.group) * Panels<4>::kRows + V::W * h;
-      const typename V::R scale = scales(a.sc, at);
-      const typename V::R offset = a.mins ? scales(a.oc, at) : V::load_bytes(a.zeros() + at);
+      const typename V::R scale = V::load(a.sc.const_data_ptr(), a.half, at);
+      const typename V::R offset =
+          a.mins ? V::load(a.oc.const_data_ptr(), a.half, at) : V::load_bytes(a.zeros() + at);
       for (int t = 0; t < 4; ++t) {
         const typename V::I part =
             V::load_bits(w + b * Panels<4>::kBlockBytes + 64 * t + 4 * V::W * h);

@@ -459,15 +459,6 @@ struct PanelWeights {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni")
 
-// 16 floats from fp16 (half) or float32 memory, from element `at`.
-inline __m512 load16(const void* p, bool half, int64_t at) {
-  if (half) {
-    return _mm512_cvtph_ps(
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const at::Half*>(p) + at)));
-  }
-  return _mm512_loadu_ps(static_cast<const float*>(p) + at);
-}
-
 template <int Bits>
 struct Panels : PanelWeights {
   static constexpr int64_t kRows = 16, kBlockBytes = kRows * kBlock * Bits / 8;
@@ -553,10 +544,9 @@ struct Panels : PanelWeights {
       if (--left == 0) {  // the group's scales and its offsets' share, once per 16 rows
         for (int c = 0; c < W; ++c) {
           const int64_t at = ((p0 + c * step) * groups + g) * kRows;
-          const __m512 ws = load16(scales, half, at);
+          const __m512 ws = pagechat::Vec16::load(scales, half, at);
           if (zeros) {
-            const __m512 zf = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-                _mm_loadu_si128(reinterpret_cast<const __m128i*>(zeros + at))));
+            const __m512 zf = pagechat::Vec16::load_bytes(zeros + at);
             for (int r = 0; r < R; ++r) {
               const __m512 xs = _mm512_set1_ps(xsums[(m0 + r) * groups + g]);
               grp[r][c] = _mm512_fnmadd_ps(zf, xs, grp[r][c]);
@@ -567,7 +557,7 @@ struct Panels : PanelWeights {
             grp[r][c] = _mm512_setzero_ps();
           }
           if (mins) {
-            const __m512 mf = load16(mins, half, at);
+            const __m512 mf = pagechat::Vec16::load(mins, half, at);
             for (int r = 0; r < R; ++r) {
               acc[r][c] = _mm512_fmadd_ps(mf, _mm512_set1_ps(xsums[(m0 + r) * groups + g]),
                                           acc[r][c]);
@@ -645,13 +635,6 @@ void unpanel_rows(const int8_t* w, int64_t panels, int64_t k, const void* scales
 }
 
 #pragma GCC pop_options
-
-// 8 floats of scales or mins from fp16 (half) or float32 memory, from element `at` (load16's, on
-// AVX2).
-inline __m256 load8(const void* p, bool half, int64_t at) {
-  return half ? pagechat::load8(static_cast<const at::Half*>(p) + at)
-              : pagechat::load8(static_cast<const float*>(p) + at);
-}
 
 // int4 panels on AVX2 (a CPU without AVX512-VNNI): the same layout and the same integer sums as
 // Panels<4>, a panel as two halves of 8 rows (each part's first 32 bytes hold rows 0-7, the last
@@ -732,7 +715,7 @@ struct Int4PanelsAvx2 : PanelWeights {
         for (int h = 0; h < 2; ++h) {
           __m256i sums[R];
           block_sums<R>(sums, wp[c], b, h, m0);
-          const __m256 ws = load8(scales, half, at(c, h, g));
+          const __m256 ws = pagechat::Vec8::load(scales, half, at(c, h, g));
           #pragma GCC unroll 8
           for (int r = 0; r < R; ++r) {
             const __m256 d = _mm256_set1_ps(x.scales[(m0 + r) * blocks + b]);
@@ -748,10 +731,9 @@ struct Int4PanelsAvx2 : PanelWeights {
           for (int h = 0; h < 2; ++h) {
             const int64_t i = at(c, h, g);
             const __m256 off =
-                zeros ? _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
-                                          reinterpret_cast<const __m128i*>(zeros + i)))),
-                                      load8(scales, half, i))
-                      : load8(mins, half, i);
+                zeros ? _mm256_mul_ps(pagechat::Vec8::load_bytes(zeros + i),
+                                      pagechat::Vec8::load(scales, half, i))
+                      : pagechat::Vec8::load(mins, half, i);
             #pragma GCC unroll 8
             for (int r = 0; r < R; ++r) {
               const __m256 xs = _mm256_set1_ps(xsums[(m0 + r) * groups + g]);
@@ -1092,8 +1074,8 @@ void int8_panel_avx512(const Int8Args& a, int64_t p, float* dst, int64_t ld) {
   const int64_t blocks = a.k / kBlock, per_group = blocks / a.groups;
   const int8_t* w = a.wc.data_ptr<int8_t>() + p * blocks * Panels<8>::kBlockBytes;
   for (int64_t b = 0; b < blocks; ++b) {
-    const __m512 scale = load16(a.sc.const_data_ptr(), a.half,
-                                (p * a.groups + b / per_group) * Panels<8>::kRows);
+    const __m512 scale = pagechat::Vec16::load(a.sc.const_data_ptr(), a.half,
+                                               (p * a.groups + b / per_group) * Panels<8>::kRows);
     for (int i = 0; i < kBlock / 2; ++i) {
       const __m512i pairs = _mm512_cvtepi16_epi32(_mm256_loadu_si256(
           reinterpret_cast<const __m256i*>(w + b * Panels<8>::kBlockBytes + 32 * i)));
