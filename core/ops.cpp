@@ -221,19 +221,50 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return y;
 }
 
-// Rotary embedding of x [T, heads, D] with core/model.py's tables cos and signed sin [T, 1, D]:
-// x * cos + (x rolled by D/2) * sin, where the roll brings x's other half to each position. x may
-// be a slice of the fused qkv projection's rows (any row and head strides); the result is dense.
+// One head's rotary embedding: y = x * cos + (x rolled by D/2) * sin, with core/model.py's cos and
+// signed sin rows [D], where the roll brings x's other half to each position; each product
+// rounded to T, as torch's ops round.
+template <class T>
+void rope_row(const T* x, const T* c, const T* s, int64_t d, T* y) {
+  const int64_t half = d / 2;
+  int64_t i = 0;
+  for (; i + 8 <= half; i += 8) {  // 8 of each half at a time
+    const __m256 lo = load8(x + i), hi = load8(x + half + i);
+    const auto rotate = [&](__m256 v, __m256 other, int64_t at) {
+      return _mm256_add_ps(round8<T>(_mm256_mul_ps(v, load8(c + at))),
+                           round8<T>(_mm256_mul_ps(other, load8(s + at))));
+    };
+    store8(y + i, rotate(lo, hi, i));
+    store8(y + half + i, rotate(hi, lo, half + i));
+  }
+  for (; i < half; ++i) {
+    for (const int64_t at : {i, half + i}) {
+      const float a = round_to<T>(f32(x[at]) * f32(c[at]));
+      const float b = round_to<T>(f32(x[(at + half) % d]) * f32(s[at]));
+      y[at] = static_cast<T>(a + b);
+    }
+  }
+}
+
+// rope's checks of cos and sin: [T, 1, D] rows in x's dtype.
+void check_rope_tables(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                       int64_t t, int64_t d, const char* op) {
+  TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type() &&
+                  cos.numel() == t * d && sin.numel() == t * d && cos.is_contiguous() &&
+                  sin.is_contiguous(),
+              op, ": cos and sin [T, 1, D] in x's dtype");
+}
+
+// Rotary embedding of x [T, heads, D] with core/model.py's tables cos and signed sin [T, 1, D]
+// (rope_row). x may be a slice of the fused qkv projection's rows (any row and head strides); the
+// result is dense.
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 3 && x.size(2) % 2 == 0 && x.stride(2) == 1,
               "rope: a CPU x [T, heads, D] with D even and D's elements adjacent");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "rope: float32 or bf16");
-  const int64_t t = x.size(0), heads = x.size(1), d = x.size(2), half = d / 2;
-  TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type() &&
-                  cos.numel() == t * d && sin.numel() == t * d && cos.is_contiguous() &&
-                  sin.is_contiguous(),
-              "rope: cos and sin [T, 1, D] in x's dtype");
+  const int64_t t = x.size(0), heads = x.size(1), d = x.size(2);
+  check_rope_tables(x, cos, sin, t, d, "rope");
   at::Tensor y = at::empty({t, heads, d}, x.options());
   const int64_t row_stride = x.stride(0), head_stride = x.stride(1);
   with_type(x, [&](auto* type) {
@@ -242,27 +273,9 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
     const scalar_t* sp = sin.data_ptr<scalar_t>();
     scalar_t* yp = y.data_ptr<scalar_t>();
     for_rows(t * heads, d, [&](int64_t row) {
-      const scalar_t* xr = xp + (row / heads) * row_stride + (row % heads) * head_stride;
-      const scalar_t *c = cp + (row / heads) * d, *s = sp + (row / heads) * d;
-      scalar_t* y = yp + row * d;
-      int64_t i = 0;
-      // 8 of each half at a time: y = x * cos + (the other half of x) * sin, each product rounded
-      for (; i + 8 <= half; i += 8) {
-        const __m256 lo = load8(xr + i), hi = load8(xr + half + i);
-        const auto rotate = [&](__m256 x, __m256 other, int64_t at) {
-          return _mm256_add_ps(round8<scalar_t>(_mm256_mul_ps(x, load8(c + at))),
-                               round8<scalar_t>(_mm256_mul_ps(other, load8(s + at))));
-        };
-        store8(y + i, rotate(lo, hi, i));
-        store8(y + half + i, rotate(hi, lo, half + i));
-      }
-      for (; i < half; ++i) {
-        for (const int64_t at : {i, half + i}) {
-          const float a = round_to<scalar_t>(f32(xr[at]) * f32(c[at]));
-          const float b = round_to<scalar_t>(f32(xr[(at + half) % d]) * f32(s[at]));
-          y[at] = static_cast<scalar_t>(a + b);
-        }
-      }
+      const int64_t r = row / heads;
+      rope_row(xp + r * row_stride + (row % heads) * head_stride, cp + r * d, sp + r * d, d,
+               yp + row * d);
     });
   });
   return y;
@@ -464,22 +477,31 @@ constexpr int64_t kPieceKeys = 256, kSplitKeys = 512, kMaxPieces = 8;
 // of every position, then scaled_dot_product_attention). Row i is sequence i / per_seq's, whose
 // slots are gather[i / per_seq * row_len ...]. Each kv head's keys and values are read once for
 // the query heads that share them (GQA). Softmax in float32, as scaled_dot_product_attention does.
+// A decode attention call's operands as pointers: the rows' queries [B, H, D] and their new keys
+// and values [B, KV, D], each with its row and head strides (a head's D elements adjacent), the
+// layer's K and V caches [slots, KV, D], and the output [B, H, D], dense.
 template <class T, class C>
-void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                           at::Tensor& k_cache, at::Tensor& v_cache, const int64_t* slots,
-                           const int64_t* gather, int64_t row_len, int64_t per_seq,
-                           const int64_t* q_pos, int64_t window, at::Tensor& out) {
-  const int64_t b = q.size(0), heads = q.size(1), d = q.size(2), kv_heads = k.size(1);
+struct DecodeRows {
+  const T *q, *k, *v;
+  int64_t q_row, q_head, k_row, k_head, v_row, v_head;
+  int64_t b, heads, kv_heads, d;
+  C *kc, *vc;
+  T* out;
+};
+
+template <class T, class C>
+void decode_attention_impl(const DecodeRows<T, C>& r, const int64_t* slots, const int64_t* gather,
+                           int64_t row_len, int64_t per_seq, const int64_t* q_pos,
+                           int64_t window) {
+  const int64_t b = r.b, heads = r.heads, d = r.d, kv_heads = r.kv_heads;
   const int64_t group = heads / kv_heads;
-  C* kc = k_cache.data_ptr<C>();
-  C* vc = v_cache.data_ptr<C>();
-  const T *qp = q.data_ptr<T>(), *kp = k.data_ptr<T>(), *vp = v.data_ptr<T>();
+  C *kc = r.kc, *vc = r.vc;
   for (int64_t i = 0; i < b; ++i) {  // the new tokens' K and V, in the cache's dtype
     for (int64_t g = 0; g < kv_heads; ++g) {
       C* kd = kc + (slots[i] * kv_heads + g) * d;
       C* vd = vc + (slots[i] * kv_heads + g) * d;
-      const T* ks = kp + i * k.stride(0) + g * k.stride(1);
-      const T* vs = vp + i * v.stride(0) + g * v.stride(1);
+      const T* ks = r.k + i * r.k_row + g * r.k_head;
+      const T* vs = r.v + i * r.v_row + g * r.v_head;
       for (int64_t j = 0; j < d; ++j) {
         kd[j] = static_cast<C>(f32(ks[j]));
         vd[j] = static_cast<C>(f32(vs[j]));
@@ -532,13 +554,13 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
       const int64_t from = n * task.p / m, to = n * (task.p + 1) / m;
       for (int64_t g = task.g0; g < task.g1; ++g) {
         float* out = part(i, g, task.p);
-        attend_piece(qp + i * q.stride(0), q.stride(1), scale, kc, vc, kv_heads, g, group, d,
+        attend_piece(r.q + i * r.q_row, r.q_head, scale, kc, vc, kv_heads, g, group, d,
                      gather + i / per_seq * row_len + start[i] + from, to - from, scores, kf,
                      qf.data(), out, out + group * d, out + group * (d + 1));
       }
     }
   });
-  T* op = out.data_ptr<T>();
+  T* op = r.out;
   std::vector<float> o(d);
   for (int64_t i = 0; i < b; ++i) {  // each head's pieces merged at their largest score
     for (int64_t g = 0; g < kv_heads; ++g) {
@@ -559,11 +581,43 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
   }
 }
 
+// The indices of a decode attention call of B rows, checked: slot_mapping [B] (where each row's K
+// and V go), gather [S * ctx] (each sequence's context slots, row after row) and q_pos [S, n]
+// (each row's position, within its sequence's ctx slots).
+struct DecodeIndex {
+  at::Tensor slots, gather, q_pos;
+  int64_t ctx, per_seq;
+
+  DecodeIndex(int64_t b, const at::Tensor& slot_mapping, const at::Tensor& gather_,
+              const at::Tensor& q_pos_, const char* op) {
+    TORCH_CHECK(q_pos_.dim() == 2 && q_pos_.numel() == b && b > 0 && slot_mapping.numel() == b &&
+                    gather_.numel() % q_pos_.size(0) == 0 &&
+                    slot_mapping.scalar_type() == at::kLong && gather_.scalar_type() == at::kLong &&
+                    q_pos_.scalar_type() == at::kLong,
+                op, ": int64 slot_mapping [B], q_pos [S, n], gather [S * ctx]");
+    slots = slot_mapping.contiguous(), gather = gather_.contiguous(), q_pos = q_pos_.contiguous();
+    ctx = gather.numel() / q_pos.size(0), per_seq = q_pos.size(1);
+    const int64_t* pos = q_pos.data_ptr<int64_t>();
+    TORCH_CHECK(std::all_of(pos, pos + b, [&](int64_t p) { return p >= 0 && p < ctx; }), op,
+                ": a position outside its sequence's ", ctx, " context slots");
+  }
+
+  template <class T, class C>
+  void attend(const DecodeRows<T, C>& r, int64_t window) const {
+    decode_attention_impl(r, slots.data_ptr<int64_t>(), gather.data_ptr<int64_t>(), ctx, per_seq,
+                          q_pos.data_ptr<int64_t>(), window);
+  }
+};
+
+void check_cache(at::ScalarType cache, const char* op) {
+  TORCH_CHECK(cache == at::kFloat || cache == at::kHalf || cache == at::kBFloat16, op,
+              ": a float32, float16 or bf16 cache");
+}
+
 // q [B, H, D], k and v [B, KV, D] (B = S * n: S sequences' n new tokens each, sequence after
-// sequence; rows may be strided views of the qkv projection), caches [slots, KV, D], slot_mapping
-// [B], gather [S * ctx] (each sequence's context slots, row after row), q_pos [S, n] (each token's
-// position), window (0: none) -> [B, H, D] in q's dtype. A decode step's n is 1; a draft's
-// verification's a few (core/attention.py's IN_PLACE_ROWS).
+// sequence; rows may be strided views of the qkv projection), caches [slots, KV, D], slot_mapping,
+// gather and q_pos as DecodeIndex's, window (0: none) -> [B, H, D] in q's dtype. A decode step's n
+// is 1; a draft's verification's a few (core/attention.py's IN_PLACE_ROWS).
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_mapping,
                             const at::Tensor& gather, const at::Tensor& q_pos, int64_t window) {
@@ -580,54 +634,66 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
                   k_cache.size(1) == k.size(1) && k_cache.size(2) == k.size(2),
               "decode_attention: caches [slots, KV, D]");
   const int64_t b = q.size(0);
-  TORCH_CHECK(q_pos.dim() == 2 && q_pos.numel() == b && b > 0 && slot_mapping.numel() == b &&
-                  gather.numel() % q_pos.size(0) == 0 && slot_mapping.scalar_type() == at::kLong &&
-                  gather.scalar_type() == at::kLong && q_pos.scalar_type() == at::kLong,
-              "decode_attention: int64 slot_mapping [B], q_pos [S, n], gather [S * ctx]");
-  const at::Tensor sm = slot_mapping.contiguous(), ga = gather.contiguous(),
-                   qp = q_pos.contiguous();
-  const int64_t ctx = ga.numel() / q_pos.size(0);
-  const int64_t* pos = qp.data_ptr<int64_t>();
-  TORCH_CHECK(std::all_of(pos, pos + b, [&](int64_t p) { return p >= 0 && p < ctx; }),
-              "decode_attention: a position outside its sequence's ", ctx, " context slots");
+  const DecodeIndex index(b, slot_mapping, gather, q_pos, "decode_attention");
+  check_cache(k_cache.scalar_type(), "decode_attention");
   at::Tensor out = at::empty({b, q.size(1), q.size(2)}, q.options());
-  const auto cache = k_cache.scalar_type();
-  TORCH_CHECK(cache == at::kFloat || cache == at::kHalf || cache == at::kBFloat16,
-              "decode_attention: a float32, float16 or bf16 cache");
   with_type(q, [&](auto* type) {
-    using scalar_t = std::remove_pointer_t<decltype(type)>;
-    auto attend = [&](auto* cache_type) {
+    using T = std::remove_pointer_t<decltype(type)>;
+    with_cache_type(k_cache.scalar_type(), [&](auto* cache_type) {
       using C = std::remove_pointer_t<decltype(cache_type)>;
-      decode_attention_impl<scalar_t, C>(q, k, v, k_cache, v_cache, sm.data_ptr<int64_t>(),
-                                         ga.data_ptr<int64_t>(), ctx, q_pos.size(1), pos, window,
-                                         out);
-    };
-    with_cache_type(cache, attend);
+      index.attend(DecodeRows<T, C>{q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(), q.stride(0),
+                                    q.stride(1), k.stride(0), k.stride(1), v.stride(0),
+                                    v.stride(1), b, q.size(1), k.size(1), q.size(2),
+                                    k_cache.data_ptr<C>(), v_cache.data_ptr<C>(),
+                                    out.data_ptr<T>()},
+                   window);
+    });
   });
   return out;
 }
 
 // A decode step's attention from its fused qkv projection, in one op: the rows' q and k rotated
-// (rope), the new K and V written, the context attended (decode_attention). In a traced step the
-// splits, views, rope, the cache's two halves and the output's flatten were eight ops a layer
-// around the attention, each ~0.8 us of the trace's interpreter (a trace of 210 such views).
+// (rope_row), the new K and V written, the context attended (decode_attention's), with no tensor
+// made but the output: its splits, views, rope and the caches' two halves as tensors made per call
+// cost a third of the op at a short context (SmolLM2's shape, 160 keys: 33.6 -> 22.3 us a layer).
 // qkv [B, (H + 2 KV) * D] with its rows' elements adjacent, cos and sin as rope's, kv [2, slots,
 // KV, D] (the layer's K and V caches), the rest as decode_attention's -> [B, H * D].
 at::Tensor qkv_decode_attention(const at::Tensor& qkv, const at::Tensor& cos,
                                 const at::Tensor& sin, at::Tensor kv,
                                 const at::Tensor& slot_mapping, const at::Tensor& gather,
                                 const at::Tensor& q_pos, int64_t window, int64_t heads) {
-  TORCH_CHECK(kv.dim() == 4 && kv.size(0) == 2, "qkv_decode_attention: kv [2, slots, KV, D]");
+  TORCH_CHECK(kv.dim() == 4 && kv.size(0) == 2 && kv.is_contiguous() && kv.size(3) % 8 == 0,
+              "qkv_decode_attention: kv [2, slots, KV, D], D a multiple of 8");
   const int64_t b = qkv.size(0), kv_heads = kv.size(2), d = kv.size(3);
-  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && heads > 0 &&
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && heads > 0 && heads % kv_heads == 0 &&
                   qkv.size(1) == (heads + 2 * kv_heads) * d,
               "qkv_decode_attention: qkv [B, (heads + 2 KV) * D]");
-  const at::Tensor qk = qkv.narrow(1, 0, (heads + kv_heads) * d).view({b, heads + kv_heads, d});
-  const at::Tensor rotated = rope(qk, cos, sin);
-  const at::Tensor v = qkv.narrow(1, (heads + kv_heads) * d, kv_heads * d).view({b, kv_heads, d});
-  return decode_attention(rotated.narrow(1, 0, heads), rotated.narrow(1, heads, kv_heads), v,
-                          kv.select(0, 0), kv.select(0, 1), slot_mapping, gather, q_pos, window)
-      .view({b, heads * d});
+  TORCH_CHECK(qkv.scalar_type() == at::kFloat || qkv.scalar_type() == at::kBFloat16,
+              "qkv_decode_attention: float32 or bf16 qkv");
+  check_rope_tables(qkv, cos, sin, b, d, "qkv_decode_attention");
+  const DecodeIndex index(b, slot_mapping, gather, q_pos, "qkv_decode_attention");
+  check_cache(kv.scalar_type(), "qkv_decode_attention");
+  at::Tensor out = at::empty({b, heads * d}, qkv.options());
+  const int64_t rotated = heads + kv_heads, row = qkv.stride(0);
+  with_type(qkv, [&](auto* type) {
+    using T = std::remove_pointer_t<decltype(type)>;
+    const T *x = qkv.data_ptr<T>(), *c = cos.data_ptr<T>(), *s = sin.data_ptr<T>();
+    std::vector<T> qk(b * rotated * d);  // q's heads, then k's, rotated: [B, H + KV, D]
+    for (int64_t i = 0; i < b; ++i) {
+      for (int64_t h = 0; h < rotated; ++h) {
+        rope_row(x + i * row + h * d, c + i * d, s + i * d, d, &qk[(i * rotated + h) * d]);
+      }
+    }
+    with_cache_type(kv.scalar_type(), [&](auto* cache_type) {
+      using C = std::remove_pointer_t<decltype(cache_type)>;
+      C* kc = kv.data_ptr<C>();
+      index.attend(DecodeRows<T, C>{qk.data(), qk.data() + heads * d, x + rotated * d,
+                                    rotated * d, d, rotated * d, d, row, d, b, heads, kv_heads, d,
+                                    kc, kc + kv.stride(0), out.data_ptr<T>()},
+                   window);
+    });
+  });
+  return out;
 }
 
 // Prefill attention: one sequence's queries, many of them, against its context in the paged cache,
