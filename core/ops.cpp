@@ -583,13 +583,15 @@ void decode_attention_impl(const DecodeRows<T, C>& r, const int64_t* slots, cons
 
 // The indices of a decode attention call of B rows, checked: slot_mapping [B] (where each row's K
 // and V go), gather [S * ctx] (each sequence's context slots, row after row) and q_pos [S, n]
-// (each row's position, within its sequence's ctx slots).
+// (each row's position, within its sequence's ctx slots); every slot a row writes or reads within
+// the caches' `pool` slots, so that a bad index is an error, not a write past the pool (a compare
+// a key, against the ~100 operations the attention spends on each).
 struct DecodeIndex {
   at::Tensor slots, gather, q_pos;
   int64_t ctx, per_seq;
 
   DecodeIndex(int64_t b, const at::Tensor& slot_mapping, const at::Tensor& gather_,
-              const at::Tensor& q_pos_, const char* op) {
+              const at::Tensor& q_pos_, int64_t pool, const char* op) {
     TORCH_CHECK(q_pos_.dim() == 2 && q_pos_.numel() == b && b > 0 && slot_mapping.numel() == b &&
                     gather_.numel() % q_pos_.size(0) == 0 &&
                     slot_mapping.scalar_type() == at::kLong && gather_.scalar_type() == at::kLong &&
@@ -600,6 +602,13 @@ struct DecodeIndex {
     const int64_t* pos = q_pos.data_ptr<int64_t>();
     TORCH_CHECK(std::all_of(pos, pos + b, [&](int64_t p) { return p >= 0 && p < ctx; }), op,
                 ": a position outside its sequence's ", ctx, " context slots");
+    const auto in_pool = [&](int64_t slot) { return slot >= 0 && slot < pool; };
+    const int64_t *sp = slots.data_ptr<int64_t>(), *gp = gather.data_ptr<int64_t>();
+    for (int64_t i = 0; i < b; ++i) {
+      const int64_t* row = gp + i / per_seq * ctx;  // the slots up to the row's position
+      TORCH_CHECK(in_pool(sp[i]) && std::all_of(row, row + pos[i] + 1, in_pool), op,
+                  ": a slot outside the caches' ", pool);
+    }
   }
 
   template <class T, class C>
@@ -634,7 +643,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
                   k_cache.size(1) == k.size(1) && k_cache.size(2) == k.size(2),
               "decode_attention: caches [slots, KV, D]");
   const int64_t b = q.size(0);
-  const DecodeIndex index(b, slot_mapping, gather, q_pos, "decode_attention");
+  const DecodeIndex index(b, slot_mapping, gather, q_pos, k_cache.size(0), "decode_attention");
   check_cache(k_cache.scalar_type(), "decode_attention");
   at::Tensor out = at::empty({b, q.size(1), q.size(2)}, q.options());
   with_type(q, [&](auto* type) {
@@ -671,7 +680,7 @@ at::Tensor qkv_decode_attention(const at::Tensor& qkv, const at::Tensor& cos,
   TORCH_CHECK(qkv.scalar_type() == at::kFloat || qkv.scalar_type() == at::kBFloat16,
               "qkv_decode_attention: float32 or bf16 qkv");
   check_rope_tables(qkv, cos, sin, b, d, "qkv_decode_attention");
-  const DecodeIndex index(b, slot_mapping, gather, q_pos, "qkv_decode_attention");
+  const DecodeIndex index(b, slot_mapping, gather, q_pos, kv.size(1), "qkv_decode_attention");
   check_cache(kv.scalar_type(), "qkv_decode_attention");
   at::Tensor out = at::empty({b, heads * d}, qkv.options());
   const int64_t rotated = heads + kv_heads, row = qkv.stride(0);

@@ -354,6 +354,11 @@ def test_qkv_decode_attention_is_rope_then_decode_attention(dtype, cache, window
     assert err <= max(2 * torch_err, 1e-6)
     with pytest.raises(RuntimeError, match=r"qkv_decode_attention: qkv \[B, \(heads \+ 2 KV\)"):
         torch.ops.pagechat.qkv_decode_attention(qkv, cos, sin, one, *args, heads + 1)
+    bad = (meta.slot_mapping + 15 * block, *args[1:])
+    with pytest.raises(
+        RuntimeError, match=f"qkv_decode_attention: a slot outside the caches' {15 * block}"
+    ):
+        torch.ops.pagechat.qkv_decode_attention(qkv, cos, sin, one, *bad, heads)
 
 
 @needs_ops
@@ -399,6 +404,18 @@ def test_decode_attention_of_a_chunk_matches_the_gathering_path(
         torch.ops.pagechat.decode_attention(
             q, k, v, ours[0], ours[1], new, slots[:-1], positions, window or 0
         )
+    # a slot outside the pool, where a row's K and V go or among the context it reads: an error,
+    # and nothing written
+    unread = torch.cat([torch.tensor([-1]), slots[1:]])
+    for bad_new, bad_slots in ((new + ctx + 9, slots), (new, unread)):
+        before = ours.clone()
+        with pytest.raises(
+            RuntimeError, match=f"decode_attention: a slot outside the caches' {ctx + 9}"
+        ):
+            torch.ops.pagechat.decode_attention(
+                q, k, v, *ours, bad_new, bad_slots, positions, window or 0
+            )
+        assert torch.equal(ours, before)
 
 
 def prefill_case(seed, heads, kv_heads, d, start, count, dtype=torch.float32, cache=torch.float32):
