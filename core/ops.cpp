@@ -470,13 +470,6 @@ void attend_piece(const T* qrow, int64_t q_head_stride, float scale, const C* kc
 // cost what they save.
 constexpr int64_t kPieceKeys = 256, kSplitKeys = 512, kMaxPieces = 8;
 
-// The attention of sequences' new tokens, per_seq a sequence (a decode step: one; a draft's
-// verification or a short prompt: several): write each token's K and V into the paged cache, then
-// attend its query to its context up to its own position (causal, with no mask), read in place
-// through the gather slots, without copying the context out as the torch path must (index_select
-// of every position, then scaled_dot_product_attention). Row i is sequence i / per_seq's, whose
-// slots are gather[i / per_seq * row_len ...]. Each kv head's keys and values are read once for
-// the query heads that share them (GQA). Softmax in float32, as scaled_dot_product_attention does.
 // A decode attention call's operands as pointers: the rows' queries [B, H, D] and their new keys
 // and values [B, KV, D], each with its row and head strides (a head's D elements adjacent), the
 // layer's K and V caches [slots, KV, D], and the output [B, H, D], dense.
@@ -489,6 +482,13 @@ struct DecodeRows {
   T* out;
 };
 
+// The attention of sequences' new tokens, per_seq a sequence (a decode step: one; a draft's
+// verification or a short prompt: several): write each token's K and V into the paged cache, then
+// attend its query to its context up to its own position (causal, with no mask), read in place
+// through the gather slots, without copying the context out as the torch path must (index_select
+// of every position, then scaled_dot_product_attention). Row i is sequence i / per_seq's, whose
+// slots are gather[i / per_seq * row_len ...]. Each kv head's keys and values are read once for
+// the query heads that share them (GQA). Softmax in float32, as scaled_dot_product_attention does.
 template <class T, class C>
 void decode_attention_impl(const DecodeRows<T, C>& r, const int64_t* slots, const int64_t* gather,
                            int64_t row_len, int64_t per_seq, const int64_t* q_pos,
@@ -604,11 +604,13 @@ struct DecodeIndex {
                 ": a position outside its sequence's ", ctx, " context slots");
     const auto in_pool = [&](int64_t slot) { return slot >= 0 && slot < pool; };
     const int64_t *sp = slots.data_ptr<int64_t>(), *gp = gather.data_ptr<int64_t>();
-    for (int64_t i = 0; i < b; ++i) {
-      const int64_t* row = gp + i / per_seq * ctx;  // the slots up to the row's position
-      TORCH_CHECK(in_pool(sp[i]) && std::all_of(row, row + pos[i] + 1, in_pool), op,
-                  ": a slot outside the caches' ", pool);
+    bool inside = std::all_of(sp, sp + b, in_pool);
+    for (int64_t i = 0; inside && i < b; i += per_seq) {  // each sequence's slots, once
+      const int64_t last = *std::max_element(pos + i, pos + i + per_seq);  // its rows' furthest
+      const int64_t* row = gp + i / per_seq * ctx;
+      inside = std::all_of(row, row + last + 1, in_pool);
     }
+    TORCH_CHECK(inside, op, ": a slot outside the caches' ", pool);
   }
 
   template <class T, class C>
