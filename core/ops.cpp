@@ -502,9 +502,9 @@ void decode_attention_impl(const DecodeRows<T, C>& r, const int64_t* slots, cons
       C* vd = vc + (slots[i] * kv_heads + g) * d;
       const T* ks = r.k + i * r.k_row + g * r.k_head;
       const T* vs = r.v + i * r.v_row + g * r.v_head;
-      for (int64_t j = 0; j < d; ++j) {
-        kd[j] = static_cast<C>(f32(ks[j]));
-        vd[j] = static_cast<C>(f32(vs[j]));
+      for (int64_t j = 0; j < d; j += 8) {
+        store8(kd + j, load8(ks + j));
+        store8(vd + j, load8(vs + j));
       }
     }
   }

@@ -53,8 +53,12 @@ inline __m256 round8(__m256 v) {
   return v;
 }
 
-// 8 floats to float32 memory, or rounded to bf16 memory.
+// 8 floats to float32 memory, or rounded to float16 or bf16 memory (to nearest, ties to even, as
+// torch's conversions).
 inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(at::Half* p, __m256 v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
 inline void store8(at::BFloat16* p, __m256 v) {
   const __m256i high = _mm256_srli_epi32(_mm256_castps_si256(round_bf16(v)), 16);
   const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(high, high), 0xD8);
