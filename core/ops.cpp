@@ -347,29 +347,31 @@ inline void prefetch_row(const C* row, int64_t d) {
   for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
 }
 
-// The sums of 8 vectors' lanes, as one vector: lane u holds the sum of a[u]'s 8 lanes.
-inline __m256 sum8x8(const __m256 (&a)[8]) {
-  const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-  const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
-                       _mm256_permute2f128_ps(s0123, s4567, 0x31));
-}
-
-// Scores of `heads` query heads (qf: [heads, d], scaled) against 8 key rows already in float (kf:
-// [8, d]): per head, 8 sums over d at once, their lanes added in one tree (a row's sum on its own
-// took as many operations as its products at d = 64).
-inline void score_8_rows(const float* qf, int64_t heads, int64_t d, const float* kf, float* out,
+// Scores of G query heads (qf: [G, d], scaled) against 4 key rows kr[u] read in the cache's dtype:
+// per chunk of 8, each key widened once for the G heads (G x 4 sums and a key: 13 of the 16
+// registers at G = 3), and each sum's 8 lanes added in one tree, ((l0 + l1) + (l2 + l3)) + ((l4 +
+// l5) + (l6 + l7)), 4 sums at once (a row's sum on its own took as many operations as its products
+// at d = 64). The keys used to be widened into a float buffer first, 8 for all heads' sums: perf
+// put most of the op's own samples on that loop's loads and stores (docs/benchmarks.md, part 18).
+template <int G, class C>
+inline void score_4_keys(const float* qf, int64_t d, const C* const* kr, float* out,
                          int64_t stride) {
-  for (int64_t h = 0; h < heads; ++h) {
-    __m256 acc[8];
-    for (int u = 0; u < 8; ++u) acc[u] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < d; j += 8) {
-      const __m256 qv = _mm256_loadu_ps(qf + h * d + j);
-      for (int u = 0; u < 8; ++u) {
-        acc[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kf + u * d + j), acc[u]);
+  __m256 acc[G][4];
+  for (int h = 0; h < G; ++h)
+    for (int u = 0; u < 4; ++u) acc[h][u] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < d; j += 8) {
+    for (int u = 0; u < 4; ++u) {
+      const __m256 k = load8(kr[u] + j);
+      for (int h = 0; h < G; ++h) {
+        acc[h][u] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + h * d + j), k, acc[h][u]);
       }
     }
-    _mm256_storeu_ps(out + h * stride, sum8x8(acc));
+  }
+  for (int h = 0; h < G; ++h) {
+    const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(acc[h][0], acc[h][1]),
+                                    _mm256_hadd_ps(acc[h][2], acc[h][3]));
+    _mm_storeu_ps(out + h * stride,
+                  _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
   }
 }
 
@@ -402,30 +404,34 @@ inline void weigh_values(const float* weight, int64_t n, const C* vc, const int6
 template <class T, class C>
 void attend_piece(const T* qrow, int64_t q_head_stride, float scale, const C* kc, const C* vc,
                   int64_t kv_heads, int64_t g, int64_t group, int64_t d, const int64_t* rows,
-                  int64_t n, std::vector<float>& scores, std::vector<float>& kf, float* qf,
-                  float* acc, float* top, float* total) {
+                  int64_t n, std::vector<float>& scores, float* qf, float* acc, float* top,
+                  float* total) {
   for (int64_t h = 0; h < group; ++h) {
     const T* qs = qrow + (g * group + h) * q_head_stride;
     for (int64_t j = 0; j < d; ++j) qf[h * d + j] = f32(qs[j]) * scale;
   }
   constexpr int64_t kScoreHeads = 8;
   scores.resize(group * n);
-  int64_t t8 = 0;
-  for (; t8 + 8 <= n; t8 += 8) {  // 8 key rows in float, once for every head of the group
-    for (int u = 0; u < 8; ++u) {
-      const int64_t ahead = t8 + u + kAhead;
+  int64_t done = 0;  // keys scored
+  for (; done + 4 <= n; done += 4) {
+    const C* kr[4];
+    for (int u = 0; u < 4; ++u) {
+      const int64_t ahead = done + u + kAhead;
       if (ahead < n) {
         prefetch_row(kc + (rows[ahead] * kv_heads + g) * d, d);
         prefetch_row(vc + (rows[ahead] * kv_heads + g) * d, d);
       }
-      const C* kr = kc + (rows[t8 + u] * kv_heads + g) * d;
-      for (int64_t j = 0; j < d; j += 8) _mm256_storeu_ps(&kf[u * d + j], load8(kr + j));
+      kr[u] = kc + (rows[done + u] * kv_heads + g) * d;
     }
-    score_8_rows(qf, group, d, kf.data(), &scores[t8], n);
+    for (int64_t h0 = 0; h0 < group; h0 += 3) {
+      pagechat::with_count<3>(std::min<int64_t>(group - h0, 3), [&](auto heads) {
+        score_4_keys<heads()>(&qf[h0 * d], d, kr, &scores[h0 * n + done], n);
+      });
+    }
   }
   for (int64_t h0 = 0; h0 < group; h0 += kScoreHeads) {  // the rest: up to 8 heads a row
     pagechat::with_count<kScoreHeads>(std::min(group - h0, kScoreHeads), [&](auto heads) {
-      for (int64_t t = t8; t < n; ++t) {
+      for (int64_t t = done; t < n; ++t) {
         const C* kr = kc + (rows[t] * kv_heads + g) * d;
         score_row<heads()>(&qf[h0 * d], d, kr, &scores[h0 * n + t], n);
       }
@@ -547,7 +553,7 @@ void decode_attention_impl(const DecodeRows<T, C>& r, const int64_t* slots, cons
   };
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> qf(group * d), scores, kf(8 * d);
+    std::vector<float> qf(group * d), scores;
     for (int64_t t = t0; t < t1; ++t) {
       const Task& task = tasks[t];
       const int64_t i = task.i, n = keys[i], m = pieces[i];
@@ -555,7 +561,7 @@ void decode_attention_impl(const DecodeRows<T, C>& r, const int64_t* slots, cons
       for (int64_t g = task.g0; g < task.g1; ++g) {
         float* out = part(i, g, task.p);
         attend_piece(r.q + i * r.q_row, r.q_head, scale, kc, vc, kv_heads, g, group, d,
-                     gather + i / per_seq * row_len + start[i] + from, to - from, scores, kf,
+                     gather + i / per_seq * row_len + start[i] + from, to - from, scores,
                      qf.data(), out, out + group * d, out + group * (d + 1));
       }
     }

@@ -265,9 +265,9 @@ def eight_threads():
     [(torch.float32, torch.float32), (torch.float32, torch.float16), (torch.bfloat16,) * 2],
 )
 @pytest.mark.parametrize("window", [None, 5, 20, 700])
-# query heads per kv head 2, 4, 10 (the kernel's chunks of 8 scored and 4 weighed heads and their
+# query heads per kv head 2, 4, 10 (the kernel's chunks of 3 scored and 4 weighed heads and their
 # tails) and head sizes 16, 40 and 96 (chunks of 32 and 16 values and their tails); contexts of 3
-# to 38 keys (scored 8 rows at a time, then one by one), and of 600 and 2,500, attended in pieces
+# to 38 keys (scored 4 rows at a time, then one by one), and of 600 and 2,500, attended in pieces
 # where 4 sequences' kv heads are too few tasks for the threads (8 here: 2 and 8 pieces, merged; a
 # window of 700 cuts the longest to 2)
 @pytest.mark.parametrize("heads,kv_heads,d", [(4, 2, 16), (8, 2, 96), (10, 1, 40)])
