@@ -136,8 +136,11 @@ def paged_attention(
         return torch.ops.pagechat.decode_attention(
             q, k, v, k_cache, v_cache, meta.slot_mapping, meta.gather, meta.q_pos, window or 0
         )
-    k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-    v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+    if fused:  # ops.cpp's: no cast made, 8 values at a time
+        torch.ops.pagechat.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    else:
+        k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
     if meta.spans is not None:
         return _ragged_attention(q, k, v, k_cache, v_cache, meta, window, fused)
     return _gathered_attention(q, k_cache, v_cache, meta, window)

@@ -460,6 +460,37 @@ def test_prefill_attention_matches_the_gathering_path(
     assert err <= max(3 * torch_err, 2e-6)
 
 
+@needs_ops
+@pytest.mark.parametrize(
+    "dtype,cache",
+    [(torch.float32, torch.float32), (torch.float32, torch.float16), (torch.bfloat16,) * 2],
+)
+def test_write_kv_writes_what_index_copy_writes(dtype, cache):
+    """A prompt's K and V (strided views of the qkv rows, as the model's are) land in the caches
+    as torch's cast then index_copy_ puts them, bit for bit (float16 and bf16 round to nearest,
+    ties to even, as torch's casts), the other slots untouched; a slot outside the pool is an
+    error that writes nothing."""
+    g = torch.Generator().manual_seed(5)
+    heads, kv_heads, d, t = 9, 3, 64, 300  # more rows than one thread's grain
+    qkv = (torch.randn(t, (heads + 2 * kv_heads) * d, generator=g) * 40).to(dtype)
+    k = qkv[:, heads * d : (heads + kv_heads) * d].view(t, kv_heads, d)
+    v = qkv[:, (heads + kv_heads) * d :].view(t, kv_heads, d)
+    pool = torch.randn(2, 700, kv_heads, d, generator=g).to(cache)
+    slots = torch.randperm(700, generator=g)[:t]
+    ours, theirs = pool.clone(), pool.clone()
+    torch.ops.pagechat.write_kv(k, v, ours[0], ours[1], slots)
+    theirs[0].index_copy_(0, slots, k.to(cache))
+    theirs[1].index_copy_(0, slots, v.to(cache))
+    assert torch.equal(ours, theirs)
+    bad = slots.clone()
+    bad[-1] = 700
+    with pytest.raises(RuntimeError, match="write_kv: a slot outside the caches' 700"):
+        torch.ops.pagechat.write_kv(k, v, ours[0], ours[1], bad)
+    assert torch.equal(ours, theirs)
+    with pytest.raises(RuntimeError, match="write_kv: int64 slot_mapping"):
+        torch.ops.pagechat.write_kv(k, v, ours[0], ours[1], slots[:-1])
+
+
 PREFILL_BITS = """
 import sys, torch
 sys.path.insert(0, {tests!r})
