@@ -416,6 +416,11 @@ def test_decode_attention_of_a_chunk_matches_the_gathering_path(
                 q, k, v, *ours, bad_new, bad_slots, positions, window or 0
             )
         assert torch.equal(ours, before)
+    # a V cache shorter than the K cache, whose size the slots are checked against: refused
+    with pytest.raises(RuntimeError, match=r"decode_attention: caches \[slots, KV, D\]"):
+        torch.ops.pagechat.decode_attention(
+            q, k, v, ours[0], ours[1][:-1], new, slots, positions, window or 0
+        )
 
 
 def prefill_case(seed, heads, kv_heads, d, start, count, dtype=torch.float32, cache=torch.float32):
