@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <memory>
@@ -1156,6 +1157,129 @@ at::Tensor softmax_draw(const at::Tensor& x, const at::Tensor& u) {
   return tokens;
 }
 
+// Weights under these (relative to a row's largest, 2^-4 to 2^-24) are summed in top_p_cut's
+// pass, so that it can pick the largest under which all tokens together may go.
+constexpr int kTopPLevels = 6;
+inline float top_p_level(int l) { return std::ldexp(1.0f, -4 * (l + 1)); }
+
+// One row of top_p_cut (below): its removed mask, or false where the row is undecided. w: v
+// floats of scratch.
+bool top_p_row(const float* x, int64_t v, double thr, double margin, float* w, bool* removed) {
+  if (!(thr > 0)) {  // top-p 1 is off
+    std::fill(removed, removed + v, false);
+    return true;
+  }
+  float top;
+  int64_t at;
+  row_max_one(x, v, &top, &at);
+  if (!std::isfinite(top)) return false;
+  // the weights e^(x - top) (a cut token's 0), their total, and per level the weight under it
+  const __m256 m = _mm256_set1_ps(top), none = _mm256_set1_ps(-INFINITY);
+  __m256 levels[kTopPLevels], under[kTopPLevels];
+  for (int l = 0; l < kTopPLevels; ++l) {
+    levels[l] = _mm256_set1_ps(top_p_level(l));
+    under[l] = _mm256_setzero_ps();
+  }
+  double total = 0.0;
+  int64_t i = 0;
+  for (; i + 8 <= v; i += 8) {
+    const __m256 xv = _mm256_loadu_ps(x + i);
+    const __m256 e =
+        _mm256_andnot_ps(_mm256_cmp_ps(xv, none, _CMP_EQ_OQ), vexp(_mm256_sub_ps(xv, m)));
+    _mm256_storeu_ps(w + i, e);
+    total += sum8(e);
+    for (int l = 0; l < kTopPLevels; ++l) {
+      under[l] = _mm256_add_ps(under[l],
+                               _mm256_and_ps(_mm256_cmp_ps(e, levels[l], _CMP_LT_OQ), e));
+    }
+  }
+  double below[kTopPLevels];
+  for (int l = 0; l < kTopPLevels; ++l) below[l] = sum8(under[l]);
+  for (; i < v; ++i) {
+    const float e = x[i] == -INFINITY ? 0.0f : std::exp(x[i] - top);
+    w[i] = e;
+    total += e;
+    for (int l = 0; l < kTopPLevels; ++l) below[l] += e < top_p_level(l) ? e : 0.0f;
+  }
+  // Every token under c weighs at most `below` with all less likely ones, so the mass ranked above
+  // it is at least total - below: with below <= thr * total / 2 that is past the limit by half
+  // the threshold, far from any rounding. Where no level qualifies (or the threshold is within
+  // twice the margin), c = 0: every token not cut is sorted.
+  float c = 0.0f;
+  for (int l = 0; l < kTopPLevels && thr > 2 * margin; ++l) {
+    if (below[l] <= thr * total / 2) {
+      c = top_p_level(l);
+      break;
+    }
+  }
+  // the tokens at or above c (not cut), 8 weights passed over at a time
+  std::vector<Ranked> ranked;
+  const auto take = [&](int64_t j) {
+    if (w[j] >= c && w[j] > 0.0f) ranked.push_back({x[j], j});
+  };
+  const __m256 floor = _mm256_set1_ps(std::max(c, FLT_MIN));
+  int64_t j = 0;
+  for (; j + 8 <= v; j += 8) {
+    if (_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(w + j), floor, _CMP_GE_OQ))) {
+      for (int u = 0; u < 8; ++u) take(j + u);
+    }
+  }
+  for (; j < v; ++j) take(j);
+  std::sort(ranked.begin(), ranked.end());
+  // keep the token ranked j while the mass ranked above it is under the limit (rank 0 always)
+  const double limit = total * (1.0 - thr);
+  const int64_t count = static_cast<int64_t>(ranked.size());
+  double above = 0.0, above_last = 0.0;
+  int64_t kept = 0;
+  for (; kept < count && (kept == 0 || above < limit); ++kept) {
+    above_last = above;
+    above += w[ranked[kept].index];
+  }
+  // the last kept token (unless it is the top one, kept whatever the sums) and the first
+  // removed: within the margin of the limit, or tied, transformers' rounding or sort decides
+  const double near = margin * total;
+  if (kept > 1 && std::abs(above_last - limit) < near) return false;
+  if (kept < count &&
+      (std::abs(above - limit) < near || ranked[kept].value == ranked[kept - 1].value)) {
+    return false;
+  }
+  std::fill(removed, removed + v, true);
+  for (int64_t r = 0; r < kept; ++r) removed[ranked[r].index] = false;
+  return true;
+}
+
+// Which tokens top-p removes from each row of x [N, V] (tempered logits, -inf where an earlier
+// filter cut), as transformers' TopPLogitsWarper decides: a token goes when the probability of it
+// and of every less likely token is <= thresholds[r] (1 - top_p; 0: the row is off); the most
+// likely stays. transformers sorts the whole row (4-5 ms for 49,152 logits; the sampler's torch
+// path, a shortlist of the 256 likeliest, 0.6-1 ms a row); here one pass works out the weights and
+// finds a level under which every token goes, and only the tokens above it are sorted: tens to
+// hundreds after a trained model's logits. -> (removed [N, V] bool, undecided [N] bool): a row
+// whose cut lies within `margin` (of the whole probability) of the limit, or between two equal
+// logits, is left undecided, its mask unset: transformers' float32 sums or its sort's order of
+// ties decide it.
+std::tuple<at::Tensor, at::Tensor> top_p_cut(const at::Tensor& x, const at::Tensor& thresholds,
+                                             double margin) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) > 0 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+              "top_p_cut: float32 [N, V] on the CPU, V > 0");
+  TORCH_CHECK(thresholds.numel() == x.size(0), "top_p_cut: a threshold a row");
+  const at::Tensor xc = x.contiguous(), tc = thresholds.to(at::kDouble).contiguous();
+  const int64_t n = xc.size(0), v = xc.size(1);
+  at::Tensor removed = at::empty({n, v}, xc.options().dtype(at::kBool));
+  at::Tensor undecided = at::empty({n}, xc.options().dtype(at::kBool));
+  const float* xp = xc.data_ptr<float>();
+  const double* tp = tc.data_ptr<double>();
+  bool* rp = removed.data_ptr<bool>();
+  bool* up = undecided.data_ptr<bool>();
+  at::parallel_for(0, n, 1, [&](int64_t r0, int64_t r1) {
+    const std::unique_ptr<float[]> w(new float[v]);
+    for (int64_t r = r0; r < r1; ++r) {
+      up[r] = !top_p_row(xp + r * v, v, tp[r], margin, w.get(), rp + r * v);
+    }
+  });
+  return {removed, undecided};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagechat, m) {
@@ -1166,6 +1290,7 @@ TORCH_LIBRARY_FRAGMENT(pagechat, m) {
   m.def("row_max(Tensor x) -> (Tensor, Tensor)");
   m.def("softmax_draw(Tensor x, Tensor u) -> Tensor");
   m.def("candidates(Tensor x, Tensor temps, Tensor chosen, int k) -> (Tensor, Tensor)");
+  m.def("top_p_cut(Tensor x, Tensor thresholds, float margin) -> (Tensor, Tensor)");
   m.def(
       "decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor slot_mapping, Tensor gather, Tensor q_pos, int window) -> Tensor");
@@ -1188,6 +1313,7 @@ TORCH_LIBRARY_IMPL(pagechat, CPU, m) {
   m.impl("row_max", &row_max);
   m.impl("softmax_draw", &softmax_draw);
   m.impl("candidates", &candidates);
+  m.impl("top_p_cut", &top_p_cut);
   m.impl("decode_attention", &decode_attention);
   m.impl("qkv_decode_attention", &qkv_decode_attention);
   m.impl("write_kv", &write_kv);

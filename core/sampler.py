@@ -22,7 +22,9 @@ from torch import Tensor
 
 _CUT_BY = (None, "grammar", "top-k", "top-p", "min-p")  # index = the cut code used below
 _NEG_INF = float("-inf")
-TOP_P_SHORTLIST = 256  # tokens top-p looks at before it sorts the whole vocabulary...
+# where ops.cpp's top_p_cut does not run (a GPU, PAGECHAT_KERNELS=0): the tokens top-p looks at
+# before it sorts the whole vocabulary...
+TOP_P_SHORTLIST = 256
 TOP_P_SHORTLIST_VOCAB = 4096  # ...in vocabularies this large: in smaller ones one sort is cheaper
 # Closer than this to the top-p limit, a token's fate is left to the full sort: transformers'
 # float32 cumulative sum (a double accumulator on CPU) is within ~1e-7 of the exact sum, so 1e-5
@@ -115,10 +117,27 @@ def _top_p_by_sort(x: Tensor, thresholds: Tensor) -> Tensor:
 
 
 def top_p_removed(x: Tensor, tops: list[float]) -> Tensor:
-    """Which tokens top-p removes: transformers' mask, found among the TOP_P_SHORTLIST most likely
-    tokens where the cut is clearly inside them, by the full sort otherwise. A nucleus of tens of
-    tokens (a trained model's) then costs a top-k of the shortlist instead of a sort of the whole
-    vocabulary; a nucleus beyond the shortlist (a flat, untrained model's) pays for both.
+    """Which tokens top-p removes: transformers' mask, found where it is clear without sorting the
+    whole vocabulary (ops.cpp's top_p_cut on a CPU where the ops build, else the TOP_P_SHORTLIST
+    most likely tokens), by the full sort for the rows where it is not."""
+    # 1 - p in double, then float32, as transformers compares
+    thresholds = _column([1 - t for t in tops], x)
+    if sampler_ops_take(x):
+        removed, slow = torch.ops.pagechat.top_p_cut(x, thresholds, TOP_P_MARGIN)
+    elif x.shape[1] < TOP_P_SHORTLIST_VOCAB:
+        return _top_p_by_sort(x, thresholds)
+    else:
+        removed, slow = _top_p_from_shortlist(x, thresholds)
+    if slow.any():
+        removed[slow] = _top_p_by_sort(x[slow], thresholds[slow])
+    return removed
+
+
+def _top_p_from_shortlist(x: Tensor, thresholds: Tensor) -> tuple[Tensor, Tensor]:
+    """(top-p's removed mask [n, V], the rows [n] left to the full sort) from the TOP_P_SHORTLIST
+    most likely tokens. A nucleus of tens of tokens (a trained model's) then costs a top-k of the
+    shortlist instead of a sort of the whole vocabulary; a nucleus beyond the shortlist (a flat,
+    untrained model's) pays for both.
 
     transformers removes a token when the probability mass of it and every less likely token is
     <= 1 - p, i.e. keeps the token ranked j (descending) when the mass ranked above it is
@@ -127,10 +146,6 @@ def top_p_removed(x: Tensor, tops: list[float]) -> Tensor:
     transformers' cumulative sum could decide it), or two equally likely tokens straddle the cut
     (the sort's tie order decides it).
     """
-    # 1 - p in double, then float32, as transformers compares
-    thresholds = _column([1 - t for t in tops], x)
-    if x.shape[1] < TOP_P_SHORTLIST_VOCAB:
-        return _top_p_by_sort(x, thresholds)
     probs = x.softmax(dim=-1)
     k = TOP_P_SHORTLIST
     top, idx = probs.topk(k, dim=-1)
@@ -148,12 +163,9 @@ def top_p_removed(x: Tensor, tops: list[float]) -> Tensor:
     tied = (top[:, :-1] == top[:, 1:]) & (ranks[1:] == kept)  # the first removed ties the last kept
     beyond = (kept == k).squeeze(1)
     on = thresholds.squeeze(1) > 0  # top_p == 1 is off
-    slow = (near.any(dim=-1) | tied.any(dim=-1) | beyond) & on
     removed = torch.ones_like(x, dtype=torch.bool).scatter_(1, idx, ~keep)
     removed[~on] = False
-    if slow.any():
-        removed[slow] = _top_p_by_sort(x[slow], thresholds[slow])
-    return removed
+    return removed, (near.any(dim=-1) | tied.any(dim=-1) | beyond) & on
 
 
 def _temperatures(rows: Sequence[SampleRow]) -> list[float]:

@@ -103,16 +103,26 @@ def test_processed_logits_match_transformers(case):
             )
 
 
-def test_top_p_from_the_shortlist_equals_transformers_and_sorts_only_when_it_must(monkeypatch):
+@pytest.mark.parametrize("native", [True, False])
+def test_top_p_equals_transformers_and_sorts_only_the_rows_it_must(native, monkeypatch):
+    """top_p_removed against transformers' TopPLogitsWarper, by ops.cpp's top_p_cut (native: rows
+    on 8 threads, a vocabulary with a tail past its 8-wide pass) and by torch's shortlist (where the
+    ops do not run); the full sort only for rows whose cut the two cannot settle."""
     from pagechat.core import sampler
 
+    if native and not sampler.sampler_ops_take(torch.zeros(1, 8)):
+        pytest.skip("ops.cpp's ops do not build here")
+    if not native:
+        monkeypatch.setattr(sampler, "sampler_ops_take", lambda x: False)
     sorted_rows = []
     by_sort = sampler._top_p_by_sort
     monkeypatch.setattr(
         sampler, "_top_p_by_sort", lambda x, t: sorted_rows.append(len(x)) or by_sort(x, t)
     )
+    was = torch.get_num_threads()
+    torch.set_num_threads(8)
     g = torch.Generator().manual_seed(0)
-    vocab = sampler.TOP_P_SHORTLIST_VOCAB
+    vocab = sampler.TOP_P_SHORTLIST_VOCAB + 5
     peaked = (
         torch.randn(8, vocab, generator=g) * 6
     )  # a nucleus of a few tokens, as a trained model's
@@ -123,24 +133,38 @@ def test_top_p_from_the_shortlist_equals_transformers_and_sorts_only_when_it_mus
     top_k = TopKLogitsWarper(40)(None, peaked.clone())  # top-p after top-k: -inf logits
     edge = torch.full((1, vocab), -INF)
     edge[0, :3] = torch.tensor([0.5, 0.3, 0.2]).log()  # p = 0.5 and 0.8 cut exactly at a token
-    for p in (0.5, 0.8, 0.9, 0.95, 0.99):
-        # rows the full sort may decide: peaked ones only where a cut lies within TOP_P_MARGIN of
-        # the limit (a 0.99 nucleus ends among tokens of ~1e-3: cuts near the limit are common)
-        wide = 2 if p < 0.99 else 8
-        for x, most in (
-            (peaked, wide),
-            (top_k, wide),
-            (flat, 8),
-            (tied, 8),
-            (edge, 1 if p in (0.5, 0.8) else 0),
-        ):
-            sorted_rows.clear()
-            ref = TopPLogitsWarper(p)(None, x.clone())
-            assert torch.equal(sampler.top_p_removed(x, [p] * len(x)), torch.isneginf(ref)), p
-            assert sum(sorted_rows) <= most, (p, sorted_rows)
-            if x is flat or x is edge:
-                assert sum(sorted_rows) == most, (p, sorted_rows)
-    assert not sampler.top_p_removed(peaked, [1.0] * 8).any()  # top-p 1 is off
+    try:
+        for p in (0.5, 0.8, 0.9, 0.95, 0.99):
+            # rows the full sort may decide: peaked ones only where a cut lies within TOP_P_MARGIN
+            # of the limit (a 0.99 nucleus ends among tokens of ~1e-3: cuts near the limit are
+            # common); flat ones all from the shortlist, where the cut lies beyond it, and the same
+            # few as peaked ones natively
+            wide = 2 if p < 0.99 else 8
+            for x, most in (
+                (peaked, wide),
+                (top_k, wide),
+                (flat, wide if native else 8),
+                (tied, 8),
+                (edge, 1 if p in (0.5, 0.8) else 0),
+            ):
+                sorted_rows.clear()
+                ref = TopPLogitsWarper(p)(None, x.clone())
+                assert torch.equal(sampler.top_p_removed(x, [p] * len(x)), torch.isneginf(ref)), p
+                assert sum(sorted_rows) <= most, (p, sorted_rows)
+                if x is edge or x is flat and not native:
+                    assert sum(sorted_rows) == most, (p, sorted_rows)
+        # a threshold within twice the margin (natively: every token not cut sorted), and a row
+        # of one token
+        lone = torch.full((1, vocab), -INF)
+        lone[0, 7] = 0.0
+        for x in (peaked, top_k, lone):
+            ref = TopPLogitsWarper(0.99999)(None, x.clone())
+            assert torch.equal(sampler.top_p_removed(x, [0.99999] * len(x)), torch.isneginf(ref))
+        mixed = sampler.top_p_removed(peaked, [0.9, 1.0] * 4)  # top-p 1 is off
+        assert not mixed[1::2].any()
+        assert torch.equal(mixed[::2], torch.isneginf(TopPLogitsWarper(0.9)(None, peaked[::2])))
+    finally:
+        torch.set_num_threads(was)
 
 
 def mixed_rows(vocab: int) -> list[SampleRow]:
