@@ -30,6 +30,7 @@ from pagechat.tui.widgets.controls import ControlsPanel
 from pagechat.tui.widgets.sampling import SamplingPanel
 from pagechat.tui.widgets.timing import TimingPanel
 from rich.console import Console
+from textual import events
 from textual.binding import Binding
 from textual.screen import Screen
 from textual.widgets import Input, Static, Tabs
@@ -233,6 +234,21 @@ async def test_block_panel_counts_equal_the_block_manager_while_decoding(model_d
             )
             assert app.session.streaming is not None  # still decoding
         app.action_stop()
+        await wait_reply_done(pilot)
+
+
+async def test_keys_of_one_read_reach_the_prompt_before_enter_sends_it(model_dir, tmp_path):
+    """Keys that arrive in one read of the terminal (a paste it does not bracket, tmux send-keys
+    "text" Enter) go into the app's queue together: Enter's priority binding must see the text
+    typed ahead of it, and Alt+Enter's newline land after it."""
+    app = make_app(model_dir, tmp_path, replace(LONG, max_tokens=4))
+    async with app.run_test(size=SIZE) as pilot:
+        app.query_one("#prompt").focus()
+        await pilot.pause()
+        for key, char in [("a", "a"), ("b", "b"), ("alt+enter", None), ("c", "c"), ("enter", "\r")]:
+            app.post_message(events.Key(key, char))
+        await wait_until(pilot, lambda: app.session.messages, 5, "the prompt to be sent")
+        assert app.session.messages[0].content == "ab\nc"
         await wait_reply_done(pilot)
 
 

@@ -59,11 +59,15 @@ class PromptInput(TextArea):
             super().__init__()
             self.text = text
 
+    # Both run after the keys already queued for this widget: a priority binding runs as its key
+    # reaches the app, before the widget has inserted the characters that came just ahead of it
+    # in the same read (a paste where the terminal does not bracket it, tmux send-keys, a script),
+    # so Enter would send the text as it was before them and a newline land in front of them.
     def action_submit(self) -> None:
-        self.post_message(self.Submitted(self.text))
+        self.call_later(lambda: self.post_message(self.Submitted(self.text)))
 
     def action_newline(self) -> None:
-        self.insert("\n")
+        self.call_later(self.insert, "\n")
 
 
 class UserMessage(Static):
