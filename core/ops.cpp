@@ -1100,6 +1100,29 @@ int64_t inverse_cdf(const float* w, const RowParts& rows, const double* part_sum
   return last;
 }
 
+// w[i] = e^(x[i] - top) for i in [from, to), a cut id's (-inf) exactly 0 (vexp floors at
+// 2^-126), and their sum in double; each(e) sees every 8 of the weights (the tail's one at a time,
+// in lane 0 of zeros).
+template <class F>
+double weigh(const float* x, float* w, int64_t from, int64_t to, float top, F&& each) {
+  const __m256 m = _mm256_set1_ps(top), none = _mm256_set1_ps(-INFINITY);
+  double total = 0.0;
+  int64_t i = from;
+  for (; i + 8 <= to; i += 8) {
+    const __m256 xv = _mm256_loadu_ps(x + i);
+    const __m256 e =
+        _mm256_andnot_ps(_mm256_cmp_ps(xv, none, _CMP_EQ_OQ), vexp(_mm256_sub_ps(xv, m)));
+    _mm256_storeu_ps(w + i, e);
+    total += sum8(e);
+    each(e);
+  }
+  for (; i < to; ++i) {
+    total += (w[i] = std::exp(x[i] - top));
+    each(_mm256_setr_ps(w[i], 0, 0, 0, 0, 0, 0, 0));
+  }
+  return total;
+}
+
 // One token per row of x [N, V] (processed logits, -inf where cut) drawn from softmax(x) by the
 // inverse CDF at u [N] (uniform in [0, 1), float64): the first id whose cumulative e^(x - max)
 // exceeds u times their sum, or the last id of nonzero weight where u times the sum rounds up to
@@ -1127,22 +1150,7 @@ at::Tensor softmax_draw(const at::Tensor& x, const at::Tensor& u) {
   std::vector<float> best(n, -INFINITY);
   for (int64_t t = 0; t < n * parts; ++t) best[t / parts] = std::max(best[t / parts], top[t]);
   rows.run([&](int64_t t, int64_t r, int64_t from, int64_t to) {
-    const float* xr = xp + r * v;
-    float* wr = wr_of(r);
-    const __m256 m = _mm256_set1_ps(best[r]);
-    double total = 0.0;
-    int64_t i = from;
-    for (; i + 8 <= to; i += 8) {
-      const __m256 e = vexp(_mm256_sub_ps(_mm256_loadu_ps(xr + i), m));
-      // vexp floors at 2^-126: a cut id (-inf) weighs exactly nothing
-      const __m256 cut =
-          _mm256_cmp_ps(_mm256_loadu_ps(xr + i), _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ);
-      const __m256 kept = _mm256_andnot_ps(cut, e);
-      _mm256_storeu_ps(wr + i, kept);
-      total += sum8(kept);
-    }
-    for (; i < to; ++i) total += (wr[i] = std::exp(xr[i] - best[r]));
-    sums[t] = total;
+    sums[t] = weigh(xp + r * v, wr_of(r), from, to, best[r], [](__m256) {});
   });
   at::Tensor tokens = at::empty({n}, xc.options().dtype(at::kLong));
   int64_t* tp = tokens.data_ptr<int64_t>();
@@ -1174,33 +1182,19 @@ bool top_p_row(const float* x, int64_t v, double thr, double margin, float* w, b
   row_max_one(x, v, &top, &at);
   if (!std::isfinite(top)) return false;
   // the weights e^(x - top) (a cut token's 0), their total, and per level the weight under it
-  const __m256 m = _mm256_set1_ps(top), none = _mm256_set1_ps(-INFINITY);
   __m256 levels[kTopPLevels], under[kTopPLevels];
   for (int l = 0; l < kTopPLevels; ++l) {
     levels[l] = _mm256_set1_ps(top_p_level(l));
     under[l] = _mm256_setzero_ps();
   }
-  double total = 0.0;
-  int64_t i = 0;
-  for (; i + 8 <= v; i += 8) {
-    const __m256 xv = _mm256_loadu_ps(x + i);
-    const __m256 e =
-        _mm256_andnot_ps(_mm256_cmp_ps(xv, none, _CMP_EQ_OQ), vexp(_mm256_sub_ps(xv, m)));
-    _mm256_storeu_ps(w + i, e);
-    total += sum8(e);
+  const double total = weigh(x, w, 0, v, top, [&](__m256 e) {
     for (int l = 0; l < kTopPLevels; ++l) {
       under[l] = _mm256_add_ps(under[l],
                                _mm256_and_ps(_mm256_cmp_ps(e, levels[l], _CMP_LT_OQ), e));
     }
-  }
+  });
   double below[kTopPLevels];
   for (int l = 0; l < kTopPLevels; ++l) below[l] = sum8(under[l]);
-  for (; i < v; ++i) {
-    const float e = x[i] == -INFINITY ? 0.0f : std::exp(x[i] - top);
-    w[i] = e;
-    total += e;
-    for (int l = 0; l < kTopPLevels; ++l) below[l] += e < top_p_level(l) ? e : 0.0f;
-  }
   // Every token under c weighs at most `below` with all less likely ones, so the mass ranked above
   // it is at least total - below: with below <= thr * total / 2 that is past the limit by half
   // the threshold, far from any rounding. Where no level qualifies (or the threshold is within
@@ -1217,10 +1211,10 @@ bool top_p_row(const float* x, int64_t v, double thr, double margin, float* w, b
   const auto take = [&](int64_t j) {
     if (w[j] >= c && w[j] > 0.0f) ranked.push_back({x[j], j});
   };
-  const __m256 floor = _mm256_set1_ps(std::max(c, FLT_MIN));
+  const __m256 least = _mm256_set1_ps(std::max(c, FLT_MIN));
   int64_t j = 0;
   for (; j + 8 <= v; j += 8) {
-    if (_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(w + j), floor, _CMP_GE_OQ))) {
+    if (_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(w + j), least, _CMP_GE_OQ))) {
       for (int u = 0; u < 8; ++u) take(j + u);
     }
   }
