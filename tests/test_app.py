@@ -27,10 +27,12 @@ from pagechat.tui.screens import HelpScreen
 from pagechat.tui.widgets.blocks import FREE, BlockGrid, BlocksPanel
 from pagechat.tui.widgets.chat import ChatLog, PromptInput, ReplyView, TokenView, printable
 from pagechat.tui.widgets.controls import ControlsPanel
+from pagechat.tui.widgets.panel import Readout
 from pagechat.tui.widgets.sampling import SamplingPanel
 from pagechat.tui.widgets.timing import TimingPanel
 from rich.console import Console
 from textual import events
+from textual.app import App
 from textual.binding import Binding
 from textual.screen import Screen
 from textual.widgets import Input, Static, Tabs
@@ -127,8 +129,9 @@ async def test_a_long_streaming_reply_shows_its_last_screenful(model_dir, tmp_pa
         )
 
 
+@pytest.mark.parametrize("layout, size", [("tabs", (100, 30)), ("grid", (160, 45))])
 async def test_a_streaming_reply_takes_the_room_below_its_prompt_with_no_layout_pass(
-    model_dir, tmp_path, monkeypatch
+    model_dir, tmp_path, monkeypatch, layout, size
 ):
     layouts: list[int] = []  # Textual's whole-screen layout passes: the messages when each ran
     refresh_layout = Screen._refresh_layout
@@ -139,7 +142,9 @@ async def test_a_streaming_reply_takes_the_room_below_its_prompt_with_no_layout_
 
     monkeypatch.setattr(Screen, "_refresh_layout", counting)
     app = make_app(model_dir, tmp_path)
-    async with app.run_test(size=(100, 30)) as pilot:
+    app.main.layout_mode = layout  # grid: every panel beside the chat, each redrawn per frame
+    async with app.run_test(size=size) as pilot:
+        assert app.screen.has_class(f"-{layout}")
         await send_and_advance(pilot, "an opening question", 10)
         app.action_stop()
         await wait_reply_done(pilot)
@@ -150,7 +155,7 @@ async def test_a_streaming_reply_takes_the_room_below_its_prompt_with_no_layout_
             1,
         )
         layouts.clear()
-        for _ in range(7):  # 350 tokens: longer than the room, so the body shows its tail
+        for _ in range(7):  # 350 tokens: in tabs longer than the room, so the body shows its tail
             await advance(pilot, 50)
         assert layouts == []
         log, reply = app.query_one(ChatLog), app.session.messages[-1]
@@ -162,9 +167,44 @@ async def test_a_streaming_reply_takes_the_room_below_its_prompt_with_no_layout_
         assert (
             view.region.bottom == log.region.bottom
         )  # ...and the reply down to the chat's bottom edge
-        assert "more lines above" in str(view.query_one(".reply-body").render()).split("\n")[0]
+        first_line = str(view.query_one(".reply-body").render()).split("\n")[0]
+        assert ("more lines above" in first_line) == (layout == "tabs")
         app.action_stop()
         await wait_reply_done(pilot)
+
+
+async def test_a_readout_asks_for_a_layout_only_when_its_height_can_change():
+    class Two(App):
+        def compose(self):
+            yield Readout(id="fixed")
+            yield Readout(id="auto")
+
+        def on_mount(self):
+            self.query_one("#fixed").styles.height = 2  # like the blocks panel's header
+
+    app = Two()
+    async with app.run_test(size=(20, 10)) as pilot:
+        asked: list[tuple[str, bool]] = []
+        for r in app.query(Readout):
+            r.show("one line")
+            update = r.update
+            r.update = lambda text, layout, r=r, update=update: (
+                asked.append((r.id, layout)),
+                update(text, layout=layout),
+            )
+        await pilot.pause()
+        for text in ("three\nlines\nnow", "a line long enough to wrap over three rows", "one"):
+            for r in app.query(Readout):
+                r.show(text)
+            await pilot.pause()
+        assert asked == [
+            ("fixed", False),  # cut to its 2 rows, as before: nothing moves
+            ("auto", True),
+            ("fixed", False),
+            ("auto", False),  # three rows again
+            ("fixed", False),
+            ("auto", True),
+        ]
 
 
 async def test_the_first_token_is_drawn_at_once_whatever_the_frame_budget(

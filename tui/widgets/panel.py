@@ -32,6 +32,9 @@ class Readout(Static):
         width, height = self.content_size
         if width <= 0:
             return True  # not laid out yet: the height is unknown
+        fixed = self.styles.height
+        if fixed is not None and fixed.is_cells:
+            return False  # a height set in cells stays whatever the text: a layout moves nothing
         floor = self.styles.min_height
         lines = max(
             len(text.wrap(self.app.console, width)),
