@@ -520,7 +520,7 @@ async def test_a_pool_bigger_than_the_panel_is_folded_and_says_so(model_dir, tmp
         await pilot.pause()
         grid = app.query_one(BlockGrid)
         assert grid.fold > 1 and len(grid._cells) == -(-6000 // grid.fold)
-        assert f"1 cell = {grid.fold} blocks" in str(app.query_one("#blocks-header").render())
+        assert f"1 cell = {grid.fold} blocks" in str(app.query_one(BlocksPanel).border_title)
         titles = {
             c.title for c in app.get_system_commands(app.screen)
         }  # the command palette's entries

@@ -234,14 +234,12 @@ async def test_a_folded_pool_states_its_scale_from_the_first_frame(
 ):
     from pagechat.tui.widgets.blocks import BlockGrid, BlocksPanel
 
-    drawn: list[tuple[int, str]] = []  # (the grid's scale, the header shown) at each describe
+    drawn: list[tuple[int, str]] = []  # (the grid's scale, the panel's title) at each describe
     describe = BlocksPanel.describe
 
     def recording(panel, snap):
         describe(panel, snap)
-        drawn.append(
-            (panel.query_one(BlockGrid).fold, str(panel.query_one("#blocks-header").render()))
-        )
+        drawn.append((panel.query_one(BlockGrid).fold, str(panel.border_title)))
 
     monkeypatch.setattr(BlocksPanel, "describe", recording)
     app = make_app(model_dir, tmp_path, kv_blocks=6000)
@@ -249,7 +247,7 @@ async def test_a_folded_pool_states_its_scale_from_the_first_frame(
         await pilot.pause()
         fold = app.query_one(BlockGrid).fold
         assert fold > 1 and drawn
-        assert all(f"1 cell = {k} blocks" in header for k, header in drawn)
+        assert all(f"1 cell = {k} blocks" in title for k, title in drawn)
         assert drawn[0][0] == fold  # never drawn at another scale first
 
 

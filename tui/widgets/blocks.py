@@ -258,8 +258,9 @@ def legend(
     return t.append_text(line)
 
 
-def header(snap: BlockSnapshot, block_bytes: int, fold: int, colours: Mapping[str, str]) -> Text:
-    """Totals from the snapshot: used/total, tokens, KV bytes, fragmentation, prefix hits."""
+def header(snap: BlockSnapshot, block_bytes: int, colours: Mapping[str, str]) -> Text:
+    """Totals from the snapshot: used/total, tokens, KV bytes, fragmentation, prefix hits; then
+    what the grid's flashes mean."""
     n = len(snap.blocks)
     t = Text()
     t.append("used ", "dim").append(f"{snap.num_used}/{n}", "bold")
@@ -277,11 +278,7 @@ def header(snap: BlockSnapshot, block_bytes: int, fold: int, colours: Mapping[st
         f" · {snap.block_size} tok/block",
         "dim",
     )
-    if fold > 1:
-        t.append(f"\n1 cell = {fold} blocks (folded)", f"italic {colours['pc-note']}")
-    else:
-        t.append("\n1 cell = 1 block", "dim")
-    t.append(" · just now: ", "dim").append(FULL, state_style("x!copied", colours))
+    t.append("\njust now: ", "dim").append(FULL, state_style("x!copied", colours))
     return (
         t.append(" copied ", "dim")
         .append(FULL, state_style("x!hit", colours))
@@ -315,10 +312,17 @@ class BlocksPanel(Panel):
             self.describe(snap)
 
     def describe(self, snap: BlockSnapshot) -> None:
-        """The header and legend of the snapshot the grid draws, at its scale."""
+        """The header and legend of the snapshot the grid draws, and its scale in the title.
+
+        The scale goes in the border, not the header: the header's rows are fixed (the grid below
+        must not move) and a narrow panel cuts its last lines, while a misread scale misreads the
+        whole grid."""
         self.snapshot, colours = snap, self.app.theme_variables
         fold = self.query_one(BlockGrid).fold
-        self.set_text("#blocks-header", header(snap, self.block_bytes, fold, colours))
+        scale = f"1 cell = {fold} blocks (folded)" if fold > 1 else "1 cell = 1 block"
+        if self.border_title != f"{self.TITLE} · {scale}":
+            self.border_title = f"{self.TITLE} · {scale}"
+        self.set_text("#blocks-header", header(snap, self.block_bytes, colours))
         width = self.query_one("#blocks-legend").content_size.width or 40
         self.set_text("#blocks-legend", legend(snap, colours, self.names, width))
 
