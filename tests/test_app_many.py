@@ -9,8 +9,10 @@ import pytest
 from drive import advance, sequences, tabs_app, type_prompt, wait_reply_done, wait_until
 from pagechat.core.params import SamplingParams
 from pagechat.tui.app import PagechatApp
+from pagechat.tui.session import Message
 from pagechat.tui.widgets.chat import AnswersView, AnswerView, ChatLog
 from pagechat.tui.widgets.controls import ControlsPanel
+from pagechat.tui.widgets.panel import Readout
 from pagechat.tui.widgets.scheduler import SchedulerPanel
 from textual.widgets import Input
 
@@ -308,6 +310,24 @@ async def test_branching_the_last_reply_at_a_token(model_dir, tmp_path):
         assert reply.shown == 1 and reply.picked is None
         await pilot.press("ctrl+t")
         assert reply.content == branch.content
+
+
+async def test_answers_updated_before_their_view_has_composed_are_drawn_on_mount(
+    model_dir, tmp_path
+):
+    app = make_app(model_dir, tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        reply = Message(
+            "assistant", "", samples=[Message("assistant", "one"), Message("assistant", "two")]
+        )
+        log = app.query_one(ChatLog)
+        mounted = log.add(reply)
+        log.update(reply)  # a frame between a branch's remount and its compose: drawn on mount
+        await mounted
+        await pilot.pause()
+        view = log.views[id(reply)]
+        assert view.query_one(".answers-head", Readout).shown == view.head()
+        assert view.shown_view().query_one(".reply-markdown").source == "one"
 
 
 def test_the_block_map_marks_copies_and_hits_as_they_happen():

@@ -467,7 +467,9 @@ class ChatLog(VerticalScroll):
     def update(self, message: Message) -> None:
         """Repaint a message that changed."""
         view = self.views.get(id(message))
-        if isinstance(view, ReplyView | AnswersView):
+        # a view mounted since the last frame (a branch's answers, drawn anew) may not have
+        # composed yet; its on_mount draws the message as it is then
+        if isinstance(view, ReplyView | AnswersView) and view.is_mounted:
             follow = self.near_bottom()
             mounted = view.update_view()
             if follow and mounted is not None:
