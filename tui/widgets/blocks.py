@@ -320,8 +320,9 @@ class BlocksPanel(Panel):
         self.snapshot, colours = snap, self.app.theme_variables
         fold = self.query_one(BlockGrid).fold
         scale = f"1 cell = {fold} blocks (folded)" if fold > 1 else "1 cell = 1 block"
-        if self.border_title != f"{self.TITLE} · {scale}":
-            self.border_title = f"{self.TITLE} · {scale}"
+        title = f"{self.TITLE} · {scale}"
+        if self.border_title != title:  # setting it repaints the panel, even to the same text
+            self.border_title = title
         self.set_text("#blocks-header", header(snap, self.block_bytes, colours))
         width = self.query_one("#blocks-legend").content_size.width or 40
         self.set_text("#blocks-legend", legend(snap, colours, self.names, width))
